@@ -1,0 +1,1 @@
+"""Conductor: stateless OpenAI-compatible front end and KV-centric scheduler."""

@@ -1,0 +1,168 @@
+"""gRPC adapter to node agents: channels, info/health polling, error translation.
+
+Each configured address gets one ``grpc.aio`` channel for the conductor's life.
+A poll loop calls ``GetInfo`` on every agent; an agent is *usable* when it
+answered the latest poll and serves the model this conductor serves. gRPC errors
+become ``AgentCallError`` here, and the dispatcher maps those to HTTP once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from conductor.core.placement import NodeView, Role
+from kvc.v1 import node_agent_pb2 as pb
+from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+
+log = logging.getLogger("conductor.agents")
+
+ERROR_INFO_KEY = "kvc-error-info-bin"
+_ROLE_NAMES: dict[int, Role] = {
+    pb.NODE_ROLE_PREFILL: "prefill",
+    pb.NODE_ROLE_DECODE: "decode",
+    pb.NODE_ROLE_BOTH: "both",
+}
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+]
+
+
+class AgentCallError(Exception):
+    """An agent call failed; ``code`` is the gRPC status, ``info`` optional details."""
+
+    def __init__(
+        self, address: str, code: grpc.StatusCode, message: str, info: pb.ErrorInfo | None
+    ) -> None:
+        super().__init__(f"{address}: {code.name}: {message}")
+        self.address = address
+        self.code = code
+        self.message = message
+        self.info = info
+
+    @property
+    def node_unreachable(self) -> bool:
+        return self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def translate_rpc_error(address: str, exc: grpc.aio.AioRpcError) -> AgentCallError:
+    info: pb.ErrorInfo | None = None
+    for key, value in exc.trailing_metadata() or ():
+        if key == ERROR_INFO_KEY and isinstance(value, bytes):
+            info = pb.ErrorInfo.FromString(value)
+    return AgentCallError(address, exc.code(), exc.details() or "", info)
+
+
+@dataclass(slots=True)
+class AgentHandle:
+    address: str
+    channel: grpc.aio.Channel
+    stub: pb_grpc.NodeAgentAsyncStub
+    info: pb.NodeInfo | None = None
+    reachable: bool = False
+    model_matches: bool = False
+    inflight: int = 0
+    last_error: str = field(default="not polled yet")
+
+    @property
+    def usable(self) -> bool:
+        return self.reachable and self.model_matches and self.info is not None
+
+    @property
+    def role(self) -> Role:
+        return _ROLE_NAMES.get(self.info.role if self.info else 0, "both")
+
+    def view(self) -> NodeView:
+        return NodeView(
+            node_id=self.address, role=self.role, healthy=self.usable, inflight=self.inflight
+        )
+
+
+class AgentFleet:
+    """The agents this conductor knows, polled for info and health."""
+
+    def __init__(self, addresses: Sequence[str], *, model: str, rpc_timeout_s: float) -> None:
+        self.model = model
+        self.rpc_timeout_s = rpc_timeout_s
+        self._agents: dict[str, AgentHandle] = {}
+        for address in addresses:
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._agents[address] = AgentHandle(
+                address=address, channel=channel, stub=pb_grpc.NodeAgentStub(channel)
+            )
+
+    def __len__(self) -> int:
+        return len(self._agents)
+
+    def get(self, address: str) -> AgentHandle:
+        return self._agents[address]
+
+    def handles(self) -> list[AgentHandle]:
+        return list(self._agents.values())
+
+    def views(self) -> list[NodeView]:
+        return [agent.view() for agent in self._agents.values()]
+
+    def ready(self) -> bool:
+        """A prefill-capable and a decode-capable agent are usable."""
+        usable = [a for a in self._agents.values() if a.usable]
+        has_prefill = any(a.role in ("prefill", "both") for a in usable)
+        has_decode = any(a.role in ("decode", "both") for a in usable)
+        return has_prefill and has_decode
+
+    async def refresh_one(self, agent: AgentHandle) -> None:
+        try:
+            info = await agent.stub.GetInfo(pb.GetInfoRequest(), timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if agent.reachable:
+                log.warning("agent %s unreachable: %s", agent.address, exc.details())
+            agent.reachable = False
+            agent.last_error = exc.details() or exc.code().name
+            return
+        if not agent.reachable:
+            log.info("agent %s (%s) reachable, model %s", agent.address, info.node_id, info.model)
+        agent.info = info
+        agent.reachable = True
+        agent.model_matches = info.model == self.model
+        agent.last_error = (
+            ""
+            if agent.model_matches
+            else (f"serves model {info.model!r}, this conductor serves {self.model!r}")
+        )
+        if not agent.model_matches:
+            log.warning("agent %s: %s", agent.address, agent.last_error)
+
+    async def refresh_all(self) -> None:
+        await asyncio.gather(*(self.refresh_one(a) for a in self._agents.values()))
+
+    def mark_unreachable(self, address: str, reason: str) -> None:
+        agent = self._agents.get(address)
+        if agent is not None:
+            agent.reachable = False
+            agent.last_error = reason
+
+    async def run(self, interval_s: float, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.refresh_all()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            await self.refresh_all()
+            if self.ready():
+                return True
+            await asyncio.sleep(0.1)
+        return self.ready()
+
+    async def aclose(self) -> None:
+        for agent in self._agents.values():
+            await agent.channel.close()

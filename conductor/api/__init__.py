@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP surface of the conductor: wire schemas and routes."""

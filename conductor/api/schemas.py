@@ -1,0 +1,523 @@
+"""OpenAI wire schemas: permissive in, exact out.
+
+Requests (``OpenAIBaseModel`` subclasses) accept any extra field, so a client
+that sends a parameter this gateway does not know is served rather than
+rejected; the route reads :meth:`OpenAIBaseModel.unknown_fields` and logs the
+names.  Parameters the gateway does understand are range-checked the way the
+OpenAI API checks them.
+
+Responses (``_ResponseModel`` subclasses) forbid extra fields and declare their
+fields in the order the OpenAI API reference prints them, so
+``model_dump_json()`` yields the same key order as api.openai.com.  Two models
+shape their own output: :class:`ChoiceDelta` leaves out unset keys (OpenAI's
+deltas are ``{"role": "assistant", "content": ""}``, ``{"content": "..."}``,
+then ``{}``), and :class:`Usage` leaves out absent ``*_tokens_details``.
+Whether a streamed chunk carries a ``usage`` key depends on the request, which
+the chunk cannot know; :func:`chunk_json` takes that as an argument.
+
+This module imports nothing but pydantic and the standard library.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
+
+__all__ = [
+    "SSE_DONE",
+    "ChatCompletionChoice",
+    "ChatCompletionChunk",
+    "ChatCompletionMessage",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatMessage",
+    "ChoiceDelta",
+    "ChunkChoice",
+    "CompletionChoice",
+    "CompletionChunk",
+    "CompletionChunkChoice",
+    "CompletionFinishReason",
+    "CompletionRequest",
+    "CompletionResponse",
+    "CompletionTokensDetails",
+    "ContentPart",
+    "ErrorDetail",
+    "ErrorResponse",
+    "FinishReason",
+    "ModelCard",
+    "ModelList",
+    "OpenAIBaseModel",
+    "PromptTokensDetails",
+    "Role",
+    "StreamOptions",
+    "Usage",
+    "chunk_json",
+    "new_chat_completion_id",
+    "new_completion_id",
+    "sse_data",
+]
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]
+CompletionFinishReason = Literal["stop", "length", "content_filter"]
+
+MAX_STOP_SEQUENCES = 4
+"""OpenAI accepts up to 4 stop sequences."""
+
+_Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+_TokenId = Annotated[int, Field(ge=0)]
+
+
+# --------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------
+
+
+class OpenAIBaseModel(BaseModel):
+    """Base for request bodies: unknown fields are kept, not rejected."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> set[str]:
+        """Names of the fields in the payload that this model does not declare."""
+        return set(self.model_extra or {})
+
+
+def _none_to_default(value: Any, info: ValidationInfo, defaults: dict[str, Any]) -> Any:
+    """OpenAI marks ``n``, ``stream``, ``echo`` nullable: an explicit null means the default."""
+    if value is None and info.field_name is not None:
+        return defaults[info.field_name]
+    return value
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    """``stop`` as a list: order kept, duplicates and empty strings dropped."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    return list(dict.fromkeys(s for s in items if s))
+
+
+def _check_stream_options(
+    value: StreamOptions | None, info: ValidationInfo
+) -> StreamOptions | None:
+    # OpenAI answers 400 when stream_options is given without stream=true.
+    if value is not None and not info.data.get("stream", False):
+        raise ValueError("The 'stream_options' parameter is only allowed when 'stream' is enabled.")
+    return value
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class ContentPart(OpenAIBaseModel):
+    """One element of an array ``content``: ``{"type": "text", "text": ...}`` or any other part.
+
+    Non-text parts (``image_url``, ``input_audio``, ``file`` ...) keep their payload as
+    extra fields; whether they are supported is the route's decision.
+    """
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: Any = None
+    tool_calls: Any = None
+
+    def text_content(self, separator: str = "\n") -> str:
+        """The message's text: ``content`` itself, or its text parts joined by ``separator``.
+
+        Parts of any type other than ``"text"`` are skipped; ``None`` gives ``""``.
+        """
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return separator.join(
+            p.text for p in self.content if p.type == "text" and p.text is not None
+        )
+
+
+class ChatCompletionRequest(OpenAIBaseModel):
+    """Body of ``POST /v1/chat/completions``."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    frequency_penalty: _Penalty | None = None
+    presence_penalty: _Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Deprecated by OpenAI in favour of ``max_completion_tokens``; still accepted."""
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1)
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    user: str | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+    parallel_tool_calls: Any = None
+
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return _none_to_default(value, info, {"n": 1, "stream": False})
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("'logprobs' must be set to true when 'top_logprobs' is used.")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_needs_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        return _check_stream_options(value, info)
+
+    def unknown_fields(self) -> set[str]:
+        """Unknown top-level names, plus ``messages[i].<name>`` and ``stream_options.<name>``."""
+        names = super().unknown_fields()
+        for i, message in enumerate(self.messages):
+            names.update(f"messages[{i}].{k}" for k in message.unknown_fields())
+        if self.stream_options is not None:
+            names.update(f"stream_options.{k}" for k in self.stream_options.unknown_fields())
+        return names
+
+    def max_new_tokens(self, default: int) -> int:
+        """``max_completion_tokens``, else the deprecated ``max_tokens``, else ``default``."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return default
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        """``stop`` normalised to a list (order kept, duplicates and empty strings dropped)."""
+        return _stop_list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer must carry ``usage`` (null per chunk, then a usage chunk)."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(OpenAIBaseModel):
+    """Body of the legacy ``POST /v1/completions``."""
+
+    model: str
+    prompt: str | list[str] | list[_TokenId] | list[list[_TokenId]]
+    best_of: int | None = Field(default=None, ge=1)
+    echo: bool = False
+    frequency_penalty: _Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    max_tokens: int | None = Field(default=16, ge=1)
+    n: int = Field(default=1, ge=1)
+    presence_penalty: _Penalty | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    user: str | None = None
+
+    @field_validator("n", "stream", "echo", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return _none_to_default(value, info, {"n": 1, "stream": False, "echo": False})
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty_list(
+        cls, value: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(value, list) and not value:
+            raise ValueError("'prompt' must not be an empty list.")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_needs_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        return _check_stream_options(value, info)
+
+    def unknown_fields(self) -> set[str]:
+        """Unknown top-level names, plus ``stream_options.<name>``."""
+        names = super().unknown_fields()
+        if self.stream_options is not None:
+            names.update(f"stream_options.{k}" for k in self.stream_options.unknown_fields())
+        return names
+
+    def single_prompt(self) -> str | list[int] | None:
+        """The one prompt, as text or as token ids; ``None`` when the request is a batch.
+
+        ``"text"`` and ``["text"]`` give ``"text"``; ``[1, 2]`` and ``[[1, 2]]`` give
+        ``[1, 2]``; two or more prompts give ``None`` (the route answers 400).
+        """
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        tokens = [t for t in p if isinstance(t, int)]
+        if len(tokens) == len(p):
+            return tokens
+        if len(p) != 1:
+            return None
+        only = p[0]
+        if isinstance(only, str):
+            return only
+        if isinstance(only, list):
+            return list(only)
+        return None
+
+    def max_new_tokens(self, default: int) -> int:
+        """``max_tokens`` (16 unless the client sent another value), or ``default`` if null."""
+        return self.max_tokens if self.max_tokens is not None else default
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        """``stop`` normalised to a list (order kept, duplicates and empty strings dropped)."""
+        return _stop_list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer must carry ``usage`` (null per chunk, then a usage chunk)."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+# --------------------------------------------------------------------------------------
+# Responses: exactly OpenAI's fields, in OpenAI's order
+# --------------------------------------------------------------------------------------
+
+
+class _ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_ResponseModel):
+    cached_tokens: int = 0
+
+
+class CompletionTokensDetails(_ResponseModel):
+    reasoning_tokens: int = 0
+    audio_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+class Usage(_ResponseModel):
+    """Token counts.  An absent ``*_tokens_details`` is left out of the JSON, not null."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @classmethod
+    def from_counts(
+        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+    ) -> Usage:
+        """Usage with ``total_tokens`` summed; ``cached_tokens`` fills ``prompt_tokens_details``."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=(
+                None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
+            ),
+        )
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for key in ("prompt_tokens_details", "completion_tokens_details"):
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
+
+
+class ChatCompletionMessage(_ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+
+
+class ChatCompletionChoice(_ResponseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(_ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChoiceDelta(_ResponseModel):
+    """A streamed delta.  Unset keys are left out of the JSON, so ``ChoiceDelta()`` is ``{}``."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    refusal: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {k: v for k, v in data.items() if v is not None}
+
+
+class ChunkChoice(_ResponseModel):
+    index: int
+    delta: ChoiceDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(_ResponseModel):
+    """One ``chat.completion.chunk``; serialise it with :func:`chunk_json`.
+
+    With ``stream_options.include_usage`` OpenAI sends ``"usage": null`` on every
+    chunk and ends with a chunk whose ``choices`` is ``[]`` and whose ``usage`` is
+    set; without it no chunk has a ``usage`` key.
+    """
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(_ResponseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: CompletionFinishReason
+
+
+class CompletionResponse(_ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(_ResponseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: CompletionFinishReason | None = None
+
+
+class CompletionChunk(_ResponseModel):
+    """One streamed legacy completion (``object`` is ``"text_completion"`` here too).
+
+    ``usage`` follows the same include_usage rule as :class:`ChatCompletionChunk`.
+    """
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(_ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(_ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_ResponseModel):
+    """``{"error": {"message", "type", "param", "code"}}``; param and code are null when unset."""
+
+    error: ErrorDetail
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------
+
+SSE_DONE = "data: [DONE]\n\n"
+"""The event that ends an OpenAI stream."""
+
+
+def chunk_json(chunk: ChatCompletionChunk | CompletionChunk, include_usage: bool) -> str:
+    """The exact wire JSON of a streamed chunk.
+
+    ``include_usage`` is the request's ``stream_options.include_usage``: when true the
+    ``usage`` key is always present (null on ordinary chunks); when false it is
+    absent, and a ``usage`` set on the chunk is dropped rather than leaked.
+    """
+    if include_usage:
+        return chunk.model_dump_json()
+    return chunk.model_dump_json(exclude={"usage"})
+
+
+def sse_data(payload: str) -> str:
+    """One server-sent event carrying ``payload`` (a JSON document on one line)."""
+    return f"data: {payload}\n\n"
+
+
+def new_chat_completion_id() -> str:
+    """A fresh ``chatcmpl-`` id (32 random hex digits)."""
+    return f"chatcmpl-{secrets.token_hex(16)}"
+
+
+def new_completion_id() -> str:
+    """A fresh ``cmpl-`` id (32 random hex digits), for the legacy completions API."""
+    return f"cmpl-{secrets.token_hex(16)}"

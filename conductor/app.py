@@ -1,0 +1,202 @@
+"""The conductor's FastAPI app factory.
+
+``create_app(settings)`` builds an app whose lifespan owns every resource (agent
+channels, the poll task) on an ``AsyncExitStack``; nothing is created at import
+time. All exception handlers are registered in ``_install_error_handlers``: every
+error leaves as the OpenAI envelope with its proper status, never a bare 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from conductor.adapters.agents import AgentFleet
+from conductor.api.routes import router
+from conductor.dispatch import Dispatcher
+from conductor.errors import (
+    ConductorError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+)
+from conductor.metrics import ConductorMetrics
+from conductor.settings import ConductorSettings
+from conductor.state import AppState
+from kvc.tokenization import ChatTokenizer
+
+log = logging.getLogger("conductor")
+
+_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def _error_response(exc: ConductorError, request_id: str | None) -> JSONResponse:
+    headers = dict(exc.headers)
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return JSONResponse(exc.to_response_body(), status_code=exc.status_code, headers=headers)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class RequestContextMiddleware:
+    """Assigns ``X-Request-Id`` (accepted when sane, else generated), echoes it on
+    every response, and refuses bodies over ``max_body_bytes`` with 413."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        incoming = headers.get("x-request-id", "")
+        request_id = incoming if _REQUEST_ID_OK.match(incoming) else f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                raw = [
+                    (k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"
+                ]
+                raw.append((b"x-request-id", request_id.encode()))
+                message["headers"] = raw
+            await send(message)
+
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._too_large(scope, receive, send_with_id)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send_with_id)
+        except _BodyTooLarge:
+            if started:
+                raise
+            await self._too_large(scope, receive, send_with_id)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        exc = PayloadTooLarge(
+            f"Request body exceeds the limit of {self.max_body_bytes} bytes.", param=None
+        )
+        await _error_response(exc, None)(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def rid(request: Request) -> str | None:
+        return getattr(request.state, "request_id", None)
+
+    async def on_conductor_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ConductorError)
+        if exc.status_code >= 500:
+            log.warning("request %s failed: %s", rid(request), exc.message)
+        return _error_response(exc, rid(request))
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return _error_response(InvalidRequest.from_validation_errors(exc.errors()), rid(request))
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            err: ConductorError = NotFound(f"Unknown path {request.url.path}.")
+        else:
+            err = ConductorError(str(exc.detail), code=None)
+            err.status_code = exc.status_code  # type: ignore[misc]
+            err.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error_response(err, rid(request))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request %s: unexpected error", rid(request), exc_info=exc)
+        return _error_response(ConductorError(), rid(request))
+
+    app.add_exception_handler(ConductorError, on_conductor_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+def create_app(settings: ConductorSettings, *, poll_agents: bool = True) -> FastAPI:
+    """Build the conductor app. ``poll_agents=False`` turns the poll loop off (tests)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, settings.model)
+            model_name = settings.resolved_served_model_name()
+            fleet = AgentFleet(
+                settings.agents, model=model_name, rpc_timeout_s=settings.rpc_timeout_s
+            )
+            stack.push_async_callback(fleet.aclose)
+            dispatcher = Dispatcher(
+                fleet,
+                lease_s=settings.lease_s,
+                rpc_timeout_s=settings.rpc_timeout_s,
+                request_timeout_s=settings.request_timeout_s,
+            )
+            stack.push_async_callback(dispatcher.drain)
+            state = AppState(
+                settings=settings,
+                tokenizer=tokenizer,
+                fleet=fleet,
+                dispatcher=dispatcher,
+                metrics=ConductorMetrics(),
+                model_name=model_name,
+            )
+            app.state.conductor = state
+            await fleet.refresh_all()
+            if poll_agents:
+                stop = asyncio.Event()
+                task = asyncio.create_task(fleet.run(settings.agent_poll_interval_s, stop))
+
+                async def stop_polling() -> None:
+                    stop.set()
+                    await task
+
+                stack.push_async_callback(stop_polling)
+            log.info(
+                "conductor serving model %s with %d agent(s) configured",
+                model_name,
+                len(settings.agents),
+            )
+            yield
+            state.draining = True
+
+    app = FastAPI(
+        title="kv-conductor",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    _install_error_handlers(app)
+    app.include_router(router)
+    app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_bytes)
+    return app

@@ -1,0 +1,174 @@
+"""Canonical chained block keys, shared by the conductor and the node agent.
+
+Algorithm
+    A prompt of token ids is cut into blocks of ``block_size`` tokens; only FULL blocks get
+    a key (a trailing partial block has none, exactly as a paged KV cache can only share
+    full pages). Block ``i`` gets::
+
+        key_i = BLAKE2b-64(salt = NS(tenant, model), person = "kvc-blockkey-v1",
+                           data = le_u64(key_{i-1}) || le_u32(tok) for tok in block i)
+
+    with ``key_{-1} = ROOT_PARENT_KEY`` (or the ``parent`` passed in, to continue a chain).
+    ``NS(tenant, model)`` is a 16-byte BLAKE2b digest of the length-prefixed UTF-8 tenant
+    and model names, computed once per call. It sits in BLAKE2b's salt parameter, so it
+    enters every block's hash (one tenant can never produce, hit or time another tenant's
+    keys) at no cost: the salt lives in the parameter block, not in the hashed data.
+    Because each key covers its parent, equal keys mean equal whole prefixes (up to a
+    2**-64 collision chance per pair), which is what makes a flat key map a prefix index.
+
+Determinism
+    Only stdlib ``hashlib.blake2b`` and explicit little-endian encodings are used: keys are
+    identical across processes, machines, endianness and ``PYTHONHASHSEED``. Python's
+    ``hash()`` is never used. The layout is versioned by the ``person`` string; changing
+    anything here breaks the committed test vector in ``tests/unit/test_block_keys.py`` on
+    purpose — a changed layout is a new version, rolled out as such.
+
+Knobs
+    ``block_size`` (tokens per block, > 0) must equal the engine's KV page size.
+
+Complexity
+    O(n) for n tokens: one conversion of the whole token list to little-endian uint32
+    bytes, then one BLAKE2b per full block over a memoryview slice (no per-block copies),
+    hashed from a pre-salted template via ``copy()``. Measured on one core of an AMD EPYC
+    server (CPython 3.11, best of 20): 8k tokens in 0.32 ms and 128k tokens in 3.5 ms at
+    ``block_size=16`` (25-37 M tokens/s); 0.17 ms and 1.9 ms at ``block_size=64``
+    (50-70 M tokens/s). Hashing never needs to leave the event loop.
+
+Invariants
+    * ``len(compute_block_keys(t, ...)) == len(t) // block_size``.
+    * Prefix-stable: keys of ``t[:k*B]`` are the first ``k`` keys of ``t``.
+    * Continuation: ``keys(a + b) == keys(a) + keys(b, parent=keys(a)[-1])`` when
+      ``len(a)`` is a multiple of ``block_size``.
+    * Every key is a uint64 (fits a protobuf ``fixed64``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, NewType
+
+__all__ = [
+    "KEY_BITS",
+    "MAX_TOKEN_ID",
+    "ROOT_PARENT_KEY",
+    "BlockKey",
+    "BlockKeySpec",
+    "compute_block_keys",
+    "namespace_digest",
+]
+
+BlockKey = NewType("BlockKey", int)
+"""A chained block key: an unsigned 64-bit integer."""
+
+KEY_BITS: Final = 64
+MAX_TOKEN_ID: Final = 2**32 - 1
+ROOT_PARENT_KEY: Final = BlockKey(0)
+"""The parent of block 0 of every prompt."""
+
+_KEY_PERSON: Final = b"kvc-blockkey-v1"  # BLAKE2b personalization: layout version
+_NS_PERSON: Final = b"kvc-namespace-v1"
+_KEY_BYTES: Final = KEY_BITS // 8
+_TOKEN_BYTES: Final = 4
+
+
+def _u32_typecode() -> str:
+    for code in ("I", "L"):
+        if array(code).itemsize == _TOKEN_BYTES:
+            return code
+    raise RuntimeError("no 4-byte unsigned array typecode on this platform")  # pragma: no cover
+
+
+_U32: Final = _u32_typecode()
+_BIG_ENDIAN_HOST: Final = sys.byteorder == "big"
+
+
+def namespace_digest(tenant: str, model: str) -> bytes:
+    """The 16-byte namespace salt of ``(tenant, model)``: unambiguous by length prefixes."""
+    tenant_b = tenant.encode("utf-8")
+    model_b = model.encode("utf-8")
+    h = hashlib.blake2b(digest_size=16, person=_NS_PERSON)
+    h.update(len(tenant_b).to_bytes(8, "little"))
+    h.update(tenant_b)
+    h.update(len(model_b).to_bytes(8, "little"))
+    h.update(model_b)
+    return h.digest()
+
+
+def _tokens_to_le_u32(token_ids: Sequence[int]) -> bytes:
+    try:
+        arr = array(_U32, token_ids)
+    except OverflowError as exc:
+        raise ValueError(f"token ids must lie in [0, 2**32): {exc}") from exc
+    except TypeError as exc:
+        raise ValueError(f"token ids must be integers: {exc}") from exc
+    if _BIG_ENDIAN_HOST:  # pragma: no cover - exercised only on big-endian hosts
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def compute_block_keys(
+    token_ids: Sequence[int],
+    *,
+    tenant: str,
+    model: str,
+    block_size: int,
+    parent: BlockKey | None = None,
+) -> list[BlockKey]:
+    """Chained keys of the full blocks of ``token_ids``, in order.
+
+    ``parent`` continues a chain (the key of the block just before ``token_ids[0]``);
+    ``None`` starts at ``ROOT_PARENT_KEY``. Raises ``ValueError`` when ``block_size <= 0``,
+    a token id is outside ``[0, 2**32)`` or ``parent`` is not a uint64.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    parent_key = ROOT_PARENT_KEY if parent is None else parent
+    if not 0 <= parent_key < 2**KEY_BITS:
+        raise ValueError(f"parent must be a uint64, got {parent_key!r}")
+    data = _tokens_to_le_u32(token_ids)
+    n_blocks = len(token_ids) // block_size
+    if n_blocks == 0:
+        return []
+    template = hashlib.blake2b(
+        digest_size=_KEY_BYTES, salt=namespace_digest(tenant, model), person=_KEY_PERSON
+    )
+    view = memoryview(data)
+    step = block_size * _TOKEN_BYTES
+    prev = parent_key.to_bytes(_KEY_BYTES, "little")
+    keys: list[BlockKey] = []
+    append = keys.append
+    from_bytes = int.from_bytes
+    for off in range(0, n_blocks * step, step):
+        h = template.copy()
+        h.update(prev)
+        h.update(view[off : off + step])
+        prev = h.digest()
+        append(BlockKey(from_bytes(prev, "little")))
+    return keys
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKeySpec:
+    """The namespace and page size a deployment hashes prompts under."""
+
+    tenant: str
+    model: str
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+
+    def keys(self, token_ids: Sequence[int], parent: BlockKey | None = None) -> list[BlockKey]:
+        """``compute_block_keys`` under this spec."""
+        return compute_block_keys(
+            token_ids,
+            tenant=self.tenant,
+            model=self.model,
+            block_size=self.block_size,
+            parent=parent,
+        )

@@ -1,0 +1,75 @@
+"""Every Prometheus metric the conductor exports, in one place.
+
+Conventions: ``conductor_`` prefix, base units (seconds), ``_total`` only on
+counters, no colons, and bounded labels only — ``endpoint`` is one of the fixed
+route names, ``outcome`` one of ``OUTCOMES``, ``reason`` one of the rejection
+reasons the code defines. Nothing from a request body ever becomes a label.
+Each app instance has its own registry, so several apps can live in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+OUTCOMES = ("success", "client_error", "rejected", "upstream_error", "cancelled")
+ENDPOINTS = ("chat_completions", "completions")
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ConductorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "conductor_requests_total",
+            "Generation requests by endpoint and outcome.",
+            ("endpoint", "outcome"),
+            registry=r,
+        )
+        self.rejections = Counter(
+            "conductor_rejections_total",
+            "Requests refused before any engine work, by reason.",
+            ("reason",),
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "conductor_request_duration_seconds",
+            "End-to-end duration of generation requests.",
+            ("endpoint",),
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "conductor_time_to_first_token_seconds",
+            "Time from request arrival to the first generated token.",
+            ("endpoint",),
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "conductor_prompt_tokens_total", "Prompt tokens of served requests.", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            "conductor_cached_prompt_tokens_total",
+            "Prompt tokens served from a node's KV cache instead of recomputed.",
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "conductor_completion_tokens_total", "Generated tokens.", registry=r
+        )
+        self.inflight = Gauge(
+            "conductor_requests_in_flight", "Generation requests in flight.", registry=r
+        )
+        self.agents_usable = Gauge(
+            "conductor_agents_usable",
+            "Node agents that answered the latest poll and serve this model, by role.",
+            ("role",),
+            registry=r,
+        )
+        for endpoint in ENDPOINTS:
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint, outcome)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

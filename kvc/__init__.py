@@ -1,0 +1,1 @@
+"""Shared pieces of kv-conductor: CLI, wire stubs, tokenization, model files."""

@@ -1,0 +1,456 @@
+"""Tokenization and chat templates without torch or transformers.
+
+The conductor tokenizes prompts itself (to hash prefix blocks and route by
+cache locality) and node agents detokenize streamed output, so both need the
+exact token ids the engine sees. This module reads a Hugging Face model folder
+(``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``,
+``generation_config.json``, ``chat_template.jinja``) with only the
+``tokenizers`` library and Jinja2, rendering chat templates the way
+``transformers`` does (sandboxed environment, ``trim_blocks``/``lstrip_blocks``,
+``raise_exception``, a JSON-faithful ``tojson``, ``strftime_now``, the
+``{% generation %}`` tag), so a prompt tokenized here matches what vLLM or the
+embedded engine would produce for the same request.
+
+``IncrementalDetokenizer`` turns a stream of token ids into text deltas that
+concatenate to the full decode, holding back incomplete UTF-8 sequences and
+re-decoding only a small window per token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Final, NoReturn
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+__all__ = ["ChatTemplateError", "ChatTokenizer", "IncrementalDetokenizer"]
+
+# transformers uses int(1e30) as "no limit" for model_max_length.
+_UNBOUNDED_LENGTH: Final = 10**12
+_REPLACEMENT_CHAR: Final = "\ufffd"
+# Prompt tokens kept as left context by the detokenizer (as vLLM does), so
+# decoders that strip a leading space at the start of text (SentencePiece
+# "▁") render the first generated token correctly.
+_DETOKENIZER_CONTEXT: Final = 5
+
+
+class ChatTemplateError(ValueError):
+    """A chat template could not be rendered for these messages."""
+
+
+class _GenerationTagExtension(Extension):
+    """Accept HF's ``{% generation %}…{% endgeneration %}`` and render its body.
+
+    transformers uses the tag to mark assistant tokens for training masks;
+    for inference it only has to parse, and the body renders unchanged.
+    """
+
+    tags = {"generation"}  # noqa: RUF012 - Extension declares tags as set[str]
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render_body")
+        return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's built-in tojson HTML-escapes <, >, & and '; transformers replaces
+    # it with plain json.dumps, and templates are written against that.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _make_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTagExtension, loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as written in HF files: a string, ``{"content": …}`` or null."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+def _int_ids(value: Any) -> list[int]:
+    """An id field that may be an int, a list of ints or null."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _load_chat_templates(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
+    """Named chat templates: tokenizer_config (string or named list), else side files."""
+    raw: Any = tokenizer_config.get("chat_template")
+    if raw is None:
+        jinja_file = model_dir / "chat_template.jinja"
+        if jinja_file.is_file():
+            raw = jinja_file.read_text(encoding="utf-8")
+        else:
+            raw = _read_json(model_dir / "chat_template.json").get("chat_template")
+    if isinstance(raw, str):
+        return {"default": raw}
+    templates: dict[str, str] = {}
+    if isinstance(raw, list):
+        for entry in raw:
+            if isinstance(entry, Mapping):
+                name, template = entry.get("name"), entry.get("template")
+                if isinstance(name, str) and isinstance(template, str):
+                    templates[name] = template
+    return templates
+
+
+def _normalise_content(content: Any, index: int) -> Any:
+    """Flatten OpenAI content parts to one string (text parts joined by newlines)."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, Sequence):
+        raise ChatTemplateError(f"messages[{index}].content must be a string or a list of parts")
+    texts: list[str] = []
+    for part_index, part in enumerate(content):
+        if not isinstance(part, Mapping):
+            raise ChatTemplateError(f"messages[{index}].content[{part_index}] must be an object")
+        part_type = part.get("type")
+        if part_type != "text":
+            raise ChatTemplateError(
+                f"messages[{index}].content[{part_index}] has type {part_type!r}; "
+                "this model accepts only 'text' content parts"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ChatTemplateError(
+                f"messages[{index}].content[{part_index}].text must be a string"
+            )
+        texts.append(text)
+    # vLLM joins text parts of text-only models with "\n"; match it so both
+    # sides produce the same prompt tokens.
+    return "\n".join(texts)
+
+
+class ChatTokenizer:
+    """A Hugging Face tokenizer folder, readable without transformers."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        chat_templates: Mapping[str, str] | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+        special_tokens: Mapping[str, str] | None = None,
+        model_max_length: int | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._chat_templates: dict[str, str] = dict(chat_templates or {})
+        self._compiled: dict[str, jinja2.Template] = {}
+        self._env = _make_environment()
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+        self._template_tokens: dict[str, str] = dict(special_tokens or {})
+        if bos_token is not None:
+            self._template_tokens["bos_token"] = bos_token
+        if eos_token is not None:
+            self._template_tokens["eos_token"] = eos_token
+        self._bos_token_id = tokenizer.token_to_id(bos_token) if bos_token is not None else None
+        eos_ids = set(extra_eos_token_ids)
+        if eos_token is not None and (eos_id := tokenizer.token_to_id(eos_token)) is not None:
+            eos_ids.add(eos_id)
+        self._eos_token_ids = frozenset(eos_ids)
+        self._special_token_ids = frozenset(
+            token_id
+            for token_id, added in tokenizer.get_added_tokens_decoder().items()
+            if added.special
+        )
+        self._model_max_length = model_max_length
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ChatTokenizer:
+        """Load ``tokenizer.json`` and the HF side files from a model folder."""
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{model_dir}: no tokenizer.json")
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        tok_config = _read_json(model_dir / "tokenizer_config.json")
+        special_map = _read_json(model_dir / "special_tokens_map.json")
+        generation = _read_json(model_dir / "generation_config.json")
+
+        special: dict[str, str] = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token"):
+            value = _token_content(tok_config.get(key))
+            if value is None:
+                value = _token_content(special_map.get(key))
+            if value is not None:
+                special[key] = value
+
+        max_length: int | None = None
+        raw_max = tok_config.get("model_max_length")
+        if isinstance(raw_max, int | float) and 0 < raw_max < _UNBOUNDED_LENGTH:
+            max_length = int(raw_max)
+        else:
+            model_config = _read_json(model_dir / "config.json")
+            text_config = model_config.get("text_config")
+            if isinstance(text_config, Mapping):
+                model_config = {**model_config, **text_config}
+            positions = model_config.get("max_position_embeddings")
+            if isinstance(positions, int) and positions > 0:
+                max_length = positions
+
+        return cls(
+            tokenizer,
+            chat_templates=_load_chat_templates(model_dir, tok_config),
+            bos_token=special.get("bos_token"),
+            eos_token=special.get("eos_token"),
+            extra_eos_token_ids=_int_ids(generation.get("eos_token_id")),
+            special_tokens=special,
+            model_max_length=max_length,
+        )
+
+    # -- properties ---------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end generation: the tokenizer's EOS plus generation_config's."""
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._bos_token
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._eos_token
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of added tokens flagged special (dropped by ``skip_special_tokens``)."""
+        return self._special_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size including added tokens."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def model_max_length(self) -> int | None:
+        """Longest sequence the model accepts, when the folder says so."""
+        return self._model_max_length
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._chat_templates)
+
+    # -- encode / decode ----------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (BOS…)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tokenizer.id_to_token(token_id)
+
+    # -- chat templates -----------------------------------------------------
+
+    def _template(self, *, with_tools: bool) -> jinja2.Template:
+        if not self._chat_templates:
+            raise ChatTemplateError("this model has no chat template")
+        if with_tools and "tool_use" in self._chat_templates:
+            name = "tool_use"
+        elif "default" in self._chat_templates:
+            name = "default"
+        elif len(self._chat_templates) == 1:
+            name = next(iter(self._chat_templates))
+        else:
+            names = ", ".join(sorted(self._chat_templates))
+            raise ChatTemplateError(f"no 'default' chat template among: {names}")
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            try:
+                compiled = self._env.from_string(self._chat_templates[name])
+            except jinja2.TemplateError as exc:
+                raise ChatTemplateError(f"chat template {name!r} does not compile: {exc}") from exc
+            self._compiled[name] = compiled
+        return compiled
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render ``messages`` to the prompt text, like ``transformers`` does.
+
+        ``template_kwargs`` are extra template variables (e.g. ``enable_thinking``).
+        Raises ``ChatTemplateError`` for non-text content parts and for any
+        failure inside the template (including its ``raise_exception``).
+        """
+        normalised = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise ChatTemplateError(f"messages[{index}] must be an object")
+            item = dict(message)
+            if "content" in item:
+                item["content"] = _normalise_content(item["content"], index)
+            normalised.append(item)
+        tool_list = [dict(tool) for tool in tools] if tools else None
+        template = self._template(with_tools=bool(tool_list))
+        context: dict[str, Any] = {
+            **self._template_tokens,
+            **dict(template_kwargs or {}),
+            "messages": normalised,
+            "tools": tool_list,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return template.render(context)
+        except ChatTemplateError:
+            raise
+        except Exception as exc:
+            # Templates are data from the model folder: anything they raise
+            # (TemplateError, TypeError on bad concatenation, …) is a bad request.
+            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
+    def chat_token_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Prompt token ids for a chat request.
+
+        The rendered template already contains BOS/turn markers, so it is
+        encoded without the post-processor's special tokens (as HF and vLLM do).
+        """
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turn generated token ids, one at a time, into text deltas.
+
+    Keeps two offsets into a short id window (as vLLM and TGI do): text is
+    emitted as ``decode(window) - decode(window[:read])`` once it does not end
+    in U+FFFD (an incomplete multi-byte character), then the window slides.
+    Each push decodes only the window, so the cost does not grow with the
+    length of the output. The concatenated deltas plus ``flush()`` equal the
+    decode of all pushed ids.
+    """
+
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        *,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        context = [t for t in prompt_ids if t not in self._special][-_DETOKENIZER_CONTEXT:]
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        if token_id in self._special:
+            return ""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        # Slide: keep the just-read tokens as the new left context.
+        self._ids = self._ids[self._read_offset :]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        return delta
+
+    def flush(self) -> str:
+        """Return text still held back (e.g. a dangling partial character)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self._ids = self._ids[self._read_offset :]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        return delta

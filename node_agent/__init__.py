@@ -1,0 +1,1 @@
+"""Node agent: owns one engine instance's block table and KV transfers."""

@@ -1,0 +1,820 @@
+"""The node agent's authoritative paged block table (Mooncake §5.3 TxAllocate/Commit/Abort).
+
+Model
+    ``capacity_blocks`` blocks with integer handles ``0..capacity-1``. Each block is
+
+    * FREE      — on the free list, no key, no payload;
+    * ALLOCATED — owned by one or more OPEN transactions, keyed, content not yet valid;
+    * CACHED    — committed: content valid, findable by key, reusable by later requests.
+
+    ``key -> handle`` holds every non-free block: at most one block per key, ever. A block's
+    ``lock_count`` is the number of open transactions holding it. CACHED blocks with no
+    lock sit in an LRU (``OrderedDict``, oldest first) and are the only eviction victims.
+
+Transactions
+    ``tx_allocate`` (mode ALLOCATE) walks the keys: a CACHED key is reused and locked; a key
+    ALLOCATED by another open tx (two conductors racing on one prefix) is *shared*: this tx
+    joins its owners and locks it — no second block is ever made for a key; a missing key
+    gets a fresh block (from the free list, else by evicting LRU victims). It reports
+    ``reused_blocks`` = the contiguous CACHED prefix, ``shared_blocks`` and ``new_blocks``.
+    Capacity is checked before anything changes, so ``CapacityExhausted`` leaves the pool
+    exactly as it was. Mode LOCK_ONLY (source side of a node-to-node copy) locks the
+    longest CACHED prefix and allocates nothing.
+
+    ``tx_commit`` turns the tx's ALLOCATED blocks CACHED (first committer of a shared block
+    wins; content for one key is the same whoever computed it) and releases its locks.
+    ``tx_abort`` releases its locks and frees the ALLOCATED blocks no other open tx owns.
+    A lease (``lease_s`` <= ``max_lease_s``) bounds every tx: when it runs out the tx is
+    aborted by itself (``expire_leases``, also run lazily at the start of each operation).
+    Locks are released tail-first, so the tail of a prompt is evicted before its head.
+
+Idempotency (by ``tx_id``)
+    * allocate retry, tx open, same ``(tenant, mode, keys)`` -> the same result, nothing
+      allocated again (``lease_s`` is not part of the identity; use ``tx_extend``);
+      different keys/tenant/mode -> ``InvalidArgument``;
+    * commit retry of a committed tx -> the same ``CommitResult``;
+    * abort retry of an aborted or expired tx -> the same ``AbortResult``;
+    * commit (or extend, or allocate) of an expired tx -> ``TxExpired``; of an aborted tx,
+      or abort/allocate of a committed one -> ``TxClosed``.
+    Finished txs are remembered in a bounded FIFO (``max_finished_txs`` entries and
+    ``max_finished_keys`` retained keys, whichever binds first); beyond it a retry gets
+    ``TxNotFound``.
+
+Exceptions::
+
+    BlockPoolError
+     ├── InvalidArgument       malformed tx_id / keys / lease / handle   (INVALID_ARGUMENT)
+     ├── TxNotFound            unknown or forgotten tx_id                 (NOT_FOUND)
+     ├── TxClosed              tx already finished another way            (FAILED_PRECONDITION)
+     │    └── TxExpired        its lease ran out, it was aborted          (FAILED_PRECONDITION)
+     └── CapacityExhausted     needed_blocks > free_blocks (free+evictable) (RESOURCE_EXHAUSTED)
+
+Events
+    Queued, never sent: ``take_events()`` drains ``BlockStored`` (on commit, newly cached
+    keys as contiguous runs in prefix order, with the parent key), ``BlockRemoved`` (on
+    eviction) and ``AllBlocksCleared`` (on ``clear()``). The owner drains after each call.
+
+Knobs
+    ``capacity_blocks``, ``max_lease_s``, ``max_finished_txs``, ``max_finished_keys``,
+    ``max_tx_id_len``. Time comes from the injected monotonic ``clock`` (seconds).
+
+Complexity
+    allocate O(k + e) for k keys and e evictions; commit/abort O(k); lease expiry
+    O(log t) per tx via a deadline heap; ``stats`` O(1); ``check_invariants`` O(capacity).
+
+Invariants (checked by ``check_invariants``)
+    I1  free + allocated + cached == capacity (so allocated + cached <= capacity).
+    I2  key -> handle is a bijection onto the non-free blocks; free blocks have no key,
+        payload, lock or owner.
+    I3  lock_count of each block == number of open txs holding it; every ALLOCATED block
+        has >= 1 owner, every owner is an open tx holding it; CACHED blocks have no owner.
+    I4  the LRU holds exactly the CACHED blocks with lock_count == 0: a locked or
+        allocated (in-use) block is never evicted, and eviction is the only way a cached
+        block's content goes away besides ``clear()``.
+    I5  every open tx has a finite lease deadline and a heap entry for it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from conductor.core.block_keys import KEY_BITS, BlockKey
+
+__all__ = [
+    "AbortResult",
+    "AllBlocksCleared",
+    "AllocateParams",
+    "AllocateResult",
+    "BlockEvent",
+    "BlockPool",
+    "BlockPoolError",
+    "BlockRemoved",
+    "BlockState",
+    "BlockStored",
+    "CapacityExhausted",
+    "CommitResult",
+    "InvalidArgument",
+    "PoolStats",
+    "TxClosed",
+    "TxExpired",
+    "TxMode",
+    "TxNotFound",
+]
+
+_KEY_LIMIT = 2**KEY_BITS
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class BlockPoolError(Exception):
+    """Base of every error the block pool raises (see the module docstring's tree)."""
+
+
+class InvalidArgument(BlockPoolError):
+    """A malformed request: tx_id, tenant, keys, lease, mode or handle."""
+
+
+class TxNotFound(BlockPoolError):
+    """No open tx and no remembered finished tx has this id."""
+
+    def __init__(self, tx_id: str) -> None:
+        super().__init__(f"unknown tx {tx_id!r}")
+        self.tx_id = tx_id
+
+
+class TxClosed(BlockPoolError):
+    """The tx already finished in a way that forbids this call (e.g. commit after abort)."""
+
+    def __init__(self, tx_id: str, outcome: str) -> None:
+        super().__init__(f"tx {tx_id!r} is already {outcome}")
+        self.tx_id = tx_id
+        self.outcome = outcome
+
+
+class TxExpired(TxClosed):
+    """The tx's lease ran out; the pool aborted it and released its blocks."""
+
+    def __init__(self, tx_id: str) -> None:
+        super().__init__(tx_id, "expired")
+
+
+class CapacityExhausted(BlockPoolError):
+    """Not enough obtainable blocks; ``free_blocks`` counts free plus evictable ones."""
+
+    def __init__(self, needed_blocks: int, free_blocks: int) -> None:
+        super().__init__(f"need {needed_blocks} new blocks, only {free_blocks} free or evictable")
+        self.needed_blocks = needed_blocks
+        self.free_blocks = free_blocks
+
+
+# ------------------------------------------------------------ parameters and results
+
+
+class BlockState(enum.Enum):
+    FREE = "free"
+    ALLOCATED = "allocated"
+    CACHED = "cached"
+
+
+class TxMode(enum.Enum):
+    ALLOCATE = "allocate"  # reuse the cached prefix, allocate the rest, lock all
+    LOCK_ONLY = "lock_only"  # source side of a copy: lock the cached prefix only
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateParams:
+    tx_id: str
+    tenant: str
+    keys: Sequence[BlockKey]
+    lease_s: float
+    mode: TxMode = TxMode.ALLOCATE
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateResult:
+    """``handles[i]`` holds ``keys[i]``; LOCK_ONLY returns handles for the locked prefix."""
+
+    tx_id: str
+    handles: tuple[int, ...]
+    reused_blocks: int  # contiguous CACHED prefix reused (LOCK_ONLY: locked)
+    new_blocks: int  # freshly allocated by this tx
+    lease_deadline: float  # clock time at which the tx expires
+    shared_blocks: int = 0  # in-flight blocks of other open txs joined (content not valid yet)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    tx_id: str
+    stored_keys: tuple[BlockKey, ...]  # keys that became CACHED by this commit, in order
+    released_blocks: int  # locks released
+
+
+@dataclass(frozen=True, slots=True)
+class AbortResult:
+    tx_id: str
+    freed_blocks: int  # ALLOCATED blocks returned to the free list
+    released_blocks: int  # locks released
+    expired: bool  # aborted by lease expiry rather than by a caller
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    capacity_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    allocated_blocks: int
+    locked_blocks: int
+    open_txs: int
+    evictable_blocks: int  # CACHED and unlocked
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    keys: tuple[BlockKey, ...]  # newly cached, in prefix order
+    parent_key: BlockKey | None  # key of the block before keys[0] in its tx, None at root
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    keys: tuple[BlockKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+BlockEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+# ------------------------------------------------------------------ internal records
+
+
+@dataclass(slots=True)
+class _Block:
+    handle: int
+    state: BlockState = BlockState.FREE
+    key: BlockKey | None = None
+    lock_count: int = 0
+    last_used_s: float = 0.0
+    payload: object | None = None
+    owners: set[str] = field(default_factory=set)  # open txs that allocated/joined it
+
+
+@dataclass(slots=True)
+class _Tx:
+    tx_id: str
+    tenant: str
+    mode: TxMode
+    keys: tuple[BlockKey, ...]
+    handles: tuple[int, ...]
+    deadline_s: float
+    result: AllocateResult
+
+
+class _Outcome(enum.Enum):
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    outcome: _Outcome
+    commit: CommitResult | None = None
+    abort: AbortResult | None = None
+
+    @property
+    def retained_keys(self) -> int:
+        return len(self.commit.stored_keys) if self.commit is not None else 0
+
+
+def _is_uint64(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _KEY_LIMIT
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+# ----------------------------------------------------------------------- the pool
+
+
+class BlockPool:
+    """Paged block table with leased transactions. Not thread-safe: one owner calls it."""
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        clock: Callable[[], float],
+        max_lease_s: float = 600.0,
+        *,
+        max_finished_txs: int = 65_536,
+        max_finished_keys: int = 262_144,
+        max_tx_id_len: int = 256,
+    ) -> None:
+        if isinstance(capacity_blocks, bool) or capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be > 0, got {capacity_blocks!r}")
+        if not (0 < max_lease_s < math.inf):
+            raise ValueError(f"max_lease_s must be finite and > 0, got {max_lease_s!r}")
+        if max_finished_txs <= 0 or max_finished_keys < 0 or max_tx_id_len <= 0:
+            raise ValueError("max_finished_txs and max_tx_id_len must be > 0")
+        self.capacity_blocks = capacity_blocks
+        self.max_lease_s = max_lease_s
+        self._clock = clock
+        self._max_finished_txs = max_finished_txs
+        self._max_finished_keys = max_finished_keys
+        self._max_tx_id_len = max_tx_id_len
+
+        self._blocks = [_Block(h) for h in range(capacity_blocks)]
+        self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() -> lowest
+        self._by_key: dict[BlockKey, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # CACHED, unlocked; oldest first
+        self._n_cached = 0
+        self._n_allocated = 0
+        self._n_locked = 0
+
+        self._txs: dict[str, _Tx] = {}
+        self._deadlines: list[tuple[float, str]] = []  # heap; stale entries skipped lazily
+        self._finished: OrderedDict[str, _Finished] = OrderedDict()
+        self._finished_keys = 0
+        self._events: list[BlockEvent] = []
+
+    # ------------------------------------------------------------------ transactions
+
+    def tx_allocate(self, params: AllocateParams) -> AllocateResult:
+        """Open a tx holding ``params.keys`` (see the module docstring for the rules)."""
+        self._expire_due()
+        keys = self._validate_allocate(params)
+        tx_id = params.tx_id
+        open_tx = self._txs.get(tx_id)
+        if open_tx is not None:
+            if (open_tx.tenant, open_tx.mode, open_tx.keys) != (params.tenant, params.mode, keys):
+                raise InvalidArgument(f"tx {tx_id!r} was opened with different parameters")
+            return open_tx.result
+        self._raise_if_finished(tx_id)
+
+        now = self._clock()
+        deadline = now + params.lease_s
+        if params.mode is TxMode.LOCK_ONLY:
+            handles = self._cached_prefix(keys)
+            for h in handles:
+                self._lock(self._blocks[h])
+            result = AllocateResult(
+                tx_id=tx_id,
+                handles=tuple(handles),
+                reused_blocks=len(handles),
+                new_blocks=0,
+                lease_deadline=deadline,
+            )
+        else:
+            result = self._allocate(tx_id, keys, deadline)
+        self._txs[tx_id] = _Tx(
+            tx_id=tx_id,
+            tenant=params.tenant,
+            mode=params.mode,
+            keys=keys,
+            handles=result.handles,
+            deadline_s=deadline,
+            result=result,
+        )
+        heapq.heappush(self._deadlines, (deadline, tx_id))
+        self._compact_deadlines()
+        return result
+
+    def tx_commit(self, tx_id: str) -> CommitResult:
+        """Cache the tx's ALLOCATED blocks and release its locks. Idempotent."""
+        self._expire_due()
+        tx = self._txs.get(tx_id)
+        if tx is None:
+            done = self._lookup_finished(tx_id)
+            if done.commit is not None:
+                return done.commit
+            raise self._closed(tx_id, done)
+
+        stored: list[BlockKey] = []
+        run: list[BlockKey] = []
+        run_parent: BlockKey | None = None
+        for i, h in enumerate(tx.handles):
+            block = self._blocks[h]
+            if block.state is BlockState.ALLOCATED:
+                key = tx.keys[i]
+                block.state = BlockState.CACHED
+                block.owners.clear()  # other sharers keep their locks, no longer owners
+                self._n_allocated -= 1
+                self._n_cached += 1
+                stored.append(key)
+                if not run:
+                    run_parent = tx.keys[i - 1] if i > 0 else None
+                run.append(key)
+            elif run:
+                self._events.append(BlockStored(tuple(run), run_parent))
+                run = []
+        if run:
+            self._events.append(BlockStored(tuple(run), run_parent))
+        self._release_locks(tx.handles)
+        del self._txs[tx_id]
+        result = CommitResult(tx_id, tuple(stored), len(tx.handles))
+        self._remember(tx_id, _Finished(_Outcome.COMMITTED, commit=result))
+        return result
+
+    def tx_abort(self, tx_id: str) -> AbortResult:
+        """Release the tx's locks and free the blocks only it owned. Idempotent."""
+        self._expire_due()
+        tx = self._txs.get(tx_id)
+        if tx is None:
+            done = self._lookup_finished(tx_id)
+            if done.abort is not None:
+                return done.abort
+            raise self._closed(tx_id, done)
+        return self._abort(tx, expired=False)
+
+    def tx_extend(self, tx_id: str, lease_s: float) -> float:
+        """Set the tx's deadline to ``now + lease_s``; returns the new deadline."""
+        self._expire_due()
+        self._validate_lease(lease_s)
+        tx = self._txs.get(tx_id)
+        if tx is None:
+            done = self._lookup_finished(tx_id)
+            raise self._closed(tx_id, done)
+        tx.deadline_s = self._clock() + lease_s
+        tx.result = replace(tx.result, lease_deadline=tx.deadline_s)
+        heapq.heappush(self._deadlines, (tx.deadline_s, tx_id))
+        self._compact_deadlines()
+        return tx.deadline_s
+
+    def get_tx(self, tx_id: str) -> AllocateResult:
+        """The allocation of an OPEN tx (e.g. a Prefill call naming its tx)."""
+        self._expire_due()
+        tx = self._txs.get(tx_id)
+        if tx is None:
+            done = self._lookup_finished(tx_id)
+            raise self._closed(tx_id, done)
+        return tx.result
+
+    def expire_leases(self) -> list[str]:
+        """Abort every tx whose lease deadline has passed; returns their ids."""
+        return self._expire_due()
+
+    def clear(self) -> list[str]:
+        """Engine reset: abort every open tx, drop every block, queue ``AllBlocksCleared``.
+
+        Returns the ids of the aborted txs (they are remembered as aborted).
+        """
+        aborted = list(self._txs)
+        for tx_id in aborted:
+            self._abort(self._txs[tx_id], expired=False)
+        for block in self._blocks:
+            if block.state is BlockState.CACHED:
+                self._drop_cached(block)
+        self._deadlines.clear()
+        self._events.append(AllBlocksCleared())
+        return aborted
+
+    # ------------------------------------------------------------------ payloads
+
+    def set_payload(self, handle: int, obj: object) -> bool:
+        """Store the engine's data (e.g. KV tensors) for an ALLOCATED block.
+
+        Returns False, storing nothing, when the block is already CACHED: its content is
+        immutable once committed (a shared block committed by another tx first — same
+        key, same content). A FREE block or a bad handle is ``InvalidArgument``.
+        """
+        block = self._block(handle)
+        if block.state is BlockState.FREE:
+            raise InvalidArgument(f"block {handle} is free")
+        if block.state is BlockState.CACHED:
+            return False
+        block.payload = obj
+        return True
+
+    def get_payload(self, handle: int) -> object | None:
+        return self._block(handle).payload
+
+    # ------------------------------------------------------------------ queries
+
+    def match_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """Number of leading ``keys`` that are CACHED here (read-only, LRU untouched)."""
+        n = 0
+        for key in keys:
+            h = self._by_key.get(key)
+            if h is None or self._blocks[h].state is not BlockState.CACHED:
+                break
+            n += 1
+        return n
+
+    def block_state(self, handle: int) -> BlockState:
+        return self._block(handle).state
+
+    def block_key(self, handle: int) -> BlockKey | None:
+        return self._block(handle).key
+
+    def stats(self) -> PoolStats:
+        self._expire_due()
+        return PoolStats(
+            capacity_blocks=self.capacity_blocks,
+            free_blocks=len(self._free),
+            cached_blocks=self._n_cached,
+            allocated_blocks=self._n_allocated,
+            locked_blocks=self._n_locked,
+            open_txs=len(self._txs),
+            evictable_blocks=len(self._lru),
+        )
+
+    def cached_keys(self) -> list[BlockKey]:
+        """Every CACHED key (locked or not), in handle order: the snapshot payload."""
+        return [b.key for b in self._blocks if b.state is BlockState.CACHED and b.key is not None]
+
+    def take_events(self) -> list[BlockEvent]:
+        """Drain the queued block events, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` when I1..I5 (module docstring) do not hold. O(capacity)."""
+        counts = dict.fromkeys(BlockState, 0)
+        for block in self._blocks:
+            counts[block.state] += 1
+        _require(
+            counts[BlockState.FREE] + counts[BlockState.ALLOCATED] + counts[BlockState.CACHED]
+            == self.capacity_blocks,
+            "I1: states do not add up to capacity",
+        )
+        _require(counts[BlockState.FREE] == len(self._free), "I1: free list size")
+        _require(len(set(self._free)) == len(self._free), "I1: free list duplicates")
+        _require(counts[BlockState.ALLOCATED] == self._n_allocated, "I1: allocated counter")
+        _require(counts[BlockState.CACHED] == self._n_cached, "I1: cached counter")
+
+        _require(
+            len(self._by_key) == self.capacity_blocks - len(self._free),
+            "I2: key map size != non-free blocks",
+        )
+        for key, h in self._by_key.items():
+            block = self._blocks[h]
+            _require(block.key == key, f"I2: key map {key} -> block {h} keyed {block.key}")
+            _require(block.state is not BlockState.FREE, f"I2: key {key} maps to free {h}")
+        for h in self._free:
+            block = self._blocks[h]
+            _require(block.state is BlockState.FREE, f"I2: block {h} on free list not free")
+            _require(
+                block.key is None
+                and block.payload is None
+                and block.lock_count == 0
+                and not block.owners,
+                f"I2: free block {h} keeps key/payload/lock/owner",
+            )
+
+        holders: dict[int, int] = {}
+        for tx in self._txs.values():
+            _require(len(set(tx.handles)) == len(tx.handles), f"I3: tx {tx.tx_id} repeats")
+            for h in tx.handles:
+                holders[h] = holders.get(h, 0) + 1
+                block = self._blocks[h]
+                _require(block.state is not BlockState.FREE, f"I3: tx holds free block {h}")
+            for i, h in enumerate(tx.handles):
+                _require(
+                    self._blocks[h].key == tx.keys[i],
+                    f"I3: tx {tx.tx_id} handle {h} no longer holds its key",
+                )
+        n_locked = 0
+        for block in self._blocks:
+            _require(
+                block.lock_count == holders.get(block.handle, 0),
+                f"I3: block {block.handle} lock_count {block.lock_count}"
+                f" != holders {holders.get(block.handle, 0)}",
+            )
+            n_locked += block.lock_count > 0
+            if block.state is BlockState.ALLOCATED:
+                _require(bool(block.owners), f"I3: allocated block {block.handle} has no owner")
+                for owner in block.owners:
+                    owner_tx = self._txs.get(owner)
+                    _require(
+                        owner_tx is not None and block.handle in owner_tx.handles,
+                        f"I3: owner {owner} of block {block.handle} is not holding it",
+                    )
+            else:
+                _require(not block.owners, f"I3: non-allocated block {block.handle} owned")
+            evictable = block.state is BlockState.CACHED and block.lock_count == 0
+            _require(
+                (block.handle in self._lru) == evictable,
+                f"I4: LRU membership of block {block.handle} wrong",
+            )
+        _require(n_locked == self._n_locked, "I3: locked counter")
+
+        live = {tx_id for d, tx_id in self._deadlines if self._txs.get(tx_id) is not None}
+        _require(live == set(self._txs), "I5: open tx without a deadline heap entry")
+        for tx in self._txs.values():
+            _require(math.isfinite(tx.deadline_s), f"I5: tx {tx.tx_id} has no finite lease")
+            _require(
+                (tx.deadline_s, tx.tx_id) in self._deadlines,
+                f"I5: tx {tx.tx_id} deadline not in heap",
+            )
+        _require(len(self._finished) <= self._max_finished_txs, "finished memory bound")
+        _require(
+            self._finished_keys == sum(f.retained_keys for f in self._finished.values()),
+            "finished key counter",
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _allocate(self, tx_id: str, keys: tuple[BlockKey, ...], deadline: float) -> AllocateResult:
+        blocks = self._blocks
+        plan: list[int | None] = []  # existing handle per key, None = needs a fresh block
+        reused_prefix = 0
+        in_prefix = True
+        needed = 0
+        unlocked_reuse = 0  # cached blocks now in the LRU that this tx will lock
+        shared = 0
+        for key in keys:
+            h = self._by_key.get(key)
+            plan.append(h)
+            if h is None:
+                needed += 1
+                in_prefix = False
+                continue
+            block = blocks[h]
+            if block.state is BlockState.CACHED:
+                reused_prefix += in_prefix
+                unlocked_reuse += block.lock_count == 0
+            else:
+                shared += 1
+                in_prefix = False
+        obtainable = len(self._free) + len(self._lru) - unlocked_reuse
+        if needed > obtainable:
+            raise CapacityExhausted(needed, obtainable)
+
+        # From here on nothing can fail: lock what exists, then evict, then allocate.
+        for h in plan:
+            if h is not None:
+                block = blocks[h]
+                if block.state is BlockState.ALLOCATED:
+                    block.owners.add(tx_id)
+                self._lock(block)
+        shortfall = needed - len(self._free)
+        if shortfall > 0:
+            evicted: list[BlockKey] = []
+            for _ in range(shortfall):
+                victim, _none = self._lru.popitem(last=False)
+                evicted.append(self._drop_cached(blocks[victim], in_lru=False))
+            self._events.append(BlockRemoved(tuple(evicted)))
+        handles: list[int] = []
+        for key, maybe_h in zip(keys, plan, strict=True):
+            if maybe_h is None:
+                h = self._free.pop()
+                block = blocks[h]
+                block.state = BlockState.ALLOCATED
+                block.key = key
+                block.owners.add(tx_id)
+                self._by_key[key] = h
+                self._n_allocated += 1
+                self._lock(block)
+                handles.append(h)
+            else:
+                handles.append(maybe_h)
+        return AllocateResult(
+            tx_id=tx_id,
+            handles=tuple(handles),
+            reused_blocks=reused_prefix,
+            new_blocks=needed,
+            lease_deadline=deadline,
+            shared_blocks=shared,
+        )
+
+    def _abort(self, tx: _Tx, *, expired: bool) -> AbortResult:
+        self._release_locks(tx.handles)
+        freed = 0
+        for h in reversed(tx.handles):
+            block = self._blocks[h]
+            if block.state is BlockState.ALLOCATED:
+                block.owners.discard(tx.tx_id)
+                if not block.owners:
+                    self._free_allocated(block)
+                    freed += 1
+        del self._txs[tx.tx_id]
+        result = AbortResult(tx.tx_id, freed, len(tx.handles), expired)
+        outcome = _Outcome.EXPIRED if expired else _Outcome.ABORTED
+        self._remember(tx.tx_id, _Finished(outcome, abort=result))
+        return result
+
+    def _expire_due(self) -> list[str]:
+        now = self._clock()
+        expired: list[str] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, tx_id = heapq.heappop(heap)
+            tx = self._txs.get(tx_id)
+            if tx is None or tx.deadline_s != deadline:
+                continue  # finished already, or extended (a newer entry exists)
+            self._abort(tx, expired=True)
+            expired.append(tx_id)
+        return expired
+
+    def _compact_deadlines(self) -> None:
+        # Entries of finished or extended txs linger until their time; rebuild the heap
+        # when they dominate, so it stays O(open txs) (amortised O(1) per call).
+        if len(self._deadlines) > 2 * len(self._txs) + 1024:
+            self._deadlines = [(tx.deadline_s, tx.tx_id) for tx in self._txs.values()]
+            heapq.heapify(self._deadlines)
+
+    def _cached_prefix(self, keys: tuple[BlockKey, ...]) -> list[int]:
+        handles: list[int] = []
+        for key in keys:
+            h = self._by_key.get(key)
+            if h is None or self._blocks[h].state is not BlockState.CACHED:
+                break
+            handles.append(h)
+        return handles
+
+    def _lock(self, block: _Block) -> None:
+        if block.lock_count == 0:
+            self._n_locked += 1
+            if block.state is BlockState.CACHED:
+                del self._lru[block.handle]
+        block.lock_count += 1
+
+    def _release_locks(self, handles: tuple[int, ...]) -> None:
+        # Tail first: the tail of a prompt enters the LRU first and is evicted first.
+        now = self._clock()
+        for h in reversed(handles):
+            block = self._blocks[h]
+            block.lock_count -= 1
+            if block.lock_count == 0:
+                self._n_locked -= 1
+                block.last_used_s = now
+                if block.state is BlockState.CACHED:
+                    self._lru[h] = None
+
+    def _drop_cached(self, block: _Block, *, in_lru: bool = True) -> BlockKey:
+        """CACHED and unlocked -> FREE; returns the dropped key."""
+        key = block.key
+        assert key is not None
+        assert block.lock_count == 0
+        if in_lru:
+            del self._lru[block.handle]
+        del self._by_key[key]
+        self._n_cached -= 1
+        self._to_free(block)
+        return key
+
+    def _free_allocated(self, block: _Block) -> None:
+        assert block.key is not None
+        assert block.lock_count == 0
+        del self._by_key[block.key]
+        self._n_allocated -= 1
+        self._to_free(block)
+
+    def _to_free(self, block: _Block) -> None:
+        block.state = BlockState.FREE
+        block.key = None
+        block.payload = None
+        block.owners.clear()
+        self._free.append(block.handle)
+
+    def _remember(self, tx_id: str, done: _Finished) -> None:
+        self._finished[tx_id] = done
+        self._finished_keys += done.retained_keys
+        while len(self._finished) > self._max_finished_txs or (
+            self._finished_keys > self._max_finished_keys and len(self._finished) > 1
+        ):
+            _, old = self._finished.popitem(last=False)
+            self._finished_keys -= old.retained_keys
+
+    def _lookup_finished(self, tx_id: str) -> _Finished:
+        done = self._finished.get(tx_id)
+        if done is None:
+            raise TxNotFound(tx_id)
+        return done
+
+    @staticmethod
+    def _closed(tx_id: str, done: _Finished) -> TxClosed:
+        if done.outcome is _Outcome.EXPIRED:
+            return TxExpired(tx_id)
+        return TxClosed(tx_id, done.outcome.value)
+
+    def _raise_if_finished(self, tx_id: str) -> None:
+        done = self._finished.get(tx_id)
+        if done is not None:
+            raise self._closed(tx_id, done)
+
+    def _block(self, handle: int) -> _Block:
+        if isinstance(handle, bool) or not isinstance(handle, int):
+            raise InvalidArgument(f"handle must be an int, got {handle!r}")
+        if not 0 <= handle < self.capacity_blocks:
+            raise InvalidArgument(f"handle {handle} outside [0, {self.capacity_blocks})")
+        return self._blocks[handle]
+
+    def _validate_lease(self, lease_s: float) -> None:
+        if isinstance(lease_s, bool) or not isinstance(lease_s, int | float):
+            raise InvalidArgument(f"lease_s must be a number, got {lease_s!r}")
+        if not (0 < lease_s <= self.max_lease_s):
+            raise InvalidArgument(f"lease_s must lie in (0, {self.max_lease_s}], got {lease_s}")
+
+    def _validate_allocate(self, params: AllocateParams) -> tuple[BlockKey, ...]:
+        tx_id = params.tx_id
+        if not isinstance(tx_id, str) or not tx_id:
+            raise InvalidArgument("tx_id must be a non-empty string")
+        if len(tx_id) > self._max_tx_id_len:
+            raise InvalidArgument(f"tx_id longer than {self._max_tx_id_len} characters")
+        if not isinstance(params.tenant, str):
+            raise InvalidArgument("tenant must be a string")
+        if not isinstance(params.mode, TxMode):
+            raise InvalidArgument(f"unknown mode {params.mode!r}")
+        self._validate_lease(params.lease_s)
+        keys = tuple(params.keys)
+        if not keys:
+            raise InvalidArgument("keys must not be empty")
+        for key in keys:
+            if not _is_uint64(key):
+                raise InvalidArgument(f"key {key!r} is not a uint64")
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("keys must not repeat within one tx")
+        return keys

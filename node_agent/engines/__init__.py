@@ -1,0 +1,1 @@
+"""Inference engines a node agent can drive (the embedded transformer and adapters)."""

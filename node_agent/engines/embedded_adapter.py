@@ -1,0 +1,201 @@
+"""Engine adapter for the embedded transformer (``node_agent.engines.embedded``).
+
+Compute runs on one dedicated engine thread, so forwards never block the agent's
+event loop and never run concurrently on the same model. Requests interleave at
+step granularity: each prefill is one job, each decode step is one job, so a long
+prompt delays other requests' next token by at most one prefill (the simple
+"time-sliced" schedule; continuous batching belongs to real engines).
+
+Bounded: at most ``max_running`` generations and ``max_queued_prefills`` prefills
+at once; beyond that the adapter raises ``EngineBusy`` (the agent answers
+RESOURCE_EXHAUSTED and the conductor tries elsewhere or sheds the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import TypeVar
+
+import torch
+
+from kvc.tokenization import ChatTokenizer, IncrementalDetokenizer
+from node_agent.engines.base import (
+    EngineBusy,
+    EngineInfo,
+    EngineLoad,
+    GenerateJob,
+    GenerationStep,
+    PrefillJob,
+    PrefillOutcome,
+    PromptRejected,
+    split_prefix,
+)
+from node_agent.engines.embedded import EmbeddedModel, KvCache, Sampler, SamplingParams
+from node_agent.stopping import StopStringMatcher
+
+T = TypeVar("T")
+
+
+class EmbeddedEngineAdapter:
+    """Runs prefills and decodes of ``EmbeddedModel`` on a single engine thread."""
+
+    def __init__(
+        self,
+        model: EmbeddedModel,
+        tokenizer: ChatTokenizer,
+        *,
+        served_model_name: str,
+        max_running: int = 16,
+        max_queued_prefills: int = 64,
+    ) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._max_running = max_running
+        self._max_queued_prefills = max_queued_prefills
+        self._queued_prefill_tokens = 0
+        self._queued_prefills = 0
+        self._running = 0
+        self._info = EngineInfo(
+            model=served_model_name,
+            engine="embedded",
+            max_model_len=model.max_model_len,
+            vocab_size=model.vocab_size,
+            kv_layout=model.layout,
+            eos_token_ids=tokenizer.eos_token_ids,
+        )
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            queued_prefill_tokens=self._queued_prefill_tokens,
+            running_requests=self._running,
+            waiting_requests=self._queued_prefills,
+        )
+
+    async def aclose(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _on_engine(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def validate_prompt(self, prompt_ids: tuple[int, ...], max_tokens: int = 0) -> None:
+        if not prompt_ids:
+            raise PromptRejected("prompt must contain at least one token")
+        vocab = self._info.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise PromptRejected(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        limit = self._info.max_model_len
+        if len(prompt_ids) + max_tokens > limit:
+            raise PromptRejected(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"the model's context length of {limit} tokens"
+            )
+
+    async def prefill(self, job: PrefillJob) -> PrefillOutcome:
+        """KV of ``prompt[:-1]``: reuse the leading cached blocks, compute the rest."""
+        self.validate_prompt(job.prompt_ids)
+        prefix, _ = split_prefix(job.prompt_ids)
+        bs = job.block_size
+        reused: list[KvCache] = []
+        for payload in job.block_payloads:
+            if payload is None:
+                break
+            reused.append(payload)
+        cached_tokens = len(reused) * bs
+        to_compute = tuple(prefix[cached_tokens:])
+        if self._queued_prefills >= self._max_queued_prefills:
+            raise EngineBusy("prefill queue is full")
+        self._queued_prefills += 1
+        self._queued_prefill_tokens += len(to_compute)
+        try:
+            started = time.perf_counter()
+
+            def run() -> KvCache | None:
+                past = KvCache.concat(reused) if reused else None
+                if not to_compute:
+                    return past
+                _, kv = self._model.forward(to_compute, past)
+                return kv
+
+            kv = await self._on_engine(run)
+            prefill_s = time.perf_counter() - started
+        finally:
+            self._queued_prefills -= 1
+            self._queued_prefill_tokens -= len(to_compute)
+        new_payloads: dict[int, KvCache] = {}
+        if kv is not None:
+            for i in range(len(reused), len(job.block_payloads)):
+                new_payloads[i] = kv.slice(i * bs, (i + 1) * bs)
+        return PrefillOutcome(
+            kv=kv,
+            cached_tokens=cached_tokens,
+            computed_tokens=len(to_compute),
+            prefill_s=prefill_s,
+            new_block_payloads=new_payloads,
+        )
+
+    async def generate(self, job: GenerateJob) -> AsyncIterator[GenerationStep]:
+        """Decode loop: first token from the last prompt token, then one per step."""
+        sampling = job.sampling
+        self.validate_prompt(job.prompt_ids, sampling.max_tokens)
+        if self._running >= self._max_running:
+            raise EngineBusy(f"{self._running} generations already running")
+        self._running += 1
+        try:
+            prefix, last = split_prefix(job.prompt_ids)
+            past = job.prefix_kv
+            if past is None and prefix:
+                self._queued_prefill_tokens += len(prefix)
+                try:
+                    _, past = await self._on_engine(
+                        lambda: self._model.forward(tuple(prefix), None)
+                    )
+                finally:
+                    self._queued_prefill_tokens -= len(prefix)
+            elif past is not None and past.num_tokens != len(prefix):
+                raise PromptRejected(
+                    f"prefix KV covers {past.num_tokens} tokens, prompt prefix has {len(prefix)}"
+                )
+            sampler = Sampler(
+                SamplingParams(
+                    temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed
+                )
+            )
+            detok = IncrementalDetokenizer(self._tokenizer)
+            stops = StopStringMatcher(sampling.stop)
+            eos = frozenset() if sampling.ignore_eos else self._info.eos_token_ids
+            room = self._info.max_model_len - len(job.prompt_ids)
+            budget = min(sampling.max_tokens, room)
+            state: tuple[torch.Tensor, KvCache] = await self._on_engine(
+                lambda: self._model.forward((last,), past)
+            )
+            produced = 0
+            while True:
+                logits, kv = state
+                token = sampler.sample(logits)
+                produced += 1
+                if token in eos:
+                    tail = stops.flush() + detok.flush()
+                    yield GenerationStep(token_ids=(token,), text=tail, finish_reason="stop")
+                    return
+                check = stops.push(detok.push(token))
+                if check.stopped:
+                    yield GenerationStep(token_ids=(token,), text=check.emit, finish_reason="stop")
+                    return
+                if produced >= budget:
+                    text = check.emit + stops.push(detok.flush()).emit + stops.flush()
+                    yield GenerationStep(token_ids=(token,), text=text, finish_reason="length")
+                    return
+                yield GenerationStep(token_ids=(token,), text=check.emit)
+                state = await self._on_engine(partial(self._model.forward, (token,), kv))
+        finally:
+            self._running -= 1

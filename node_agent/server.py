@@ -1,0 +1,619 @@
+"""Node agent gRPC server: the block table's owner and the engine's front door.
+
+State changes happen here and only here (Mooncake §5.3): TxAllocate/TxCommit/
+TxAbort mutate the ``BlockPool``; every mutation's events are drained into the
+``EventLog`` and fanned out to ``WatchEvents`` subscribers. ``Prefill`` computes a
+prompt's KV into the Tx's blocks and stages it; a decode node pulls it through
+``FetchKv`` (chunked, CRC-checked) and continues with ``Generate``.
+
+Background work (lease expiry, staged-KV expiry, load updates) runs as a task the
+``AgentServer`` owns and cancels on stop. Error mapping lives in ``_grpc_error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from conductor.core.block_keys import BlockKey, compute_block_keys
+from kvc.v1 import node_agent_pb2 as pb
+from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from node_agent.blocks.events import EventLog
+from node_agent.blocks.pool import (
+    AllBlocksCleared,
+    AllocateParams,
+    BlockPool,
+    BlockPoolError,
+    BlockRemoved,
+    BlockStored,
+    CapacityExhausted,
+    InvalidArgument,
+    TxClosed,
+    TxExpired,
+    TxMode,
+    TxNotFound,
+)
+from node_agent.engines.base import (
+    EngineAdapter,
+    EngineBusy,
+    EngineError,
+    GenerateJob,
+    PrefillJob,
+    PromptRejected,
+    Sampling,
+)
+from node_agent.engines.embedded import KvCache, KvLayout
+from node_agent.settings import AgentSettings
+
+log = logging.getLogger("node_agent")
+
+SERVICE_NAME = "kvc.v1.NodeAgent"
+ERROR_INFO_KEY = "kvc-error-info-bin"
+_ROLES = {
+    "prefill": pb.NODE_ROLE_PREFILL,
+    "decode": pb.NODE_ROLE_DECODE,
+    "both": pb.NODE_ROLE_BOTH,
+}
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+Context = grpc.aio.ServicerContext[object, object]
+
+
+class TransferError(Exception):
+    """A KV transfer from a peer failed (connection, checksum, size, layout)."""
+
+
+class NotStaged(Exception):
+    """FetchKv for a request with no staged prefill (never, expired, or fetched)."""
+
+
+@dataclass(slots=True)
+class _Staged:
+    kv: KvCache | None
+    num_tokens: int
+    nbytes: int
+    expires_at: float
+
+
+def layout_to_pb(layout: KvLayout) -> pb.KvLayout:
+    return pb.KvLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
+        bytes_per_token=layout.bytes_per_token,
+    )
+
+
+def _grpc_error(exc: Exception) -> tuple[grpc.StatusCode, str, pb.ErrorInfo | None]:
+    """The one place agent exceptions become gRPC status codes."""
+    if isinstance(exc, CapacityExhausted):
+        info = pb.ErrorInfo(
+            reason="capacity", needed_blocks=exc.needed_blocks, free_blocks=exc.free_blocks
+        )
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), info
+    if isinstance(exc, EngineBusy):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), pb.ErrorInfo(reason="busy")
+    if isinstance(exc, InvalidArgument | PromptRejected):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), None
+    if isinstance(exc, TxNotFound | NotStaged):
+        return grpc.StatusCode.NOT_FOUND, str(exc), None
+    if isinstance(exc, TxClosed):  # expired, or already committed/aborted
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc), None
+    if isinstance(exc, TransferError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc), None
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", None
+
+
+async def _abort(context: Context, exc: Exception) -> NoReturn:
+    code, message, info = _grpc_error(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("internal error: %s", message, exc_info=exc)
+    if info is not None:
+        context.set_trailing_metadata(((ERROR_INFO_KEY, info.SerializeToString()),))
+    await context.abort(code, message)
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+class NodeAgentService(pb_grpc.NodeAgentServicer):
+    """Implements kvc.v1.NodeAgent over a ``BlockPool`` and an ``EngineAdapter``."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        engine: EngineAdapter,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._engine = engine
+        self._clock = clock
+        self.pool = BlockPool(
+            capacity_blocks=settings.capacity_blocks,
+            clock=clock,
+            max_lease_s=settings.max_lease_s,
+        )
+        self.epoch = uuid.uuid4().hex
+        self._events: EventLog[pb.Event] = EventLog(
+            epoch=self.epoch, max_buffered=settings.event_buffer
+        )
+        self._new_events = asyncio.Condition()
+        self._staged: dict[str, _Staged] = {}
+        self._staged_bytes = 0
+        self._peers: dict[str, grpc.aio.Channel] = {}
+        self._last_prefill = (0.0, 0, 0)
+        self._last_load: pb.LoadUpdate | None = None
+        self._stopping = False
+        self.node_info = pb.NodeInfo()
+
+    # ----------------------------------------------------------------- lifecycle
+    def bind(self, port: int) -> None:
+        s = self._settings
+        info = self._engine.info
+        self.node_info = pb.NodeInfo(
+            node_id=s.resolved_node_id(port),
+            epoch=self.epoch,
+            role=_ROLES[s.role],
+            model=info.model,
+            engine=info.engine,
+            block_size=s.block_size,
+            capacity_blocks=s.capacity_blocks,
+            max_model_len=info.max_model_len,
+            kv_layout=layout_to_pb(info.kv_layout),
+            advertise_address=s.resolved_advertise_address(port),
+            version=_version(),
+        )
+
+    async def close(self) -> None:
+        self._stopping = True
+        await self._notify()
+        for channel in self._peers.values():
+            await channel.close()
+        self._peers.clear()
+
+    async def housekeeping_once(self) -> None:
+        """Expire leases and staged KV; publish a load update when it changed."""
+        expired = self.pool.expire_leases()
+        if expired:
+            log.info("leases expired, transactions aborted: %s", ", ".join(expired))
+        now = self._clock()
+        for request_id in [r for r, st in self._staged.items() if st.expires_at <= now]:
+            self._unstage(request_id)
+        self._publish_pool_events()
+        load = self.load_update()
+        if load != self._last_load:
+            self._append(pb.Event(load=load))
+            self._last_load = load
+        await self._notify()
+
+    async def run_housekeeping(self) -> None:
+        while not self._stopping:
+            await self.housekeeping_once()
+            await asyncio.sleep(self._settings.load_interval_s)
+
+    # ----------------------------------------------------------------- events
+    def load_update(self) -> pb.LoadUpdate:
+        load = self._engine.load()
+        stats = self.pool.stats()
+        last_s, last_tokens, last_cached = self._last_prefill
+        return pb.LoadUpdate(
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            running_requests=load.running_requests,
+            waiting_requests=load.waiting_requests,
+            free_blocks=stats.free_blocks,
+            kv_usage_ratio=1.0 - stats.free_blocks / stats.capacity_blocks,
+            last_prefill_s=last_s,
+            last_prefill_tokens=last_tokens,
+            last_prefill_cached_tokens=last_cached,
+        )
+
+    def _append(self, event: pb.Event) -> None:
+        event.time_s = time.time()
+        event.seq = self._events.append(event)
+
+    def _publish_pool_events(self) -> None:
+        for ev in self.pool.take_events():
+            if isinstance(ev, BlockStored):
+                stored = pb.BlockStored(block_keys=list(ev.keys))
+                if ev.parent_key is not None:
+                    stored.parent_key = ev.parent_key
+                    stored.has_parent = True
+                self._append(pb.Event(stored=stored))
+            elif isinstance(ev, BlockRemoved):
+                self._append(pb.Event(removed=pb.BlockRemoved(block_keys=list(ev.keys))))
+            elif isinstance(ev, AllBlocksCleared):
+                self._append(pb.Event(cleared=pb.AllBlocksCleared()))
+
+    async def _notify(self) -> None:
+        async with self._new_events:
+            self._new_events.notify_all()
+
+    async def _after_mutation(self) -> None:
+        self._publish_pool_events()
+        await self._notify()
+
+    # ----------------------------------------------------------------- Tx
+    async def GetInfo(self, request: pb.GetInfoRequest, context: Context) -> pb.NodeInfo:
+        return self.node_info
+
+    async def TxAllocate(
+        self, request: pb.TxAllocateRequest, context: Context
+    ) -> pb.TxAllocateResponse:
+        mode = TxMode.LOCK_ONLY if request.mode == pb.TX_MODE_LOCK_ONLY else TxMode.ALLOCATE
+        try:
+            result = self.pool.tx_allocate(
+                AllocateParams(
+                    tx_id=request.tx_id,
+                    tenant=request.tenant,
+                    keys=tuple(BlockKey(k) for k in request.block_keys),
+                    lease_s=request.lease_s,
+                    mode=mode,
+                )
+            )
+        except BlockPoolError as exc:
+            await self._after_mutation()
+            await _abort(context, exc)
+        await self._after_mutation()
+        return pb.TxAllocateResponse(
+            tx_id=result.tx_id,
+            handles=list(result.handles),
+            reused_blocks=result.reused_blocks,
+            new_blocks=result.new_blocks,
+            lease_remaining_s=max(0.0, result.lease_deadline - self._clock()),
+            free_blocks=self.pool.stats().free_blocks,
+        )
+
+    async def TxCommit(self, request: pb.TxCommitRequest, context: Context) -> pb.TxCommitResponse:
+        try:
+            result = self.pool.tx_commit(request.tx_id)
+        except BlockPoolError as exc:
+            await self._after_mutation()
+            await _abort(context, exc)
+        await self._after_mutation()
+        return pb.TxCommitResponse(tx_id=request.tx_id, stored_blocks=len(result.stored_keys))
+
+    async def TxAbort(self, request: pb.TxAbortRequest, context: Context) -> pb.TxAbortResponse:
+        try:
+            result = self.pool.tx_abort(request.tx_id)
+        except BlockPoolError as exc:
+            await self._after_mutation()
+            await _abort(context, exc)
+        await self._after_mutation()
+        return pb.TxAbortResponse(tx_id=request.tx_id, freed_blocks=result.freed_blocks)
+
+    # ----------------------------------------------------------------- state stream
+    async def Snapshot(self, request: pb.SnapshotRequest, context: Context) -> pb.SnapshotResponse:
+        self.pool.expire_leases()
+        self._publish_pool_events()
+        return pb.SnapshotResponse(
+            node=self.node_info,
+            epoch=self.epoch,
+            seq=self._events.last_seq,
+            cached_keys=list(self.pool.cached_keys()),
+            load=self.load_update(),
+        )
+
+    async def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: Context
+    ) -> AsyncIterator[pb.EventBatch]:
+        if request.epoch and request.epoch != self.epoch:
+            yield pb.EventBatch(epoch=self.epoch, resync_required=True)
+            return
+        next_seq = max(1, request.from_seq)
+        while not self._stopping:
+            batch = self._events.since(next_seq)
+            if batch is None:
+                yield pb.EventBatch(epoch=self.epoch, resync_required=True)
+                return
+            if batch:
+                next_seq = batch[-1][0] + 1
+                yield pb.EventBatch(epoch=self.epoch, events=[ev for _, ev in batch])
+                continue
+            async with self._new_events:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._new_events.wait(), timeout=5.0)
+
+    # ----------------------------------------------------------------- prefill
+    def _require_role(self, *allowed: str) -> None:
+        if self._settings.role not in allowed:
+            raise PromptRejected(
+                f"this node's role is {self._settings.role!r}; needs one of {', '.join(allowed)}"
+            )
+
+    async def _prefill_into_tx(
+        self, request_id: str, tenant: str, tx_id: str, prompt: tuple[int, ...]
+    ) -> tuple[KvCache | None, int, int, float]:
+        """Compute KV of prompt[:-1] into the Tx's blocks. Returns (kv, cached, computed, s)."""
+        if not prompt:
+            raise PromptRejected("prompt must contain at least one token")
+        keys = compute_block_keys(
+            prompt[:-1],
+            tenant=tenant,
+            model=self._engine.info.model,
+            block_size=self._settings.block_size,
+        )
+        if not keys and not tx_id:
+            handles: tuple[int, ...] = ()  # shorter than one block: nothing to own
+        else:
+            handles = self.pool.get_tx(tx_id).handles
+        # The agent never trusts a conductor's keys for content: they must be the
+        # keys of exactly this prompt, or a stale conductor could serve wrong KV.
+        if len(handles) != len(keys) or any(
+            self.pool.block_key(h) != k for h, k in zip(handles, keys, strict=True)
+        ):
+            raise InvalidArgument(
+                f"transaction {tx_id!r} holds blocks for a different prompt, tenant or model"
+            )
+        payloads = tuple(_as_kv(self.pool.get_payload(h)) for h in handles)
+        outcome = await self._engine.prefill(
+            PrefillJob(
+                request_id=request_id,
+                prompt_ids=prompt,
+                block_size=self._settings.block_size,
+                block_payloads=payloads,
+            )
+        )
+        # The lease may have run out while computing: then the handles may belong
+        # to someone else now and must not be written.
+        if handles:
+            try:
+                self.pool.get_tx(tx_id)
+            except BlockPoolError:
+                await self._after_mutation()
+                raise TxExpired(tx_id) from None
+        for index, kv in outcome.new_block_payloads.items():
+            self.pool.set_payload(handles[index], kv)
+        self._last_prefill = (outcome.prefill_s, outcome.computed_tokens, outcome.cached_tokens)
+        return outcome.kv, outcome.cached_tokens, outcome.computed_tokens, outcome.prefill_s
+
+    async def Prefill(self, request: pb.PrefillRequest, context: Context) -> pb.PrefillResponse:
+        prompt = tuple(request.prompt_token_ids)
+        try:
+            self._require_role("prefill", "both")
+            if not request.request_id:
+                raise PromptRejected("request_id is required")
+            if request.request_id in self._staged:
+                raise PromptRejected(f"request {request.request_id!r} is already staged")
+            kv_bytes = max(0, len(prompt) - 1) * self._engine.info.kv_layout.bytes_per_token
+            if self._staged_bytes + kv_bytes > self._settings.max_staged_bytes:
+                raise EngineBusy("staged KV buffer is full")
+            kv, cached, computed, prefill_s = await self._prefill_into_tx(
+                request.request_id, request.tenant, request.tx_id, prompt
+            )
+        except (BlockPoolError, EngineError) as exc:
+            await _abort(context, exc)
+        ttl = request.stage_ttl_s if request.stage_ttl_s > 0 else self._settings.stage_ttl_s
+        self._staged[request.request_id] = _Staged(
+            kv=kv,
+            num_tokens=len(prompt) - 1,
+            nbytes=kv_bytes,
+            expires_at=self._clock() + min(ttl, self._settings.stage_ttl_s),
+        )
+        self._staged_bytes += kv_bytes
+        return pb.PrefillResponse(
+            request_id=request.request_id,
+            prompt_tokens=len(prompt),
+            cached_tokens=cached,
+            computed_tokens=computed,
+            prefill_s=prefill_s,
+            kv_bytes=kv_bytes,
+        )
+
+    def _unstage(self, request_id: str) -> _Staged | None:
+        staged = self._staged.pop(request_id, None)
+        if staged is not None:
+            self._staged_bytes -= staged.nbytes
+        return staged
+
+    async def FetchKv(
+        self, request: pb.FetchKvRequest, context: Context
+    ) -> AsyncIterator[pb.KvChunk]:
+        # One fetch per staged prefill: claim it now so a retry cannot double-serve.
+        staged = self._unstage(request.request_id)
+        if staged is None:
+            await _abort(context, NotStaged(f"no staged KV for request {request.request_id!r}"))
+        limit = self._settings.transfer_chunk_bytes
+        chunk = max(4096, min(request.max_chunk_bytes or limit, limit))
+        data = await asyncio.to_thread(staged.kv.to_bytes) if staged.kv is not None else b""
+        view = memoryview(data)
+        offset = 0
+        while True:
+            piece = bytes(view[offset : offset + chunk])
+            msg = pb.KvChunk(
+                num_tokens=staged.num_tokens,
+                total_bytes=len(data),
+                offset=offset,
+                data=piece,
+                crc32=zlib.crc32(piece),
+            )
+            if offset == 0:
+                msg.layout.CopyFrom(layout_to_pb(self._engine.info.kv_layout))
+            yield msg
+            offset += len(piece)
+            if offset >= len(data):
+                return
+
+    # ----------------------------------------------------------------- generate
+    def _peer(self, address: str) -> pb_grpc.NodeAgentAsyncStub:
+        channel = self._peers.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+            )
+            self._peers[address] = channel
+        return pb_grpc.NodeAgentStub(channel)
+
+    async def _fetch_kv(self, source: pb.KvSource) -> tuple[KvCache | None, float, int]:
+        """Pull a staged prefill from a peer; verify layout, size, order and checksums."""
+        started = time.perf_counter()
+        own = self._engine.info.kv_layout
+        buffer = bytearray()
+        expected_total = -1
+        num_tokens = 0
+        try:
+            fetch = self._peer(source.address).FetchKv(
+                pb.FetchKvRequest(request_id=source.request_id)
+            )
+            async for chunk in fetch:
+                if expected_total < 0:
+                    lay = chunk.layout
+                    theirs = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
+                    if theirs != (own.num_layers, own.num_kv_heads, own.head_dim, own.dtype):
+                        raise TransferError("peer KV layout differs from this node's model")
+                    expected_total = chunk.total_bytes
+                    num_tokens = chunk.num_tokens
+                    if expected_total != num_tokens * own.bytes_per_token:
+                        raise TransferError("peer announced a KV size that does not match")
+                if chunk.offset != len(buffer):
+                    raise TransferError("KV chunk out of order")
+                if zlib.crc32(chunk.data) != chunk.crc32:
+                    raise TransferError(f"KV chunk at offset {chunk.offset} failed its checksum")
+                buffer.extend(chunk.data)
+                if len(buffer) > expected_total:
+                    raise TransferError("peer sent more KV than announced")
+        except grpc.aio.AioRpcError as exc:
+            raise TransferError(f"KV fetch from {source.address} failed: {exc.details()}") from exc
+        if len(buffer) != expected_total:
+            raise TransferError("KV transfer ended early")
+        if num_tokens != source.num_tokens:
+            raise TransferError(f"peer staged {num_tokens} tokens, expected {source.num_tokens}")
+        kv = None
+        if num_tokens:
+            kv = await asyncio.to_thread(KvCache.from_bytes, own, bytes(buffer), num_tokens)
+        return kv, time.perf_counter() - started, len(buffer)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        prompt = tuple(request.prompt_token_ids)
+        sp = request.sampling
+        sampling = Sampling(
+            temperature=sp.temperature,
+            top_p=sp.top_p if sp.top_p > 0 else 1.0,
+            max_tokens=sp.max_tokens or 16,
+            seed=sp.seed if sp.HasField("seed") else None,
+            stop=tuple(sp.stop),
+            ignore_eos=sp.ignore_eos,
+        )
+        timings = pb.GenerateTimings()
+        cached = 0
+        try:
+            prefix_kv: KvCache | None = None
+            if request.HasField("kv_source"):
+                self._require_role("decode", "both")
+                if request.kv_source.num_tokens != max(0, len(prompt) - 1):
+                    raise PromptRejected("kv_source.num_tokens must equal len(prompt) - 1")
+                prefix_kv, timings.transfer_s, timings.transfer_bytes = await self._fetch_kv(
+                    request.kv_source
+                )
+            elif request.tx_id:
+                self._require_role("both")
+                prefix_kv, cached, _, timings.prefill_s = await self._prefill_into_tx(
+                    request.request_id, request.tenant, request.tx_id, prompt
+                )
+            else:
+                self._require_role("decode", "both")
+            steps = self._engine.generate(
+                GenerateJob(
+                    request_id=request.request_id,
+                    prompt_ids=prompt,
+                    sampling=sampling,
+                    prefix_kv=prefix_kv,
+                )
+            )
+            produced = 0
+            first = True
+            async for step in steps:
+                produced += len(step.token_ids)
+                msg = pb.GenerateResponse(token_ids=list(step.token_ids), text=step.text)
+                if first:
+                    msg.timings.CopyFrom(timings)
+                    first = False
+                if step.finish_reason is not None:
+                    msg.finish_reason = _FINISH[step.finish_reason]
+                    msg.usage.CopyFrom(
+                        pb.GenerateUsage(
+                            prompt_tokens=len(prompt),
+                            completion_tokens=produced,
+                            cached_tokens=cached,
+                        )
+                    )
+                yield msg
+        except (BlockPoolError, EngineError, TransferError) as exc:
+            await _abort(context, exc)
+
+
+def _as_kv(payload: object) -> KvCache | None:
+    return payload if isinstance(payload, KvCache) else None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kv-conductor")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+class AgentServer:
+    """Owns the grpc.aio server, the service, the health servicer and background tasks."""
+
+    def __init__(self, settings: AgentSettings, engine: EngineAdapter) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.service = NodeAgentService(settings, engine)
+        self.health = health.aio.HealthServicer()
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ]
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return self.service.node_info.advertise_address
+
+    async def start(self) -> int:
+        pb_grpc.add_NodeAgentServicer_to_server(self.service, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self.port = self._server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        self.service.bind(self.port)
+        await self._server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._tasks.append(asyncio.create_task(self.service.run_housekeeping()))
+        log.info(
+            "node agent %s (%s, model %s) serving on %s",
+            self.service.node_info.node_id,
+            self.settings.role,
+            self.engine.info.model,
+            self.address,
+        )
+        return self.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.service.close()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        await self._server.stop(grace_s)
+        await self.engine.aclose()

@@ -1,0 +1,210 @@
+"""The embedded engine: deterministic weights, prefix reuse, KV bytes/blocks, sampling."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvc.models import CORPUS_PATH, DEFAULT_MODEL_DIR
+from kvc.tokenization import ChatTokenizer
+from node_agent.engines.embedded import EmbeddedModel, KvCache, KvLayout, Sampler, SamplingParams
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def model() -> EmbeddedModel:
+    return EmbeddedModel.load(DEFAULT_MODEL_DIR, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    tok = ChatTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    ids = tok.encode(CORPUS_PATH.read_text(encoding="utf-8")[:4000])
+    assert len(ids) >= 7 * BLOCK
+    return ids[: 6 * BLOCK + 13]
+
+
+def greedy(model: EmbeddedModel, logits: torch.Tensor, kv: KvCache, n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        token = int(torch.argmax(logits).item())
+        out.append(token)
+        logits, kv = model.forward([token], kv)
+    return out
+
+
+def assert_same_cache(a: KvCache, b: KvCache) -> None:
+    assert a.layout == b.layout
+    assert a.num_tokens == b.num_tokens
+    for (ka, va), (kb, vb) in zip(a.layers, b.layers, strict=True):
+        assert torch.equal(ka, kb)
+        assert torch.equal(va, vb)
+
+
+def _weights_digest(m: EmbeddedModel) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(m.model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# -- loading ---------------------------------------------------------------------
+
+
+def test_layout_and_metadata(model: EmbeddedModel) -> None:
+    assert model.name == "tiny-llama"
+    assert model.device == "cpu"
+    assert model.layout == KvLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    assert model.layout.bytes_per_token == 2048
+    assert model.max_model_len == 4096
+    assert model.vocab_size == 2048
+
+
+def test_load_is_deterministic_and_leaves_global_rng_alone(model: EmbeddedModel) -> None:
+    rng_before = torch.random.get_rng_state()
+    again = EmbeddedModel.load(DEFAULT_MODEL_DIR, device="cpu")
+    assert torch.equal(torch.random.get_rng_state(), rng_before)
+    first, second = model.model.state_dict(), again.model.state_dict()
+    assert first.keys() == second.keys()
+    for name, tensor in first.items():
+        assert torch.equal(tensor, second[name]), name
+    # Large initializer_range really applied (HF default std would be 0.02).
+    assert float(first["model.embed_tokens.weight"].std()) > 0.3
+
+
+def test_weights_identical_in_another_process(model: EmbeddedModel) -> None:
+    code = (
+        "import hashlib, torch\n"
+        "from kvc.models import DEFAULT_MODEL_DIR\n"
+        "from node_agent.engines.embedded import EmbeddedModel\n"
+        "m = EmbeddedModel.load(DEFAULT_MODEL_DIR, device='cpu')\n"
+        "d = hashlib.sha256()\n"
+        "for n, t in sorted(m.model.state_dict().items()):\n"
+        "    d.update(n.encode())\n"
+        "    d.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())\n"
+        "print(d.hexdigest())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == _weights_digest(model)
+
+
+# -- forward & prefix reuse --------------------------------------------------------
+
+
+def test_forward_shapes_and_errors(model: EmbeddedModel, prompt: list[int]) -> None:
+    logits, kv = model.forward(prompt[:10])
+    assert logits.shape == (model.vocab_size,)
+    assert logits.dtype == torch.float32
+    assert logits.device.type == "cpu"
+    assert kv.num_tokens == 10
+    assert kv.layout == model.layout
+    with pytest.raises(ValueError, match="at least one token"):
+        model.forward([])
+    with pytest.raises(ValueError, match="token ids"):
+        model.forward([model.vocab_size])
+    long_past = KvCache.from_bytes(
+        model.layout, bytes(model.layout.bytes_per_token * model.max_model_len), 4096
+    )
+    with pytest.raises(ValueError, match="context length"):
+        model.forward([1], long_past)
+
+
+def test_prefix_reuse_matches_full_recompute(model: EmbeddedModel, prompt: list[int]) -> None:
+    full_logits, full_kv = model.forward(prompt)
+    split = 4 * BLOCK
+    _, prefix_kv = model.forward(prompt[:split])
+    snapshot = [(k.clone(), v.clone()) for k, v in prefix_kv.layers]
+    reuse_logits, reuse_kv = model.forward(prompt[split:], prefix_kv)
+    # past is never mutated
+    for (k, v), (k0, v0) in zip(prefix_kv.layers, snapshot, strict=True):
+        assert torch.equal(k, k0)
+        assert torch.equal(v, v0)
+    assert float((full_logits - reuse_logits).abs().max()) <= 1e-5
+    assert reuse_kv.num_tokens == full_kv.num_tokens == len(prompt)
+    full_tokens = greedy(model, full_logits, full_kv, 32)
+    reuse_tokens = greedy(model, reuse_logits, reuse_kv, 32)
+    assert full_tokens == reuse_tokens
+
+
+def test_greedy_output_is_diverse(model: EmbeddedModel, prompt: list[int]) -> None:
+    logits, kv = model.forward(prompt[:50])
+    tokens = greedy(model, logits, kv, 32)
+    assert len(set(tokens)) >= 20
+
+
+def test_kv_bytes_round_trip_continues_identically(model: EmbeddedModel, prompt: list[int]) -> None:
+    prefix, rest = prompt[:-1], prompt[-1:]
+    _, kv = model.forward(prefix)
+    data = kv.to_bytes()
+    assert len(data) == kv.num_tokens * model.layout.bytes_per_token == kv.nbytes
+    restored = KvCache.from_bytes(model.layout, data, kv.num_tokens, None)
+    assert_same_cache(kv, restored)
+    direct = greedy(model, *model.forward(rest, kv), 32)
+    via_bytes = greedy(model, *model.forward(rest, restored), 32)
+    assert direct == via_bytes
+    with pytest.raises(ValueError, match="bytes"):
+        KvCache.from_bytes(model.layout, data[:-1], kv.num_tokens)
+    with pytest.raises(ValueError, match="bytes"):
+        KvCache.from_bytes(model.layout, data, kv.num_tokens + 1)
+    empty = KvCache.from_bytes(model.layout, b"", 0)
+    assert empty.num_tokens == 0
+    assert empty.to_bytes() == b""
+
+
+def test_blocks_slice_and_concat_reassemble(model: EmbeddedModel, prompt: list[int]) -> None:
+    _, kv = model.forward(prompt)
+    bounds = [*range(0, kv.num_tokens, BLOCK), kv.num_tokens]
+    blocks = [kv.slice(a, b) for a, b in itertools.pairwise(bounds)]
+    assert [b.num_tokens for b in blocks[:-1]] == [BLOCK] * (len(blocks) - 1)
+    assert all(k.is_contiguous() for b in blocks for k, _ in b.layers)
+    assert_same_cache(KvCache.concat(blocks), kv)
+    # Blocks through bytes (as a KV transfer would) reassemble identically too.
+    wired = [KvCache.from_bytes(b.layout, b.to_bytes(), b.num_tokens) for b in blocks]
+    assert_same_cache(KvCache.concat(wired), kv)
+    # Reused blocks + computed remainder == full computation, as the agent does it.
+    cached = KvCache.concat(blocks[:3])
+    logits_reuse, kv_reuse = model.forward(prompt[3 * BLOCK :], cached)
+    logits_full, _ = model.forward(prompt)
+    assert float((logits_full - logits_reuse).abs().max()) <= 1e-5
+    assert kv_reuse.num_tokens == kv.num_tokens
+    with pytest.raises(ValueError, match="outside"):
+        kv.slice(0, kv.num_tokens + 1)
+    with pytest.raises(ValueError, match="at least one part"):
+        KvCache.concat([])
+
+
+def test_dynamic_cache_round_trip(model: EmbeddedModel, prompt: list[int]) -> None:
+    _, kv = model.forward(prompt[:40])
+    assert_same_cache(KvCache.from_model_cache(kv.to_dynamic_cache()), kv)
+
+
+# -- sampling ------------------------------------------------------------------------
+
+
+def test_sampling(model: EmbeddedModel, prompt: list[int]) -> None:
+    logits, _ = model.forward(prompt[:20])
+    greedy_sampler = Sampler(SamplingParams(temperature=0.0))
+    assert greedy_sampler.sample(logits) == int(torch.argmax(logits).item())
+
+    def draws(seed: int) -> list[int]:
+        sampler = Sampler(SamplingParams(temperature=1.5, top_p=0.95, seed=seed))
+        return [sampler.sample(logits) for _ in range(50)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+    assert len(set(draws(7))) > 5
+    narrow = Sampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=1))
+    assert {narrow.sample(logits) for _ in range(10)} == {int(torch.argmax(logits).item())}
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)

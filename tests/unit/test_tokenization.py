@@ -1,0 +1,294 @@
+"""ChatTokenizer, chat templates, incremental detokenization and the shipped model folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvc.models import CORPUS_PATH, DEFAULT_MODEL_DIR
+from kvc.models.build_tiny_llama import build
+from kvc.tokenization import ChatTemplateError, ChatTokenizer, IncrementalDetokenizer
+
+MIXED_TEXT = (
+    "The lighthouse keeper wrote: “Wind NW, fresh.” — naïve café, 3.14159 ≈ π.\n"
+    "你好，世界。今天天气很好。こんにちは、東京！ 안녕하세요.\n"
+    "Emoji: 🎉🚀👋🏽 ❤️ family: 👨‍👩‍👧‍👦 flags: 🇯🇵🇬🇧\n"
+    "def f(x):\n    return {'a': [1, 2, 3]}  # tabs\tand  spaces\n"
+    "Ελληνικά, русский текст, עברית, العربية, हिन्दी.\n"
+) * 4
+
+_TOKENIZER: ChatTokenizer | None = None
+
+
+def tokenizer() -> ChatTokenizer:
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = ChatTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    return _TOKENIZER
+
+
+# -- basics -------------------------------------------------------------------
+
+
+def test_round_trip_and_special_tokens() -> None:
+    tok = tokenizer()
+    ids = tok.encode(MIXED_TEXT)
+    assert tok.decode(ids) == MIXED_TEXT
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    with_bos = tok.encode("Hello world", add_special_tokens=True)
+    assert with_bos[0] == tok.bos_token_id
+    assert with_bos[1:] == tok.encode("Hello world")
+
+
+def test_properties_of_tiny_model() -> None:
+    tok = tokenizer()
+    assert tok.vocab_size == 2048
+    assert tok.bos_token_id == tok.token_to_id("<|begin_of_text|>") == 0
+    assert tok.eos_token_ids == frozenset({tok.token_to_id("<|im_end|>"), 1})
+    assert tok.model_max_length == 4096
+    assert tok.has_chat_template
+    im_start = tok.token_to_id("<|im_start|>")
+    assert im_start is not None
+    assert im_start in tok.special_token_ids
+
+
+def test_decode_skips_special_tokens_by_default() -> None:
+    tok = tokenizer()
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == tok.token_to_id("<|im_start|>")
+    assert tok.decode(ids) == "user\nhi"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+
+
+# -- chat templates ------------------------------------------------------------
+
+
+def test_chat_template_system_user_generation_prompt() -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi there"},
+    ]
+    text = tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    without = tokenizer().apply_chat_template(messages, add_generation_prompt=False)
+    assert without == text.removesuffix("<|im_start|>assistant\n")
+
+
+def test_chat_token_ids_have_markers_once_and_no_bos() -> None:
+    tok = tokenizer()
+    messages = [{"role": "user", "content": "Hello"}]
+    ids = tok.chat_token_ids(messages)
+    assert ids == tok.encode(tok.apply_chat_template(messages))
+    assert tok.bos_token_id not in ids
+    im_start = tok.token_to_id("<|im_start|>")
+    assert im_start is not None
+    assert ids.count(im_start) == 2  # user turn + generation prompt
+    assert ids[0] == im_start
+
+
+def test_content_parts_are_joined() -> None:
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}],
+        }
+    ]
+    text = tokenizer().apply_chat_template(messages)
+    assert "<|im_start|>user\nfirst\nsecond<|im_end|>\n" in text
+
+
+def test_non_text_part_is_rejected() -> None:
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "look"},
+                {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+            ],
+        }
+    ]
+    with pytest.raises(ChatTemplateError, match="image_url"):
+        tokenizer().apply_chat_template(messages)
+
+
+def test_template_raise_exception_becomes_chat_template_error() -> None:
+    with pytest.raises(ChatTemplateError, match="Unsupported role: wizard"):
+        tokenizer().apply_chat_template([{"role": "wizard", "content": "x"}])
+
+
+def test_bad_content_type_is_a_chat_template_error() -> None:
+    with pytest.raises(ChatTemplateError):
+        tokenizer().apply_chat_template([{"role": "user", "content": 42}])
+
+
+def test_tools_render_as_plain_json() -> None:
+    tools = [{"type": "function", "function": {"name": "lookup<&>", "parameters": {}}}]
+    text = tokenizer().apply_chat_template(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}], tools=tools
+    )
+    assert text.startswith("<|im_start|>system\nS\n\nYou can call these tools:\n")
+    assert json.dumps(tools[0]) in text  # no HTML escaping of <, &, >
+    assert text.count("<|im_start|>system") == 1
+
+
+def _hf_style_folder(tmp_path: Path, tokenizer_config: dict[str, object]) -> Path:
+    folder = tmp_path / "hf-model"
+    folder.mkdir()
+    shutil.copy(DEFAULT_MODEL_DIR / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 1234}))
+    return folder
+
+
+def test_hf_style_folder_named_templates_and_dict_tokens(tmp_path: Path) -> None:
+    template = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% generation %}[{{ m['role'] }}]{{ m['content'] | tojson }}{% endgeneration %}"
+        "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    folder = _hf_style_folder(
+        tmp_path,
+        {
+            "bos_token": {"__type": "AddedToken", "content": "<|begin_of_text|>"},
+            "eos_token": {"content": "<|end_of_text|>"},
+            "model_max_length": 1000000000000000019884624838656,
+            "chat_template": [
+                {"name": "default", "template": template},
+                {"name": "tool_use", "template": "TOOLS{{ tools | length }}"},
+            ],
+        },
+    )
+    tok = ChatTokenizer.from_dir(folder)
+    assert tok.bos_token_id == 0
+    assert tok.eos_token_ids == frozenset({1, 3})
+    assert tok.model_max_length == 1234  # unbounded sentinel → config.json
+    messages = [
+        {"role": "user", "content": "a<b"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "dropped by break"},
+    ]
+    text = tok.apply_chat_template(messages)
+    assert text == '<|begin_of_text|>[user]"a<b"[assistant]"ok"[assistant]'
+    assert tok.apply_chat_template(messages, tools=[{"type": "function"}]) == "TOOLS1"
+
+
+def test_chat_template_jinja_side_file_and_special_tokens_map(tmp_path: Path) -> None:
+    folder = _hf_style_folder(tmp_path, {"model_max_length": 77})
+    (folder / "chat_template.jinja").write_text("{{ eos_token }}|{{ messages[0].content }}")
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    tok = ChatTokenizer.from_dir(folder)
+    assert tok.bos_token_id is None
+    assert tok.eos_token_ids == frozenset({1, 3})
+    assert tok.model_max_length == 77
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_end|>|x"
+
+
+def test_missing_or_broken_template(tmp_path: Path) -> None:
+    tok = ChatTokenizer.from_dir(_hf_style_folder(tmp_path, {}))
+    assert not tok.has_chat_template
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    broken = ChatTokenizer(tok.tokenizer, chat_templates={"default": "{% for %}"})
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        broken.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_matches_transformers_rendering_and_encoding() -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR), local_files_only=True)
+    tok = tokenizer()
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Où est la bibliothèque? 你好 🎉"},
+        {"role": "assistant", "content": "Here."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    for gen in (True, False):
+        expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        assert tok.apply_chat_template(messages, add_generation_prompt=gen) == expected
+    assert tok.encode(MIXED_TEXT, add_special_tokens=True) == hf(MIXED_TEXT).input_ids
+
+
+# -- incremental detokenizer ---------------------------------------------------
+
+
+def _stream(
+    tok: ChatTokenizer, ids: list[int], *, skip_special_tokens: bool = True
+) -> tuple[list[str], str]:
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens)
+    deltas = [detok.push(i) for i in ids]
+    return deltas, detok.flush()
+
+
+def test_incremental_equals_full_decode_mixed_text() -> None:
+    tok = tokenizer()
+    ids = tok.encode(MIXED_TEXT)
+    detok = IncrementalDetokenizer(tok)
+    pieces: list[str] = []
+    max_window = 0
+    for token_id in ids:
+        delta = detok.push(token_id)
+        assert "\ufffd" not in delta  # held back until the character completes
+        pieces.append(delta)
+        max_window = max(max_window, len(detok._ids))
+    pieces.append(detok.flush())
+    assert "".join(pieces) == MIXED_TEXT
+    assert max_window <= 8  # a sliding window, not the whole output
+    assert sum(1 for p in pieces if p) > len(ids) // 2  # streams, does not batch up
+
+
+def test_incremental_skips_special_tokens() -> None:
+    tok = tokenizer()
+    ids = tok.encode("<|im_start|>assistant\nDone 🎉<|im_end|>")
+    deltas, tail = _stream(tok, ids)
+    assert "".join(deltas) + tail == "assistant\nDone 🎉"
+    deltas, tail = _stream(tok, ids, skip_special_tokens=False)
+    assert "".join(deltas) + tail == "<|im_start|>assistant\nDone 🎉<|im_end|>"
+
+
+def test_incremental_flush_returns_dangling_bytes() -> None:
+    tok = tokenizer()
+    ids = tok.encode("ok 🎉")
+    deltas, tail = _stream(tok, ids[:-1])  # cut inside the emoji's bytes
+    streamed = "".join(deltas)
+    assert streamed.startswith("ok")
+    assert "\ufffd" not in streamed
+    assert tail.endswith("\ufffd")
+    assert streamed + tail == tok.decode(ids[:-1])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=2047), max_size=60))
+def test_incremental_equals_full_decode_random_ids(ids: list[int]) -> None:
+    tok = tokenizer()
+    deltas, tail = _stream(tok, ids)
+    assert "".join(deltas) + tail == tok.decode(ids)
+
+
+# -- shipped model folder --------------------------------------------------------
+
+
+def test_model_folder_is_not_stale(tmp_path: Path) -> None:
+    """Rebuilding from corpus.txt must reproduce the shipped files byte for byte."""
+    written = build(tmp_path / "rebuilt", CORPUS_PATH)
+    shipped = sorted(p.name for p in DEFAULT_MODEL_DIR.iterdir() if p.is_file())
+    assert sorted(p.name for p in written) == shipped
+    for path in written:
+        assert path.read_bytes() == (DEFAULT_MODEL_DIR / path.name).read_bytes(), (
+            f"{path.name} is stale: run `python -m kvc.models.build_tiny_llama`"
+        )
+
+
+def test_corpus_size() -> None:
+    assert 40_000 <= len(CORPUS_PATH.read_bytes()) <= 80_000
