@@ -50,6 +50,7 @@ class SamplingSpec:
     max_tokens: int
     seed: int | None
     stop: tuple[str, ...]
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +278,7 @@ class Dispatcher:
                 top_p=req.sampling.top_p,
                 max_tokens=req.sampling.max_tokens,
                 stop=list(req.sampling.stop),
+                ignore_eos=req.sampling.ignore_eos,
             )
             if req.sampling.seed is not None:
                 sampling.seed = req.sampling.seed

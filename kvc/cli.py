@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from types import FrameType
 
 from kvc.settings_cli import SettingsError, add_settings_arguments, settings_from_args
 
@@ -31,15 +32,25 @@ def _run_conductor(ns: argparse.Namespace) -> int:
     from conductor.app import create_app
     from conductor.settings import ConductorSettings
 
+    class GracefulServer(uvicorn.Server):
+        """Drains on SIGTERM/SIGINT and exits 0, like the agents (uvicorn would
+        re-raise the signal after its graceful shutdown and exit with -15)."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
     settings = settings_from_args(ConductorSettings, ns)
-    app = create_app(settings)
-    uvicorn.run(
-        app,
+    config = uvicorn.Config(
+        create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=ns.log_level.lower(),
         timeout_graceful_shutdown=30,
     )
+    GracefulServer(config).run()
     return 0
 
 

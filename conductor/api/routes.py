@@ -303,6 +303,7 @@ async def chat_completions(
             max_tokens=max_tokens,
             seed=body.seed,
             stop=tuple(body.stop_sequences),
+            ignore_eos=(body.model_extra or {}).get("ignore_eos") is True,
         )
 
     adm = await _admit(
@@ -388,6 +389,7 @@ async def completions(
             max_tokens=max_tokens,
             seed=body.seed,
             stop=tuple(body.stop_sequences),
+            ignore_eos=(body.model_extra or {}).get("ignore_eos") is True,
         )
 
     adm = await _admit(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -268,6 +270,15 @@ def test_incremental_flush_returns_dangling_bytes() -> None:
     assert streamed + tail == tok.decode(ids[:-1])
 
 
+def test_incremental_with_prompt_context() -> None:
+    tok = tokenizer()
+    prompt = tok.chat_token_ids([{"role": "user", "content": "Say hello"}])
+    generated = tok.encode("Hello there, 你好 🎉!")
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    text = "".join(detok.push(t) for t in generated) + detok.flush()
+    assert text == "Hello there, 你好 🎉!"
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=2047), max_size=60))
 def test_incremental_equals_full_decode_random_ids(ids: list[int]) -> None:
@@ -292,3 +303,15 @@ def test_model_folder_is_not_stale(tmp_path: Path) -> None:
 
 def test_corpus_size() -> None:
     assert 40_000 <= len(CORPUS_PATH.read_bytes()) <= 80_000
+
+
+def test_tokenization_does_not_import_torch_or_transformers() -> None:
+    code = (
+        "import sys\n"
+        "import kvc.tokenization, kvc.models.build_tiny_llama\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,91 @@
+"""Shared fixtures: real node agents on loopback (port 0) and the conductor app in-process."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from conductor.app import create_app
+from conductor.settings import ConductorSettings
+from conductor.state import AppState
+from node_agent.main import build_engine
+from node_agent.server import AgentServer
+from node_agent.settings import AgentSettings, Role
+
+MODEL = "tiny-llama"
+
+
+@dataclass
+class Conductor:
+    app: FastAPI
+    client: httpx.AsyncClient
+
+    @property
+    def state(self) -> AppState:
+        state: AppState = self.app.state.conductor
+        return state
+
+
+AgentFactory = Callable[..., Awaitable[AgentServer]]
+ConductorFactory = Callable[..., contextlib.AbstractAsyncContextManager[Conductor]]
+
+
+@pytest.fixture
+async def start_agent() -> AsyncIterator[AgentFactory]:
+    """Start real agents (grpc.aio on 127.0.0.1:0); all are stopped at teardown."""
+    started: list[AgentServer] = []
+
+    async def start(role: Role = "both", **overrides: Any) -> AgentServer:
+        settings = AgentSettings(role=role, port=0, load_interval_s=0.05, **overrides)
+        server = AgentServer(settings, build_engine(settings))
+        await server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        await server.stop(grace_s=0.5)
+
+
+@pytest.fixture
+def conductor() -> ConductorFactory:
+    """The real conductor app with its lifespan, reached through httpx's ASGI transport."""
+
+    @contextlib.asynccontextmanager
+    async def make(agents: list[AgentServer], **overrides: Any) -> AsyncIterator[Conductor]:
+        settings = ConductorSettings(agents=[a.address for a in agents], **overrides)
+        app = create_app(settings, poll_agents=False)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://conductor", timeout=60.0
+            ) as client:
+                yield Conductor(app=app, client=client)
+
+    return make
+
+
+def chat_body(content: str = "Hello there!", **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    body.update(extra)
+    return body
+
+
+def assert_no_locks(*agents: AgentServer) -> None:
+    """The invariant every request must leave behind: nothing locked, no open Tx."""
+    for agent in agents:
+        stats = agent.service.pool.stats()
+        assert stats.locked_blocks == 0, stats
+        assert stats.open_txs == 0, stats
+        agent.service.pool.check_invariants()

@@ -1,0 +1,249 @@
+"""The node agent's gRPC contract, exercised over a real channel on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from conductor.core.block_keys import compute_block_keys
+from kvc.v1 import node_agent_pb2 as pb
+from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from node_agent.server import ERROR_INFO_KEY, AgentServer
+from tests.conftest import MODEL, AgentFactory, assert_no_locks
+
+
+@pytest.fixture
+async def agent(start_agent: AgentFactory) -> AgentServer:
+    return await start_agent("both", capacity_blocks=64)
+
+
+@pytest.fixture
+async def stub(agent: AgentServer) -> AsyncIterator[pb_grpc.NodeAgentAsyncStub]:
+    async with grpc.aio.insecure_channel(agent.address) as channel:
+        yield pb_grpc.NodeAgentStub(channel)
+
+
+def keys_for(n_blocks: int, tenant: str = "t", offset: int = 0) -> list[int]:
+    tokens = [(offset + i) % 2000 for i in range(n_blocks * 32)]
+    return list(compute_block_keys(tokens, tenant=tenant, model=MODEL, block_size=32))
+
+
+def alloc(tx_id: str, keys: list[int], lease_s: float = 30.0) -> pb.TxAllocateRequest:
+    return pb.TxAllocateRequest(tx_id=tx_id, tenant="t", block_keys=keys, lease_s=lease_s)
+
+
+async def test_info_and_health(agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub) -> None:
+    from grpc_health.v1 import health_pb2
+
+    info = await stub.GetInfo(pb.GetInfoRequest())
+    assert info.model == MODEL
+    assert info.role == pb.NODE_ROLE_BOTH
+    assert info.block_size == 32
+    assert info.capacity_blocks == 64
+    assert info.kv_layout.bytes_per_token > 0
+    assert info.epoch == agent.service.epoch
+    async with grpc.aio.insecure_channel(agent.address) as channel:
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        for service in ("", "kvc.v1.NodeAgent"):
+            resp = await check(health_pb2.HealthCheckRequest(service=service))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_tx_lifecycle_and_idempotency(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    keys = keys_for(4)
+    first = await stub.TxAllocate(alloc("tx-1", keys))
+    again = await stub.TxAllocate(alloc("tx-1", keys))
+    assert list(first.handles) == list(again.handles)
+    assert first.new_blocks == 4
+    assert first.reused_blocks == 0
+    assert agent.service.pool.stats().locked_blocks == 4
+    commit = await stub.TxCommit(pb.TxCommitRequest(tx_id="tx-1"))
+    assert commit.stored_blocks == 4
+    assert (await stub.TxCommit(pb.TxCommitRequest(tx_id="tx-1"))).stored_blocks == 4
+    reuse = await stub.TxAllocate(alloc("tx-2", [*keys, *keys_for(1, offset=7)]))
+    assert reuse.reused_blocks == 4
+    assert reuse.new_blocks == 1
+    aborted = await stub.TxAbort(pb.TxAbortRequest(tx_id="tx-2"))
+    assert aborted.freed_blocks == 1
+    assert_no_locks(agent)
+    assert agent.service.pool.stats().cached_blocks == 4
+
+
+@pytest.mark.parametrize(
+    ("request_", "code"),
+    [
+        (pb.TxAllocateRequest(tx_id="", tenant="t", block_keys=[1], lease_s=5), "INVALID_ARGUMENT"),
+        (pb.TxAllocateRequest(tx_id="x", tenant="t", block_keys=[], lease_s=5), "INVALID_ARGUMENT"),
+        (
+            pb.TxAllocateRequest(tx_id="x", tenant="t", block_keys=[1], lease_s=0),
+            "INVALID_ARGUMENT",
+        ),
+        (
+            pb.TxAllocateRequest(tx_id="x", tenant="t", block_keys=[1], lease_s=1e9),
+            "INVALID_ARGUMENT",
+        ),
+        (
+            pb.TxAllocateRequest(tx_id="x", tenant="t", block_keys=[1, 1], lease_s=5),
+            "INVALID_ARGUMENT",
+        ),
+    ],
+)
+async def test_allocate_rejects_malformed_input(
+    agent: AgentServer,
+    stub: pb_grpc.NodeAgentAsyncStub,
+    request_: pb.TxAllocateRequest,
+    code: str,
+) -> None:
+    before = agent.service.pool.stats()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.TxAllocate(request_)
+    assert info.value.code().name == code
+    assert agent.service.pool.stats() == before
+
+
+async def test_unknown_tx_is_not_found(stub: pb_grpc.NodeAgentAsyncStub) -> None:
+    for call in (
+        stub.TxCommit(pb.TxCommitRequest(tx_id="nope")),
+        stub.TxAbort(pb.TxAbortRequest(tx_id="nope")),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_capacity_exhausted_reports_counts_and_changes_nothing(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    before = agent.service.pool.stats()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.TxAllocate(alloc("big", keys_for(65)))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = dict(info.value.trailing_metadata() or ())
+    err = pb.ErrorInfo.FromString(details[ERROR_INFO_KEY])
+    assert (err.needed_blocks, err.free_blocks) == (65, 64)
+    assert agent.service.pool.stats() == before
+
+
+async def test_lease_expiry_aborts_by_itself(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    await stub.TxAllocate(alloc("short", keys_for(3), lease_s=0.2))
+    assert agent.service.pool.stats().locked_blocks == 3
+    async with asyncio.timeout(10):
+        # Poll with a deadline: the agent's own housekeeping loop must expire it.
+        while agent.service.pool.stats().open_txs:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    assert_no_locks(agent)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.TxCommit(pb.TxCommitRequest(tx_id="short"))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_snapshot_and_event_stream(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    snap = await stub.Snapshot(pb.SnapshotRequest())
+    assert snap.epoch == agent.service.epoch
+    assert list(snap.cached_keys) == []
+    keys = keys_for(2)
+    await stub.TxAllocate(alloc("tx-e", keys))
+    await stub.TxCommit(pb.TxCommitRequest(tx_id="tx-e"))
+    watch = stub.WatchEvents(pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1))
+    stored: list[int] = []
+    seqs: list[int] = []
+    async with asyncio.timeout(10):
+        async for batch in watch:
+            assert not batch.resync_required
+            for ev in batch.events:
+                seqs.append(ev.seq)
+                if ev.WhichOneof("kind") == "stored":
+                    stored.extend(ev.stored.block_keys)
+            if stored:
+                break
+    watch.cancel()
+    assert stored == keys
+    assert seqs == sorted(seqs)
+    assert seqs[0] == snap.seq + 1
+    snap2 = await stub.Snapshot(pb.SnapshotRequest())
+    assert sorted(snap2.cached_keys) == sorted(keys)
+
+
+async def test_watch_with_another_epoch_must_resync(stub: pb_grpc.NodeAgentAsyncStub) -> None:
+    batches = [b async for b in stub.WatchEvents(pb.WatchEventsRequest(epoch="old", from_seq=1))]
+    assert len(batches) == 1
+    assert batches[0].resync_required
+
+
+async def test_fetch_unknown_staged_kv_is_not_found(stub: pb_grpc.NodeAgentAsyncStub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in stub.FetchKv(pb.FetchKvRequest(request_id="never")):
+            pass
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_prefill_checks_keys_against_the_prompt(
+    start_agent: AgentFactory,
+) -> None:
+    prefill = await start_agent("prefill")
+    async with grpc.aio.insecure_channel(prefill.address) as channel:
+        stub = pb_grpc.NodeAgentStub(channel)
+        prompt = list(range(10, 10 + 70))
+        keys = compute_block_keys(prompt[:-1], tenant="t", model=MODEL, block_size=32)
+        await stub.TxAllocate(alloc("p1", list(keys)))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Prefill(
+                pb.PrefillRequest(
+                    request_id="r1", tenant="other-tenant", tx_id="p1", prompt_token_ids=prompt
+                )
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        resp = await stub.Prefill(
+            pb.PrefillRequest(request_id="r1", tenant="t", tx_id="p1", prompt_token_ids=prompt)
+        )
+        assert resp.computed_tokens == 69
+        chunks = [c async for c in stub.FetchKv(pb.FetchKvRequest(request_id="r1"))]
+        total = sum(len(c.data) for c in chunks)
+        assert total == chunks[0].total_bytes == 69 * prefill.engine.info.kv_layout.bytes_per_token
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Generate(pb.GenerateRequest(request_id="g", prompt_token_ids=[1, 2])).read()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # wrong role
+        await stub.TxAbort(pb.TxAbortRequest(tx_id="p1"))
+    assert_no_locks(prefill)
+
+
+async def test_racing_allocations_never_double_allocate(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    """Many clients race TxAllocate for overlapping prefixes; nothing deadlocks or leaks."""
+    shared = keys_for(4, offset=100)
+    refused: list[grpc.StatusCode] = []
+
+    async def client(i: int) -> None:
+        own = keys_for(2, offset=1000 + 64 * i)
+        try:
+            await stub.TxAllocate(alloc(f"race-{i}", [*shared, *own]))
+        except grpc.aio.AioRpcError as exc:
+            refused.append(exc.code())
+            return
+        if i % 2:
+            await stub.TxCommit(pb.TxCommitRequest(tx_id=f"race-{i}"))
+        else:
+            await stub.TxAbort(pb.TxAbortRequest(tx_id=f"race-{i}"))
+
+    async with asyncio.timeout(30):
+        await asyncio.gather(*(client(i) for i in range(40)))
+    assert set(refused) <= {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert_no_locks(agent)
+    pool = agent.service.pool
+    cached = pool.cached_keys()
+    assert len(cached) == len(set(cached))
+    assert set(shared) <= set(cached)

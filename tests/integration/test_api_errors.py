@@ -1,0 +1,170 @@
+"""Bad input gets the right status and the OpenAI error envelope; nothing leaks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import MODEL, AgentFactory, ConductorFactory, assert_no_locks, chat_body
+
+
+def envelope(resp: Any) -> dict[str, Any]:
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    err: dict[str, Any] = body["error"]
+    return err
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, 400, "model", None),
+        ({"model": MODEL}, 400, "messages", None),
+        ({"model": MODEL, "messages": []}, 400, "messages", None),
+        (chat_body(temperature=5), 400, "temperature", None),
+        (chat_body(top_p=0), 400, "top_p", None),
+        (chat_body(max_tokens=0), 400, "max_tokens", None),
+        (chat_body(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
+        (chat_body(stream_options={"include_usage": True}), 400, "stream_options", None),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, None, None),
+        (chat_body(model="gpt-9"), 404, "model", "model_not_found"),
+        (chat_body(n=2), 422, "n", "unsupported_value"),
+        (chat_body(logprobs=True), 422, "logprobs", "unsupported_value"),
+        (chat_body(max_tokens=10_000_000), 400, "messages", "context_length_exceeded"),
+    ],
+)
+async def test_chat_bad_requests(
+    start_agent: AgentFactory,
+    conductor: ConductorFactory,
+    body: dict[str, Any],
+    status: int,
+    param: str | None,
+    code: str | None,
+) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        resp = await c.client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == status, resp.text
+        err = envelope(resp)
+        assert err["type"] == "invalid_request_error"
+        if param is not None:
+            assert err["param"] is not None
+            assert err["param"].startswith(param), err
+        if code is not None:
+            assert err["code"] == code
+        assert resp.headers["x-request-id"]
+    assert_no_locks(agent)
+
+
+async def test_malformed_json_and_wrong_content(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        resp = await c.client.post(
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
+        assert resp.status_code == 400
+        envelope(resp)
+        resp = await c.client.post("/v1/chat/completions", json=["a", "list"])
+        assert resp.status_code == 400
+        envelope(resp)
+        too_long = chat_body("word " * 5000)
+        resp = await c.client.post("/v1/chat/completions", json=too_long)
+        assert resp.status_code == 400
+        assert envelope(resp)["code"] == "context_length_exceeded"
+        parts = chat_body(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+        resp = await c.client.post("/v1/chat/completions", json=parts)
+        assert resp.status_code == 400
+        assert envelope(resp)["param"] == "messages"
+    assert_no_locks(agent)
+
+
+async def test_unknown_path_and_method(conductor: ConductorFactory) -> None:
+    async with conductor([]) as c:
+        resp = await c.client.get("/v1/nope")
+        assert resp.status_code == 404
+        assert envelope(resp)["type"] == "invalid_request_error"
+        resp = await c.client.get("/v1/chat/completions")
+        assert resp.status_code == 405
+        envelope(resp)
+        resp = await c.client.get("/v1/models/gpt-9")
+        assert resp.status_code == 404
+        assert envelope(resp)["code"] == "model_not_found"
+
+
+async def test_body_too_large(conductor: ConductorFactory) -> None:
+    async with conductor([], max_request_bytes=2048) as c:
+        resp = await c.client.post("/v1/chat/completions", json=chat_body("x" * 4096))
+        assert resp.status_code == 413
+        assert envelope(resp)["code"] == "request_too_large"
+        assert resp.headers["x-request-id"]
+
+
+async def test_api_keys(start_agent: AgentFactory, conductor: ConductorFactory) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent], api_keys=["sk-good"]) as c:
+        resp = await c.client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 401
+        assert envelope(resp)["code"] == "invalid_api_key"
+        resp = await c.client.get("/v1/models", headers={"Authorization": "Bearer sk-bad"})
+        assert resp.status_code == 401
+        resp = await c.client.post(
+            "/v1/chat/completions",
+            json=chat_body(),
+            headers={"Authorization": "Bearer sk-good"},
+        )
+        assert resp.status_code == 200
+        assert (await c.client.get("/health")).status_code == 200
+    assert_no_locks(agent)
+
+
+async def test_overload_is_429_with_retry_after_and_no_agent_work(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent], max_inflight_requests=1) as c:
+        c.state.inflight = 1  # one request already in flight on this conductor
+        before = agent.service.pool.stats()
+        resp = await c.client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 429
+        assert int(resp.headers["retry-after"]) >= 1
+        err = envelope(resp)
+        assert err["type"] == "requests"
+        assert err["code"] == "rate_limit_exceeded"
+        assert agent.service.pool.stats() == before
+        assert agent.engine.load().running_requests == 0
+        c.state.inflight = 0
+        metrics = (await c.client.get("/metrics")).text
+        assert 'conductor_rejections_total{reason="conductor_overloaded"} 1.0' in metrics
+
+
+async def test_node_out_of_capacity_is_429_and_leaks_nothing(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both", capacity_blocks=2)
+    async with conductor([agent]) as c:
+        resp = await c.client.post("/v1/chat/completions", json=chat_body("many words " * 60))
+        assert resp.status_code == 429
+        assert "retry-after" in resp.headers
+        assert envelope(resp)["code"] == "rate_limit_exceeded"
+        ok = await c.client.post("/v1/chat/completions", json=chat_body("short"))
+        assert ok.status_code == 200
+    assert_no_locks(agent)
+
+
+async def test_agent_dies_before_request_is_503(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent], rpc_timeout_s=2.0) as c:
+        await agent.stop(grace_s=0.1)
+        resp = await c.client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 503
+        assert "retry-after" in resp.headers
+        envelope(resp)

@@ -1,0 +1,224 @@
+"""The conductor app in-process against real node agents over gRPC on loopback."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.conftest import MODEL, AgentFactory, ConductorFactory, assert_no_locks, chat_body
+
+
+def sse_events(text: str) -> list[Any]:
+    events: list[Any] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def test_chat_completion_disaggregated(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    prefill = await start_agent("prefill")
+    decode = await start_agent("decode")
+    async with conductor([prefill, decode]) as c:
+        resp = await c.client.post("/v1/chat/completions", json=chat_body(max_tokens=8))
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert list(body) == [
+            "id",
+            "object",
+            "created",
+            "model",
+            "choices",
+            "usage",
+            "system_fingerprint",
+        ]
+        assert body["object"] == "chat.completion"
+        assert body["id"].startswith("chatcmpl-")
+        assert body["model"] == MODEL
+        choice = body["choices"][0]
+        assert choice["message"]["role"] == "assistant"
+        assert choice["finish_reason"] in ("stop", "length")
+        usage = body["usage"]
+        assert usage["prompt_tokens"] > 0
+        assert 1 <= usage["completion_tokens"] <= 8
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert resp.headers["x-request-id"].startswith("req-")
+    assert_no_locks(prefill, decode)
+
+
+async def test_request_id_is_echoed(start_agent: AgentFactory, conductor: ConductorFactory) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        resp = await c.client.post(
+            "/v1/chat/completions", json=chat_body(), headers={"X-Request-Id": "abc-123"}
+        )
+        assert resp.headers["x-request-id"] == "abc-123"
+        bad = await c.client.get("/v1/models", headers={"X-Request-Id": "bad id with spaces"})
+        assert bad.headers["x-request-id"].startswith("req-")
+
+
+async def test_streaming_with_usage(start_agent: AgentFactory, conductor: ConductorFactory) -> None:
+    prefill = await start_agent("prefill")
+    decode = await start_agent("decode")
+    async with conductor([prefill, decode]) as c:
+        body = chat_body(max_tokens=6, stream=True, stream_options={"include_usage": True})
+        resp = await c.client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp.text)
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+        assert len({ch["id"] for ch in chunks}) == 1
+        assert all("usage" in ch for ch in chunks)
+        finals = [ch for ch in chunks if ch["choices"] and ch["choices"][0]["finish_reason"]]
+        assert len(finals) == 1
+        usage_chunk = chunks[-1]
+        assert usage_chunk["choices"] == []
+        assert (
+            usage_chunk["usage"]["completion_tokens"] == 6
+            or finals[0]["choices"][0]["finish_reason"] == "stop"
+        )
+        plain = await c.client.post("/v1/chat/completions", json=chat_body(stream=True))
+        assert all("usage" not in ch for ch in sse_events(plain.text)[:-1])
+    assert_no_locks(prefill, decode)
+
+
+async def test_greedy_output_identical_across_recompute_reuse_and_transfer(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """Full recompute (colocated), P/D transfer, and a reused prefix give the same tokens."""
+    long_system = "You are a careful assistant. " * 12
+    body = chat_body(
+        "Tell me about the weather in spring.",
+        max_tokens=16,
+        messages=[
+            {"role": "system", "content": long_system},
+            {"role": "user", "content": "Tell me about the weather in spring."},
+        ],
+    )
+    both = await start_agent("both")
+    async with conductor([both]) as c:
+        colocated = (await c.client.post("/v1/chat/completions", json=body)).json()
+    prefill = await start_agent("prefill")
+    decode = await start_agent("decode")
+    async with conductor([prefill, decode]) as c:
+        cold = (await c.client.post("/v1/chat/completions", json=body)).json()
+        warm = (await c.client.post("/v1/chat/completions", json=body)).json()
+    text = colocated["choices"][0]["message"]["content"]
+    assert text, "the model produced no text"
+    assert cold["choices"][0]["message"]["content"] == text
+    assert warm["choices"][0]["message"]["content"] == text
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    assert cached % 32 == 0
+    assert cached < warm["usage"]["prompt_tokens"]
+    assert_no_locks(both, prefill, decode)
+
+
+async def test_colocated_node_reuses_its_prefix(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    body = chat_body("A question about gardens and the plants that grow in them. " * 4)
+    async with conductor([agent]) as c:
+        first = (await c.client.post("/v1/chat/completions", json=body)).json()
+        second = (await c.client.post("/v1/chat/completions", json=body)).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert first["choices"][0]["message"] == second["choices"][0]["message"]
+    assert_no_locks(agent)
+
+
+async def test_stop_sequence_and_max_tokens(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        base = (
+            await c.client.post(
+                "/v1/chat/completions", json=chat_body(max_tokens=24, ignore_eos=True)
+            )
+        ).json()
+        text = base["choices"][0]["message"]["content"]
+        assert base["choices"][0]["finish_reason"] in ("length", "stop")
+        visible = text.strip()
+        assert len(visible) >= 4, f"24 tokens gave too little text: {text!r}"
+        stop = visible[len(visible) // 2 : len(visible) // 2 + 2]
+        cut = (
+            await c.client.post(
+                "/v1/chat/completions", json=chat_body(max_tokens=24, ignore_eos=True, stop=[stop])
+            )
+        ).json()
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        assert stop not in cut["choices"][0]["message"]["content"]
+        assert text.startswith(cut["choices"][0]["message"]["content"])
+
+
+async def test_legacy_completions(start_agent: AgentFactory, conductor: ConductorFactory) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        resp = await c.client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0},
+        )
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["object"] == "text_completion"
+        assert body["usage"]["completion_tokens"] <= 5
+        ids = c.state.tokenizer.encode("Once upon a time")
+        by_ids = await c.client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": ids, "max_tokens": 5, "temperature": 0},
+        )
+        assert by_ids.json()["choices"][0]["text"] == body["choices"][0]["text"]
+        streamed = await c.client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": ids, "max_tokens": 5, "temperature": 0, "stream": True},
+        )
+        events = sse_events(streamed.text)
+        assert events[-1] == "[DONE]"
+        text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+        assert text == body["choices"][0]["text"]
+    assert_no_locks(agent)
+
+
+async def test_models_health_ready_metrics(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    prefill = await start_agent("prefill")
+    decode = await start_agent("decode")
+    async with conductor([prefill, decode]) as c:
+        models = (await c.client.get("/v1/models")).json()
+        assert models["object"] == "list"
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        assert (await c.client.get(f"/v1/models/{MODEL}")).json()["id"] == MODEL
+        assert (await c.client.get("/health")).json() == {"status": "ok"}
+        ready = await c.client.get("/ready")
+        assert ready.status_code == 200
+        assert {a["role"] for a in ready.json()["agents"]} == {"prefill", "decode"}
+        await c.client.post("/v1/chat/completions", json=chat_body())
+        metrics = (await c.client.get("/metrics")).text
+        assert 'conductor_requests_total{endpoint="chat_completions",outcome="success"} 1.0' in (
+            metrics
+        )
+        assert "conductor_time_to_first_token_seconds_bucket" in metrics
+        assert 'conductor_agents_usable{role="prefill"} 1.0' in metrics
+
+
+async def test_not_ready_without_agents(conductor: ConductorFactory) -> None:
+    async with conductor([]) as c:
+        ready = await c.client.get("/ready")
+        assert ready.status_code == 503
+        assert ready.json()["error"]["type"] == "server_error"
+        resp = await c.client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 503
+        assert "retry-after" in resp.headers
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}

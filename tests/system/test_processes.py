@@ -1,0 +1,236 @@
+"""System tier: real processes on loopback — conductor, prefill agent, decode agent.
+
+The official ``openai`` client talks to the conductor; every process is started
+with ``python -m kvc.cli`` exactly as an operator would, and stopped with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.system
+
+MODEL = "tiny-llama"
+STARTUP_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvc.cli", *args], stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+def wait_ready(base: str, procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        for proc, log in zip(procs, logs, strict=True):
+            if proc.poll() is not None:
+                raise AssertionError(f"{proc.args!r} exited early:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/ready", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError("system did not become ready:\n" + logs[-1].read_text()[-3000:])
+
+
+def stop(procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> list[int]:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=timeout_s))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"{proc.args!r} ignored SIGTERM") from None
+    return codes
+
+
+class System:
+    def __init__(self, tmp: Path) -> None:
+        self.http_port, self.prefill_port, self.decode_port = free_port(), free_port(), free_port()
+        self.base = f"http://127.0.0.1:{self.http_port}"
+        self.logs = [tmp / "prefill.log", tmp / "decode.log", tmp / "conductor.log"]
+        agent = ["agent", "--host", "127.0.0.1", "--threads", "1"]
+        self.procs = [
+            spawn([*agent, "--role", "prefill", "--port", str(self.prefill_port)], self.logs[0]),
+            spawn([*agent, "--role", "decode", "--port", str(self.decode_port)], self.logs[1]),
+            spawn(
+                [
+                    "conductor",
+                    "--port",
+                    str(self.http_port),
+                    "--agents",
+                    f"127.0.0.1:{self.prefill_port},127.0.0.1:{self.decode_port}",
+                ],
+                self.logs[2],
+            ),
+        ]
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    sysm = System(tmp_path_factory.mktemp("system"))
+    try:
+        wait_ready(sysm.base, sysm.procs, sysm.logs)
+        yield sysm
+    finally:
+        stop(sysm.procs)
+
+
+def test_openai_client_streams_a_chat_completion(system: System) -> None:
+    client = openai.OpenAI(base_url=f"{system.base}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Write a short poem about the sea."},
+        ],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    pieces: list[str] = []
+    usage = None
+    finish = None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces), "no text streamed"
+    assert finish == "length"
+    assert usage is not None
+    assert usage.completion_tokens == 16
+    # The same request, not streamed, gives the same greedy text (and reuses the prefix).
+    again = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Write a short poem about the sea."},
+        ],
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert again.choices[0].message.content == "".join(pieces)
+
+
+def test_openai_client_sees_proper_errors(system: System) -> None:
+    client = openai.OpenAI(base_url=f"{system.base}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    assert not_found.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=5
+        )
+    assert bad.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1_000_000
+        )
+    assert too_long.value.code == "context_length_exceeded"
+
+
+def test_sigterm_leaves_no_process_behind(tmp_path: Path) -> None:
+    sysm = System(tmp_path)
+    try:
+        wait_ready(sysm.base, sysm.procs, sysm.logs)
+        r = httpx.post(
+            f"{sysm.base}/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            timeout=60,
+        )
+        assert r.status_code == 200
+    finally:
+        codes = stop(sysm.procs)
+    assert codes == [0, 0, 0], [log.read_text()[-2000:] for log in sysm.logs]
+    for port in (sysm.http_port, sysm.prefill_port, sysm.decode_port):
+        assert not port_open(port)
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for child pids")
+def test_kvc_demo_serves_and_stops_everything(tmp_path: Path) -> None:
+    ports = [free_port(), free_port(), free_port()]
+    log = tmp_path / "demo.log"
+    with log.open("wb") as out:
+        demo = subprocess.Popen(
+            [
+                sys.executable, "-m", "kvc.cli", "demo",
+                "--port", str(ports[0]), "--prefill-port", str(ports[1]),
+                "--decode-port", str(ports[2]),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{ports[0]}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while "kv-conductor is ready" not in log.read_text():
+            assert demo.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.25)
+        text = log.read_text()
+        assert f"{base}/v1" in text
+        assert "curl" in text
+        children = _children(demo.pid)
+        assert len(children) == 3
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+        )
+        assert reply.choices[0].message.content is not None
+    finally:
+        demo.send_signal(signal.SIGTERM)
+        code = demo.wait(timeout=60)
+    assert code == 0, log.read_text()[-3000:]
+    assert not any(_alive(pid) for pid in children)
+    assert not any(port_open(p) for p in ports)
