@@ -1,10 +1,11 @@
 # The README's two commands: `make demo` and `make test`.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
+PYTEST_ARGS ?=
 
-.PHONY: demo test install install-dev system-deps lint typecheck pytest proto clean
+.PHONY: demo test install install-dev system-deps lint typecheck pytest proto bench clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +17,11 @@ install: $(BIN)/activate
 install-dev: $(BIN)/activate
 	$(PY) -m pip install --quiet -e '.[dev]'
 
-# Debian packages the tests need (a real redis-server). Skipped when present.
+# Debian packages the test suite needs (redis-server for the Redis tests).
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
-	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null; fi; }
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
 demo: install
 	$(BIN)/kvc demo
@@ -33,7 +34,7 @@ typecheck:
 	$(BIN)/mypy
 
 pytest:
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: install-dev system-deps lint typecheck pytest
 

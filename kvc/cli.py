@@ -3,6 +3,7 @@
   kvc conductor [flags]   run the OpenAI-compatible conductor (HTTP)
   kvc agent [flags]       run a node agent (gRPC) around an engine
   kvc demo [flags]        conductor on 127.0.0.1:8000 + a prefill and a decode agent
+  kvc probe URL           health probe for containers (http://… or grpc://host:port)
 
 Every setting is a flag and an environment variable; ``--help`` lists them.
 """
@@ -78,6 +79,12 @@ def _run_demo(ns: argparse.Namespace) -> int:
     )
 
 
+def _run_probe(ns: argparse.Namespace) -> int:
+    from kvc.probe import main as probe_main
+
+    return probe_main(ns.url, ns.timeout_s)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from conductor.settings import ConductorSettings
     from node_agent.settings import AgentSettings
@@ -100,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--decode-port", type=int, default=50062)
     p_demo.add_argument("--startup-timeout-s", type=float, default=180.0)
     p_demo.set_defaults(func=_run_demo)
+    p_probe = sub.add_parser(
+        "probe", help="health probe: http://host:port/health or grpc://host:port"
+    )
+    p_probe.add_argument("url")
+    p_probe.add_argument("--timeout-s", type=float, default=3.0)
+    p_probe.set_defaults(func=_run_probe)
     return parser
 
 

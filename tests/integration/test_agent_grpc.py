@@ -247,3 +247,11 @@ async def test_racing_allocations_never_double_allocate(
     cached = pool.cached_keys()
     assert len(cached) == len(set(cached))
     assert set(shared) <= set(cached)
+
+
+async def test_kvc_probe_reports_agent_health(agent: AgentServer) -> None:
+    from kvc.probe import probe
+
+    assert await asyncio.to_thread(probe, f"grpc://{agent.address}")
+    await agent.stop(grace_s=0.1)
+    assert not await asyncio.to_thread(probe, f"grpc://{agent.address}", 1.0)

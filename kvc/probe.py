@@ -1,0 +1,56 @@
+"""``kvc probe URL``: exit 0 when a component is healthy, 1 otherwise.
+
+For container healthchecks and exec probes without curl or grpc_health_probe:
+``http://HOST:PORT/PATH`` expects HTTP 200; ``grpc://HOST:PORT`` runs the standard
+gRPC health check (``grpc.health.v1``) for the node agent service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from urllib.parse import urlparse
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2
+
+AGENT_SERVICE = "kvc.v1.NodeAgent"
+
+
+async def _grpc_serving(address: str, timeout_s: float) -> bool:
+    async with grpc.aio.insecure_channel(address) as channel:
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        try:
+            resp = await check(
+                health_pb2.HealthCheckRequest(service=AGENT_SERVICE), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def probe(url: str, timeout_s: float = 3.0) -> bool:
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https"):
+        try:
+            return httpx.get(url, timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+    if parsed.scheme == "grpc" and parsed.netloc:
+        return asyncio.run(_grpc_serving(parsed.netloc, timeout_s))
+    raise ValueError(f"unsupported probe URL {url!r}: use http://… or grpc://host:port")
+
+
+def main(url: str, timeout_s: float) -> int:
+    try:
+        healthy = probe(url, timeout_s)
+    except ValueError as exc:
+        print(f"kvc probe: {exc}", file=sys.stderr)
+        return 2
+    print("healthy" if healthy else "unhealthy")
+    return 0 if healthy else 1
