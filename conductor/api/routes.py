@@ -322,7 +322,7 @@ async def chat_completions(
                 ChatCompletionChoice(
                     index=0,
                     message=ChatCompletionMessage(content=text),
-                    finish_reason=finish,  # type: ignore[arg-type]
+                    finish_reason=finish,
                 )
             ],
             usage=_usage_model(usage),
@@ -349,7 +349,7 @@ async def chat_completions(
                 ChunkChoice(
                     index=0,
                     delta=ChoiceDelta(content=delta.text or None),
-                    finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+                    finish_reason=delta.finish_reason,
                 )
             ]
         )
@@ -404,7 +404,7 @@ async def completions(
             id=completion_id,
             created=created,
             model=model,
-            choices=[CompletionChoice(text=text, index=0, finish_reason=finish)],  # type: ignore[arg-type]
+            choices=[CompletionChoice(text=text, index=0, finish_reason=finish)],
             usage=_usage_model(usage),
         )
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": request_id})
@@ -433,7 +433,7 @@ async def completions(
                 CompletionChunkChoice(
                     text=delta.text,
                     index=0,
-                    finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+                    finish_reason=delta.finish_reason,
                 )
             ],
         )
