@@ -1,0 +1,56 @@
+"""Writing benchmark results: a Markdown table, a JSON file and the machine it ran on."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty sample."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+def summarize_ms(samples_s: Sequence[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in samples_s]
+    return {
+        "p50_ms": percentile(ms, 50),
+        "p99_ms": percentile(ms, 99),
+        "mean_ms": statistics.fmean(ms),
+    }
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:,.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(out: Path, name: str, title: str, table: str, data: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / f"{name}.md"
+    md.write_text(f"# {title}\n\nMachine: {machine()}\n\n{table}\n")
+    (out / f"{name}.json").write_text(json.dumps({"machine": machine(), **data}, indent=2))
+    return md
