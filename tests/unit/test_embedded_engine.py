@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +210,21 @@ def test_sampling(model: EmbeddedModel, prompt: list[int]) -> None:
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_loads_a_hugging_face_folder_with_real_weights(
+    model: EmbeddedModel, prompt: list[int], tmp_path: Path
+) -> None:
+    """``--model PATH`` with weights on disk (no kvc_init.json) takes the real-weights path."""
+    folder = tmp_path / "saved-model"
+    model.model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
+    assert not (folder / "kvc_init.json").exists()
+    loaded = EmbeddedModel.load(folder, device="cpu")
+    assert loaded.name == "saved-model"
+    assert loaded.layout == model.layout
+    expected, _ = model.forward(prompt)
+    actual, _ = loaded.forward(prompt)
+    assert torch.equal(expected, actual)
+    assert ChatTokenizer.from_dir(folder).vocab_size == model.vocab_size
