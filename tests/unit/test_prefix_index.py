@@ -1,0 +1,351 @@
+"""PrefixIndex against a brute-force model, plus table-driven stream handling.
+
+The model is what the index must equal: per node an epoch, a last applied seq, a stale
+flag and a plain ``set`` of keys; ``match`` is a prefix walk per node. Keys come from a
+universe of 10 so nodes overlap constantly, and a bound of 5 keys per node makes the
+memory-bound path (drop everything, RESYNC) common.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from conductor.core.block_keys import BlockKey
+from conductor.core.prefix_index import ApplyOutcome, IndexStats, NodeId, PrefixIndex
+
+A, B, C, D = NodeId("a"), NodeId("b"), NodeId("c"), NodeId("d")
+
+
+def keys(*values: int) -> list[BlockKey]:
+    return [BlockKey(v) for v in values]
+
+
+# ------------------------------------------------------------------ brute force
+
+
+@dataclass
+class ModelNode:
+    epoch: str
+    seq: int
+    keys: set[BlockKey] = field(default_factory=set)
+    stale: bool = False
+
+
+def model_apply(
+    model: dict[NodeId, ModelNode],
+    bound: int,
+    node: NodeId,
+    epoch: str,
+    seq: int,
+    stored: Sequence[BlockKey],
+    removed: Sequence[BlockKey],
+    cleared: bool,
+) -> ApplyOutcome:
+    state = model.get(node)
+    if state is None or state.epoch != epoch or state.stale:
+        return ApplyOutcome.RESYNC
+    if seq <= state.seq:
+        return ApplyOutcome.DUPLICATE
+    if seq != state.seq + 1:
+        return ApplyOutcome.RESYNC
+    if cleared:
+        state.keys.clear()
+    state.keys -= set(removed)
+    if len(state.keys | set(stored)) > bound:
+        state.keys.clear()
+        state.stale = True
+        return ApplyOutcome.RESYNC
+    state.keys |= set(stored)
+    state.seq = seq
+    return ApplyOutcome.APPLIED
+
+
+def model_match(model: dict[NodeId, ModelNode], prompt: Sequence[BlockKey]) -> dict[NodeId, int]:
+    result: dict[NodeId, int] = {}
+    for node, state in model.items():
+        depth = 0
+        while depth < len(prompt) and prompt[depth] in state.keys:
+            depth += 1
+        result[node] = depth
+    return result
+
+
+# -------------------------------------------------------------- stateful test
+
+NODES = st.sampled_from([A, B, C, D])
+EPOCHS = st.sampled_from(["e1", "e2"])
+KEY_LISTS = st.lists(st.integers(0, 9).map(BlockKey), max_size=4)
+BOUND = 5
+
+
+class IndexMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = PrefixIndex(max_keys_per_node=BOUND)
+        self.model: dict[NodeId, ModelNode] = {}
+
+    @initialize(snapshots=st.lists(KEY_LISTS, min_size=4, max_size=4))
+    def start(self, snapshots: list[list[BlockKey]]) -> None:
+        for node, snapshot in zip((A, B, C, D), snapshots, strict=True):
+            self.reset(node, "e1", 0, snapshot)
+
+    @rule(node=NODES, epoch=EPOCHS, seq=st.integers(0, 5), snapshot=KEY_LISTS)
+    def reset(self, node: NodeId, epoch: str, seq: int, snapshot: list[BlockKey]) -> None:
+        self.index.reset_node(node, epoch, seq, snapshot)
+        self.model[node] = ModelNode(epoch, seq, set(snapshot))
+
+    @rule(node=NODES)
+    def remove(self, node: NodeId) -> None:
+        self.index.remove_node(node)
+        self.model.pop(node, None)
+
+    @rule(
+        node=NODES,
+        epoch_change=st.sampled_from([False, False, False, True]),
+        step=st.sampled_from([1, 1, 1, 1, 0, -1, 2]),
+        stored=KEY_LISTS,
+        removed=KEY_LISTS,
+        cleared=st.sampled_from([False, False, False, True]),
+    )
+    def apply(
+        self,
+        node: NodeId,
+        epoch_change: bool,
+        step: int,
+        stored: list[BlockKey],
+        removed: list[BlockKey],
+        cleared: bool,
+    ) -> None:
+        state = self.model.get(node)
+        epoch = "e1" if state is None else state.epoch
+        if epoch_change:
+            epoch = "e2" if epoch == "e1" else "e1"
+        seq = max(0, (0 if state is None else state.seq) + step)
+        was_stale = state is not None and state.stale
+        expected = model_apply(self.model, BOUND, node, epoch, seq, stored, removed, cleared)
+        got = self.index.apply(node, epoch, seq, stored=stored, removed=removed, cleared=cleared)
+        assert got is expected
+        if state is None:
+            event("apply: unknown node")
+        elif was_stale:
+            event("apply: stale node")
+        elif got is ApplyOutcome.RESYNC:
+            event("apply: overflow" if state.stale else "apply: gap or epoch")
+        else:
+            event(f"apply: {got.name}")
+
+    @rule(prompt=st.lists(st.integers(0, 9).map(BlockKey), max_size=8))
+    def match(self, prompt: list[BlockKey]) -> None:
+        got = self.index.match(prompt)
+        expected = model_match(self.model, prompt)
+        assert got == expected
+        assert list(got) == sorted(expected)  # every known node, in id order
+        best_len, holder = self.index.best_match(prompt)
+        top = max(expected.values(), default=0)
+        assert best_len == top
+        if top == 0:
+            assert holder is None
+        else:
+            assert holder == min(n for n, depth in expected.items() if depth == top)
+
+    @rule(node=NODES, data=st.data())
+    def match_a_held_chain(self, node: NodeId, data: st.DataObject) -> None:
+        held = sorted(self.model[node].keys) if node in self.model else []
+        prompt = data.draw(st.permutations(held)) + data.draw(KEY_LISTS)
+        assert self.index.match(prompt) == model_match(self.model, prompt)
+
+    @invariant()
+    def equals_model(self) -> None:
+        self.index.check_invariants()
+        assert self.index.nodes() == sorted(self.model)
+        for node, state in self.model.items():
+            assert self.index.position(node) == (state.epoch, state.seq)
+            assert self.index.node_keys(node) == state.keys
+            assert self.index.node_key_count(node) == len(state.keys) <= BOUND
+        distinct = set().union(*(s.keys for s in self.model.values()))
+        assert self.index.stats() == IndexStats(
+            nodes=len(self.model),
+            keys=len(distinct),
+            entries=sum(len(s.keys) for s in self.model.values()),
+        )
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+# ---------------------------------------------------------------- table-driven
+
+
+@pytest.mark.parametrize(
+    ("node", "epoch", "seq", "expected", "position_after"),
+    [
+        pytest.param(A, "e1", 6, ApplyOutcome.APPLIED, ("e1", 6), id="next-seq"),
+        pytest.param(A, "e1", 5, ApplyOutcome.DUPLICATE, ("e1", 5), id="same-seq"),
+        pytest.param(A, "e1", 1, ApplyOutcome.DUPLICATE, ("e1", 5), id="old-seq"),
+        pytest.param(A, "e1", 0, ApplyOutcome.DUPLICATE, ("e1", 5), id="seq-zero"),
+        pytest.param(A, "e1", 7, ApplyOutcome.RESYNC, ("e1", 5), id="gap"),
+        pytest.param(A, "e1", 10**9, ApplyOutcome.RESYNC, ("e1", 5), id="huge-gap"),
+        pytest.param(A, "e2", 6, ApplyOutcome.RESYNC, ("e1", 5), id="new-epoch"),
+        pytest.param(A, "e2", 1, ApplyOutcome.RESYNC, ("e1", 5), id="new-epoch-restart"),
+        pytest.param(B, "e1", 6, ApplyOutcome.RESYNC, None, id="unknown-node"),
+    ],
+)
+def test_apply_stream_positions(
+    node: NodeId,
+    epoch: str,
+    seq: int,
+    expected: ApplyOutcome,
+    position_after: tuple[str, int] | None,
+) -> None:
+    index = PrefixIndex()
+    index.reset_node(A, "e1", 5, keys(1, 2))
+    outcome = index.apply(node, epoch, seq, stored=keys(3))
+    assert outcome is expected
+    assert index.position(node) == position_after
+    applied = expected is ApplyOutcome.APPLIED
+    assert index.node_key_count(A) == (3 if applied else 2)  # nothing applied otherwise
+
+
+def test_gap_is_sticky_until_snapshot_and_late_event_fills_it() -> None:
+    index = PrefixIndex()
+    index.reset_node(A, "e1", 0, [])
+    assert index.apply(A, "e1", 1, stored=keys(1)) is ApplyOutcome.APPLIED
+    assert index.apply(A, "e1", 3, stored=keys(3)) is ApplyOutcome.RESYNC
+    assert index.apply(A, "e1", 4, stored=keys(4)) is ApplyOutcome.RESYNC
+    assert index.apply(A, "e1", 2, stored=keys(2)) is ApplyOutcome.APPLIED  # reordered
+    assert index.apply(A, "e1", 3, stored=keys(3)) is ApplyOutcome.APPLIED
+    assert index.node_keys(A) == frozenset(keys(1, 2, 3))
+    # A restarted agent: new epoch, keys wiped, new snapshot resumes the stream.
+    assert index.apply(A, "e2", 1, stored=keys(9)) is ApplyOutcome.RESYNC
+    index.reset_node(A, "e2", 7, keys(8))
+    assert index.position(A) == ("e2", 7)
+    assert index.node_keys(A) == frozenset(keys(8))
+    assert index.apply(A, "e2", 8) is ApplyOutcome.APPLIED  # load-only: seq advances
+    assert index.position(A) == ("e2", 8)
+
+
+@pytest.mark.parametrize(
+    ("stored", "removed", "cleared", "after"),
+    [
+        pytest.param([], [], False, {1, 2, 3}, id="load-only"),
+        pytest.param([4, 5], [], False, {1, 2, 3, 4, 5}, id="stored"),
+        pytest.param([3, 3, 4], [], False, {1, 2, 3, 4}, id="stored-dup-keys"),
+        pytest.param([], [2, 9], False, {1, 3}, id="removed-incl-unknown"),
+        pytest.param([], [], True, set(), id="cleared"),
+        pytest.param([7], [1], True, {7}, id="cleared-then-stored"),
+        pytest.param([2], [2], False, {1, 2, 3}, id="removed-then-stored"),
+    ],
+)
+def test_event_contents(
+    stored: list[int], removed: list[int], cleared: bool, after: set[int]
+) -> None:
+    index = PrefixIndex()
+    index.reset_node(A, "e", 0, keys(1, 2, 3))
+    outcome = index.apply(A, "e", 1, stored=keys(*stored), removed=keys(*removed), cleared=cleared)
+    assert outcome is ApplyOutcome.APPLIED
+    assert index.node_keys(A) == frozenset(keys(*after))
+    index.check_invariants()
+
+
+@pytest.mark.parametrize("bad_seq", [-1, True, 1.5])
+def test_rejects_malformed_seq(bad_seq: object) -> None:
+    index = PrefixIndex()
+    with pytest.raises(ValueError, match="seq"):
+        index.reset_node(A, "e", bad_seq, [])  # type: ignore[arg-type]
+    index.reset_node(A, "e", 0, [])
+    with pytest.raises(ValueError, match="seq"):
+        index.apply(A, "e", bad_seq)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bound", [0, -5, True])
+def test_rejects_bad_bound(bound: int) -> None:
+    with pytest.raises(ValueError, match="max_keys_per_node"):
+        PrefixIndex(max_keys_per_node=bound)
+
+
+# ---------------------------------------------------------------- memory bound
+
+
+def test_memory_bound_drops_node_and_demands_resync() -> None:
+    index = PrefixIndex(max_keys_per_node=4)
+    index.reset_node(A, "e", 0, keys(1, 2, 3))
+    index.reset_node(B, "e", 0, keys(1, 2))
+    assert index.apply(A, "e", 1, stored=keys(3, 4)) is ApplyOutcome.APPLIED  # exactly 4
+    assert index.apply(A, "e", 2, stored=keys(5), removed=keys(1)) is ApplyOutcome.APPLIED
+    assert index.apply(A, "e", 3, stored=keys(6)) is ApplyOutcome.RESYNC  # would be 5
+    assert index.node_key_count(A) == 0  # dropped, not partially kept
+    assert index.match(keys(1, 2)) == {A: 0, B: 2}  # other nodes untouched
+    assert index.apply(A, "e", 3) is ApplyOutcome.RESYNC  # stale until a snapshot
+    assert index.apply(A, "e", 4) is ApplyOutcome.RESYNC
+    assert index.position(A) == ("e", 2)
+    index.reset_node(A, "e", 9, keys(7, 8))
+    assert index.apply(A, "e", 10, stored=keys(9)) is ApplyOutcome.APPLIED
+    index.check_invariants()
+
+
+def test_oversized_snapshot_is_truncated_to_a_subset() -> None:
+    index = PrefixIndex(max_keys_per_node=3)
+    index.reset_node(A, "e", 0, keys(1, 1, 2, 3, 4, 5))
+    assert index.node_keys(A) == frozenset(keys(1, 2, 3))
+    assert index.match(keys(1, 2, 3, 4)) == {A: 3}
+    index.check_invariants()
+
+
+# --------------------------------------------------------------- nodes, match
+
+
+def test_remove_node_frees_its_keys_and_slot() -> None:
+    index = PrefixIndex()
+    index.reset_node(A, "e", 0, keys(1, 2, 3))
+    index.reset_node(B, "e", 0, keys(1, 2))
+    index.reset_node(C, "e", 0, keys(1))
+    index.remove_node(A)
+    index.remove_node(A)  # idempotent
+    index.remove_node(NodeId("nobody"))
+    assert index.nodes() == [B, C]
+    assert index.position(A) is None
+    assert index.node_key_count(A) == 0
+    assert index.stats() == IndexStats(nodes=2, keys=2, entries=3)
+    assert index.match(keys(1, 2, 3)) == {B: 2, C: 1}
+    index.reset_node(D, "e", 0, keys(1, 2, 3))  # reuses the freed slot
+    assert index.match(keys(1, 2, 3)) == {B: 2, C: 1, D: 3}
+    index.check_invariants()
+    for node in (B, C, D):
+        index.remove_node(node)
+    assert index.stats() == IndexStats(nodes=0, keys=0, entries=0)
+    assert index.match(keys(1)) == {}
+    assert index.best_match(keys(1)) == (0, None)
+    index.check_invariants()
+
+
+def test_match_reports_every_node_and_best_breaks_ties_by_id() -> None:
+    index = PrefixIndex()
+    assert index.match(keys(1, 2)) == {}
+    for node, held in [(C, (1, 2, 3)), (B, (1, 2, 3, 9)), (A, (2, 3)), (D, ())]:
+        index.reset_node(node, "e", 0, keys(*held))
+    assert index.match(keys(1, 2, 3, 4)) == {A: 0, B: 3, C: 3, D: 0}
+    assert index.match([]) == {A: 0, B: 0, C: 0, D: 0}
+    assert index.best_match(keys(1, 2, 3, 4)) == (3, B)
+    assert index.best_match(keys(2, 3)) == (2, A)
+    assert index.best_match(keys(5)) == (0, None)
+    # The prefix stops at the first miss, even when later keys are held.
+    assert index.match(keys(1, 4, 2, 3)) == {A: 0, B: 1, C: 1, D: 0}
+    assert index.match(keys(1, 2, 9, 3)) == {A: 0, B: 4, C: 2, D: 0}
+
+
+def test_match_over_many_nodes() -> None:
+    index = PrefixIndex()
+    chain = keys(*range(100))
+    nodes = [NodeId(f"n{i:03d}") for i in range(200)]
+    for depth, node in enumerate(nodes):
+        index.reset_node(node, "e", 0, chain[: depth % 101])
+    result = index.match(chain)
+    assert result == {node: depth % 101 for depth, node in enumerate(nodes)}
+    assert index.best_match(chain) == (100, NodeId("n100"))
