@@ -6,6 +6,12 @@ TxAbort mutate the ``BlockPool``; every mutation's events are drained into the
 prompt's KV into the Tx's blocks and stages it; a decode node pulls it through
 ``FetchKv`` (chunked, CRC-checked) and continues with ``Generate``.
 
+Hot-spot replication (Mooncake §4.2) reuses that transfer path between prefill
+nodes: the destination's ``PullBlocks`` calls the source's ``ReadBlocks`` for
+blocks both hold under open Txs (the source's is LOCK_ONLY) and writes their KV
+into its own blocks that have no content yet. Both directions share one sender
+(``_stream_kv``) and one verifying receiver (``_receive_kv``) with ``FetchKv``.
+
 Background work (lease expiry, staged-KV expiry, load updates) runs as a task the
 ``AgentServer`` owns and cancels on stop. Error mapping lives in ``_grpc_error``.
 """
@@ -20,9 +26,10 @@ import uuid
 import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from conductor.core.block_keys import BlockKey, compute_block_keys
@@ -35,6 +42,7 @@ from node_agent.blocks.pool import (
     BlockPool,
     BlockPoolError,
     BlockRemoved,
+    BlockState,
     BlockStored,
     CapacityExhausted,
     InvalidArgument,
@@ -68,6 +76,7 @@ _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 _MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
 Context = grpc.aio.ServicerContext[object, object]
+KvStream = grpc.aio.UnaryStreamCall[Any, pb.KvChunk]  # any request type
 
 
 class TransferError(Exception):
@@ -76,6 +85,10 @@ class TransferError(Exception):
 
 class NotStaged(Exception):
     """FetchKv for a request with no staged prefill (never, expired, or fetched)."""
+
+
+class ContentMissing(Exception):
+    """ReadBlocks of blocks whose KV was never computed here (allocated or committed bare)."""
 
 
 @dataclass(slots=True)
@@ -109,7 +122,7 @@ def _grpc_error(exc: Exception) -> tuple[grpc.StatusCode, str, pb.ErrorInfo | No
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), None
     if isinstance(exc, TxNotFound | NotStaged):
         return grpc.StatusCode.NOT_FOUND, str(exc), None
-    if isinstance(exc, TxClosed):  # expired, or already committed/aborted
+    if isinstance(exc, TxClosed | ContentMissing):  # expired/finished tx; blocks lack KV
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc), None
     if isinstance(exc, TransferError):
         return grpc.StatusCode.UNAVAILABLE, str(exc), None
@@ -156,6 +169,8 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         self._last_load: pb.LoadUpdate | None = None
         self._stopping = False
         self.node_info = pb.NodeInfo()
+        # Pulled blocks must live where the engine keeps KV: a pool mixing devices
+        # could not concatenate a reused prefix.
 
     # ----------------------------------------------------------------- lifecycle
     def bind(self, port: int) -> None:
@@ -423,15 +438,26 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         staged = self._unstage(request.request_id)
         if staged is None:
             await _abort(context, NotStaged(f"no staged KV for request {request.request_id!r}"))
+        async for msg in self._stream_kv(staged.kv, staged.num_tokens, request.max_chunk_bytes):
+            yield msg
+
+    async def _stream_kv(
+        self, kv: KvCache | None, num_tokens: int, max_chunk_bytes: int
+    ) -> AsyncIterator[pb.KvChunk]:
+        """The sending half of every KV transfer: layout and sizes up front, CRC32 per chunk.
+
+        At least one chunk is sent (an empty one for zero tokens), so the receiver
+        always learns the layout and the announced size.
+        """
         limit = self._settings.transfer_chunk_bytes
-        chunk = max(4096, min(request.max_chunk_bytes or limit, limit))
-        data = await asyncio.to_thread(staged.kv.to_bytes) if staged.kv is not None else b""
+        chunk = max(4096, min(max_chunk_bytes or limit, limit))
+        data = await asyncio.to_thread(kv.to_bytes) if kv is not None else b""
         view = memoryview(data)
         offset = 0
         while True:
             piece = bytes(view[offset : offset + chunk])
             msg = pb.KvChunk(
-                num_tokens=staged.num_tokens,
+                num_tokens=num_tokens,
                 total_bytes=len(data),
                 offset=offset,
                 data=piece,
@@ -444,6 +470,115 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             if offset >= len(data):
                 return
 
+    async def ReadBlocks(
+        self, request: pb.ReadBlocksRequest, context: Context
+    ) -> AsyncIterator[pb.KvChunk]:
+        # Any role may serve: a decode-only node's pool can hold hot blocks too.
+        try:
+            kv = await self._read_tx_blocks(request.tx_id, tuple(request.block_keys))
+        except (BlockPoolError, ContentMissing) as exc:
+            await self._after_mutation()  # the lookup may have expired leases
+            await _abort(context, exc)
+        num_tokens = len(request.block_keys) * self._settings.block_size
+        async for msg in self._stream_kv(kv, num_tokens, request.max_chunk_bytes):
+            yield msg
+
+    async def _read_tx_blocks(self, tx_id: str, keys: tuple[int, ...]) -> KvCache:
+        """KV of the open Tx's first ``len(keys)`` blocks, which must hold exactly ``keys``."""
+        if not keys:
+            raise InvalidArgument("block_keys must not be empty")
+        handles = self.pool.get_tx(tx_id).handles
+        if len(keys) > len(handles):
+            raise InvalidArgument(
+                f"transaction {tx_id!r} holds {len(handles)} blocks, {len(keys)} were asked for"
+            )
+        if any(self.pool.block_key(h) != k for h, k in zip(handles, keys, strict=False)):
+            raise InvalidArgument(f"transaction {tx_id!r} holds other blocks than those asked for")
+        # Taken now, before any await: payloads are immutable, so what is streamed
+        # stays the content of these keys even if the lease ran out meanwhile.
+        payloads = [_as_kv(self.pool.get_payload(h)) for h in handles[: len(keys)]]
+        bs = self._settings.block_size
+        missing = sum(p is None or p.num_tokens != bs for p in payloads)
+        if missing:
+            raise ContentMissing(
+                f"{missing} of the {len(keys)} blocks of transaction {tx_id!r} hold no KV"
+            )
+        return await asyncio.to_thread(KvCache.concat, [p for p in payloads if p is not None])
+
+    async def PullBlocks(
+        self, request: pb.PullBlocksRequest, context: Context
+    ) -> pb.PullBlocksResponse:
+        try:
+            self._require_role("prefill", "both")
+            copied, nbytes, transfer_s = await self._pull_blocks(request)
+        except (BlockPoolError, EngineError, TransferError) as exc:
+            await self._after_mutation()  # the lookups may have expired leases
+            await _abort(context, exc)
+        return pb.PullBlocksResponse(blocks_copied=copied, bytes=nbytes, transfer_s=transfer_s)
+
+    async def _pull_blocks(self, request: pb.PullBlocksRequest) -> tuple[int, int, float]:
+        """Copy the first ``num_blocks`` blocks of our Tx from the source's Tx.
+
+        Everything is received and verified before any payload is written, so a
+        failed pull leaves this node's pool exactly as it was.
+        """
+        if not request.source_address or not request.source_tx_id:
+            raise InvalidArgument("source_address and source_tx_id are required")
+        if request.num_blocks == 0:
+            raise InvalidArgument("num_blocks must be > 0")
+        tx = self.pool.get_tx(request.tx_id)
+        n = request.num_blocks
+        if n > len(tx.handles):
+            raise InvalidArgument(
+                f"transaction {request.tx_id!r} holds {len(tx.handles)} blocks, num_blocks is {n}"
+            )
+        handles = tx.handles[:n]
+        wanted = [i for i, h in enumerate(handles) if self._needs_content(h)]
+        if not wanted:
+            return 0, 0, 0.0  # everything is here already: no transfer
+        keys = [k for h in handles if (k := self.pool.block_key(h)) is not None]
+        lease_left = max(0.001, tx.lease_deadline - self._clock())
+        read = pb.ReadBlocksRequest(tx_id=request.source_tx_id, block_keys=keys)
+        bs = self._settings.block_size
+        try:
+            kv, transfer_s, nbytes = await self._receive_kv(
+                request.source_address,
+                lambda peer: peer.ReadBlocks(read, timeout=lease_left),
+                expected_tokens=n * bs,
+                device=self._engine.info.device,
+            )
+        except TransferError:
+            await self._require_open(request.tx_id)  # our lease ran out: report that instead
+            raise
+        assert kv is not None  # n > 0 blocks of > 0 tokens
+        blocks = await asyncio.to_thread(
+            lambda: {i: kv.slice(i * bs, (i + 1) * bs) for i in wanted}
+        )
+        # The lease may have run out during the transfer: then the handles may
+        # belong to someone else now and must not be written (as in Prefill).
+        await self._require_open(request.tx_id)
+        copied = 0
+        for i, block in blocks.items():
+            # Re-checked: a concurrent Prefill may have filled it meanwhile.
+            if self._needs_content(handles[i]) and self.pool.set_payload(handles[i], block):
+                copied += 1
+        return copied, nbytes, transfer_s
+
+    async def _require_open(self, tx_id: str) -> None:
+        """Raise the pool's error (expired, aborted, unknown) unless ``tx_id`` is open."""
+        try:
+            self.pool.get_tx(tx_id)
+        except BlockPoolError:
+            await self._after_mutation()
+            raise
+
+    def _needs_content(self, handle: int) -> bool:
+        """ALLOCATED without KV yet (a CACHED block's content is never replaced)."""
+        return (
+            self.pool.block_state(handle) is BlockState.ALLOCATED
+            and self.pool.get_payload(handle) is None
+        )
+
     # ----------------------------------------------------------------- generate
     def _peer(self, address: str) -> pb_grpc.NodeAgentAsyncStub:
         channel = self._peers.get(address)
@@ -455,25 +590,45 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         return pb_grpc.NodeAgentStub(channel)
 
     async def _fetch_kv(self, source: pb.KvSource) -> tuple[KvCache | None, float, int]:
-        """Pull a staged prefill from a peer; verify layout, size, order and checksums."""
+        """Pull a staged prefill from a peer (FetchKv)."""
+        request = pb.FetchKvRequest(request_id=source.request_id)
+        return await self._receive_kv(
+            source.address,
+            lambda peer: peer.FetchKv(request),
+            expected_tokens=source.num_tokens,
+        )
+
+    async def _receive_kv(
+        self,
+        address: str,
+        open_stream: Callable[[pb_grpc.NodeAgentAsyncStub], KvStream],
+        *,
+        expected_tokens: int,
+        device: torch.device | None = None,
+    ) -> tuple[KvCache | None, float, int]:
+        """The receiving half of every KV transfer: verify layout, size, order, checksums.
+
+        Returns (kv of ``expected_tokens`` tokens or None for zero, seconds, bytes).
+        Any failure, the peer's refusal included, is a ``TransferError``.
+        """
         started = time.perf_counter()
         own = self._engine.info.kv_layout
         buffer = bytearray()
         expected_total = -1
-        num_tokens = 0
+        call = open_stream(self._peer(address))
         try:
-            fetch = self._peer(source.address).FetchKv(
-                pb.FetchKvRequest(request_id=source.request_id)
-            )
-            async for chunk in fetch:
+            async for chunk in call:
                 if expected_total < 0:
                     lay = chunk.layout
                     theirs = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
                     if theirs != (own.num_layers, own.num_kv_heads, own.head_dim, own.dtype):
                         raise TransferError("peer KV layout differs from this node's model")
+                    if chunk.num_tokens != expected_tokens:
+                        raise TransferError(
+                            f"peer sends {chunk.num_tokens} tokens, expected {expected_tokens}"
+                        )
                     expected_total = chunk.total_bytes
-                    num_tokens = chunk.num_tokens
-                    if expected_total != num_tokens * own.bytes_per_token:
+                    if expected_total != expected_tokens * own.bytes_per_token:
                         raise TransferError("peer announced a KV size that does not match")
                 if chunk.offset != len(buffer):
                     raise TransferError("KV chunk out of order")
@@ -483,14 +638,18 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 if len(buffer) > expected_total:
                     raise TransferError("peer sent more KV than announced")
         except grpc.aio.AioRpcError as exc:
-            raise TransferError(f"KV fetch from {source.address} failed: {exc.details()}") from exc
+            raise TransferError(
+                f"KV transfer from {address} failed: {exc.code().name}: {exc.details()}"
+            ) from exc
+        finally:
+            call.cancel()  # no-op when complete; stops the peer when we gave up early
         if len(buffer) != expected_total:
             raise TransferError("KV transfer ended early")
-        if num_tokens != source.num_tokens:
-            raise TransferError(f"peer staged {num_tokens} tokens, expected {source.num_tokens}")
         kv = None
-        if num_tokens:
-            kv = await asyncio.to_thread(KvCache.from_bytes, own, bytes(buffer), num_tokens)
+        if expected_tokens:
+            kv = await asyncio.to_thread(
+                KvCache.from_bytes, own, bytes(buffer), expected_tokens, device
+            )
         return kv, time.perf_counter() - started, len(buffer)
 
     async def Generate(

@@ -965,3 +965,95 @@ class KvChunk(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KvChunk: _TypeAlias = KvChunk  # noqa: Y015
+
+@_typing.final
+class ReadBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TX_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_KEYS_FIELD_NUMBER: _builtins.int
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    tx_id: _builtins.str
+    """an open Tx on the serving (source) node"""
+    max_chunk_bytes: _builtins.int
+    """0 = agent default"""
+    @_builtins.property
+    def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Must equal the keys of the Tx's first len(block_keys) blocks, in order;
+        every one of them must hold KV content.
+        """
+
+    def __init__(
+        self,
+        *,
+        tx_id: _builtins.str = ...,
+        block_keys: _abc.Iterable[_builtins.int] | None = ...,
+        max_chunk_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "max_chunk_bytes", b"max_chunk_bytes", "tx_id", b"tx_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadBlocksRequest: _TypeAlias = ReadBlocksRequest  # noqa: Y015
+
+@_typing.final
+class PullBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TX_ID_FIELD_NUMBER: _builtins.int
+    SOURCE_ADDRESS_FIELD_NUMBER: _builtins.int
+    SOURCE_TX_ID_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    tx_id: _builtins.str
+    """the open Tx on this (destination) node"""
+    source_address: _builtins.str
+    """host:port of the source agent"""
+    source_tx_id: _builtins.str
+    """its open Tx (LOCK_ONLY) holding the blocks"""
+    num_blocks: _builtins.int
+    """copy the first num_blocks blocks of tx_id"""
+    def __init__(
+        self,
+        *,
+        tx_id: _builtins.str = ...,
+        source_address: _builtins.str = ...,
+        source_tx_id: _builtins.str = ...,
+        num_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "source_address", b"source_address", "source_tx_id", b"source_tx_id", "tx_id", b"tx_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullBlocksRequest: _TypeAlias = PullBlocksRequest  # noqa: Y015
+
+@_typing.final
+class PullBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_COPIED_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    TRANSFER_S_FIELD_NUMBER: _builtins.int
+    blocks_copied: _builtins.int
+    """blocks whose content was written by this pull"""
+    bytes: _builtins.int
+    """KV bytes received from the source"""
+    transfer_s: _builtins.float
+    """duration of the transfer"""
+    def __init__(
+        self,
+        *,
+        blocks_copied: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        transfer_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_copied", b"blocks_copied", "bytes", b"bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullBlocksResponse: _TypeAlias = PullBlocksResponse  # noqa: Y015

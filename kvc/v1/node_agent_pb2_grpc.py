@@ -79,6 +79,16 @@ class NodeAgentStub:
                 request_serializer=kvc_dot_v1_dot_node__agent__pb2.FetchKvRequest.SerializeToString,
                 response_deserializer=kvc_dot_v1_dot_node__agent__pb2.KvChunk.FromString,
                 _registered_method=True)
+        self.ReadBlocks = channel.unary_stream(
+                '/kvc.v1.NodeAgent/ReadBlocks',
+                request_serializer=kvc_dot_v1_dot_node__agent__pb2.ReadBlocksRequest.SerializeToString,
+                response_deserializer=kvc_dot_v1_dot_node__agent__pb2.KvChunk.FromString,
+                _registered_method=True)
+        self.PullBlocks = channel.unary_unary(
+                '/kvc.v1.NodeAgent/PullBlocks',
+                request_serializer=kvc_dot_v1_dot_node__agent__pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=kvc_dot_v1_dot_node__agent__pb2.PullBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -148,6 +158,24 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadBlocks(self, request, context):
+        """Hot-spot replication (Mooncake §4.2), source side (any role): the KV of
+        blocks this node holds under an open Tx (usually LOCK_ONLY), concatenated
+        in key order, chunked and checksummed like FetchKv.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullBlocks(self, request, context):
+        """Hot-spot replication, destination side (role prefill|both): copy the KV of
+        the first num_blocks blocks of this node's open Tx from a source node's
+        open Tx (ReadBlocks there) into the blocks that have no content yet.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +223,16 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.FetchKv,
                     request_deserializer=kvc_dot_v1_dot_node__agent__pb2.FetchKvRequest.FromString,
                     response_serializer=kvc_dot_v1_dot_node__agent__pb2.KvChunk.SerializeToString,
+            ),
+            'ReadBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlocks,
+                    request_deserializer=kvc_dot_v1_dot_node__agent__pb2.ReadBlocksRequest.FromString,
+                    response_serializer=kvc_dot_v1_dot_node__agent__pb2.KvChunk.SerializeToString,
+            ),
+            'PullBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBlocks,
+                    request_deserializer=kvc_dot_v1_dot_node__agent__pb2.PullBlocksRequest.FromString,
+                    response_serializer=kvc_dot_v1_dot_node__agent__pb2.PullBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +478,60 @@ class NodeAgent:
             '/kvc.v1.NodeAgent/FetchKv',
             kvc_dot_v1_dot_node__agent__pb2.FetchKvRequest.SerializeToString,
             kvc_dot_v1_dot_node__agent__pb2.KvChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvc.v1.NodeAgent/ReadBlocks',
+            kvc_dot_v1_dot_node__agent__pb2.ReadBlocksRequest.SerializeToString,
+            kvc_dot_v1_dot_node__agent__pb2.KvChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvc.v1.NodeAgent/PullBlocks',
+            kvc_dot_v1_dot_node__agent__pb2.PullBlocksRequest.SerializeToString,
+            kvc_dot_v1_dot_node__agent__pb2.PullBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

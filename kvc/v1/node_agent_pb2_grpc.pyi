@@ -69,6 +69,16 @@ class NodeAgentStub:
     """
     FetchKv: _grpc.UnaryStreamMultiCallable[_node_agent_pb2.FetchKvRequest, _node_agent_pb2.KvChunk]
     """Agent-to-agent KV transfer of a staged prefill, chunk by chunk."""
+    ReadBlocks: _grpc.UnaryStreamMultiCallable[_node_agent_pb2.ReadBlocksRequest, _node_agent_pb2.KvChunk]
+    """Hot-spot replication (Mooncake §4.2), source side (any role): the KV of
+    blocks this node holds under an open Tx (usually LOCK_ONLY), concatenated
+    in key order, chunked and checksummed like FetchKv.
+    """
+    PullBlocks: _grpc.UnaryUnaryMultiCallable[_node_agent_pb2.PullBlocksRequest, _node_agent_pb2.PullBlocksResponse]
+    """Hot-spot replication, destination side (role prefill|both): copy the KV of
+    the first num_blocks blocks of this node's open Tx from a source node's
+    open Tx (ReadBlocks there) into the blocks that have no content yet.
+    """
 
 @_typing.type_check_only
 class NodeAgentAsyncStub(NodeAgentStub):
@@ -95,6 +105,16 @@ class NodeAgentAsyncStub(NodeAgentStub):
     """
     FetchKv: _aio.UnaryStreamMultiCallable[_node_agent_pb2.FetchKvRequest, _node_agent_pb2.KvChunk]  # type: ignore[assignment]
     """Agent-to-agent KV transfer of a staged prefill, chunk by chunk."""
+    ReadBlocks: _aio.UnaryStreamMultiCallable[_node_agent_pb2.ReadBlocksRequest, _node_agent_pb2.KvChunk]  # type: ignore[assignment]
+    """Hot-spot replication (Mooncake §4.2), source side (any role): the KV of
+    blocks this node holds under an open Tx (usually LOCK_ONLY), concatenated
+    in key order, chunked and checksummed like FetchKv.
+    """
+    PullBlocks: _aio.UnaryUnaryMultiCallable[_node_agent_pb2.PullBlocksRequest, _node_agent_pb2.PullBlocksResponse]  # type: ignore[assignment]
+    """Hot-spot replication, destination side (role prefill|both): copy the KV of
+    the first num_blocks blocks of this node's open Tx from a source node's
+    open Tx (ReadBlocks there) into the blocks that have no content yet.
+    """
 
 class NodeAgentServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -172,5 +192,27 @@ class NodeAgentServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_node_agent_pb2.KvChunk], _abc.AsyncIterator[_node_agent_pb2.KvChunk]]:
         """Agent-to-agent KV transfer of a staged prefill, chunk by chunk."""
+
+    @_abc_1.abstractmethod
+    def ReadBlocks(
+        self,
+        request: _node_agent_pb2.ReadBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_node_agent_pb2.KvChunk], _abc.AsyncIterator[_node_agent_pb2.KvChunk]]:
+        """Hot-spot replication (Mooncake §4.2), source side (any role): the KV of
+        blocks this node holds under an open Tx (usually LOCK_ONLY), concatenated
+        in key order, chunked and checksummed like FetchKv.
+        """
+
+    @_abc_1.abstractmethod
+    def PullBlocks(
+        self,
+        request: _node_agent_pb2.PullBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_agent_pb2.PullBlocksResponse, _abc.Awaitable[_node_agent_pb2.PullBlocksResponse]]:
+        """Hot-spot replication, destination side (role prefill|both): copy the KV of
+        the first num_blocks blocks of this node's open Tx from a source node's
+        open Tx (ReadBlocks there) into the blocks that have no content yet.
+        """
 
 def add_NodeAgentServicer_to_server(servicer: NodeAgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -36,6 +36,7 @@ class EngineInfo:
     vocab_size: int
     kv_layout: KvLayout
     eos_token_ids: frozenset[int]
+    device: str = "cpu"  # where KV tensors live (torch device string)
 
 
 @dataclass(frozen=True, slots=True)

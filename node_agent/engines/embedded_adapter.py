@@ -67,6 +67,7 @@ class EmbeddedEngineAdapter:
             vocab_size=model.vocab_size,
             kv_layout=model.layout,
             eos_token_ids=tokenizer.eos_token_ids,
+            device=str(model.device),
         )
 
     @property

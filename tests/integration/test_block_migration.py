@@ -1,0 +1,344 @@
+"""Hot-spot replication between prefill nodes (Mooncake §4.2, paired TxAllocate).
+
+The conductor's choreography, driven here over real gRPC on loopback: the
+destination P allocates the whole prompt, the source S locks its cached prefix
+(LOCK_ONLY), P pulls those blocks from S (PullBlocks → S.ReadBlocks), P's
+Prefill reuses them, and both Txs are committed. Greedy decoding from the
+migrated KV must equal a full recompute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from conductor.core.block_keys import BlockKey, compute_block_keys
+from kvc.v1 import node_agent_pb2 as pb
+from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from node_agent.blocks.pool import BlockState
+from node_agent.engines.embedded import KvCache
+from node_agent.server import AgentServer
+from tests.conftest import MODEL, AgentFactory, assert_no_locks
+
+BS = 32
+TENANT = "t"
+UNREACHABLE = "127.0.0.1:1"  # nothing listens on port 1 of loopback
+
+# Three blocks of a shared "system prompt", then per-request tails.
+SHARED = [10 + (7 * i + 3) % 1500 for i in range(3 * BS)]
+S_PROMPT = [*SHARED, *range(100, 120)]  # S caches the 3 shared blocks
+P_WARM = [*SHARED[:BS], *range(50, 60)]  # P caches only the first shared block
+P_PROMPT = [*SHARED, *range(900, 945)]  # 141 tokens: 4 keys, 3 shared with S
+
+
+def keys_of(prompt: list[int]) -> list[int]:
+    return list(compute_block_keys(prompt[:-1], tenant=TENANT, model=MODEL, block_size=BS))
+
+
+def alloc(
+    tx_id: str, keys: list[int], *, lease_s: float = 30.0, lock_only: bool = False
+) -> pb.TxAllocateRequest:
+    mode = pb.TX_MODE_LOCK_ONLY if lock_only else pb.TX_MODE_ALLOCATE
+    return pb.TxAllocateRequest(
+        tx_id=tx_id, tenant=TENANT, block_keys=keys, lease_s=lease_s, mode=mode
+    )
+
+
+Stubs = Callable[[AgentServer], "pb_grpc.NodeAgentAsyncStub"]
+
+
+@pytest.fixture
+async def stubs() -> AsyncIterator[Stubs]:
+    """One channel per agent, all closed at teardown."""
+    channels: list[grpc.aio.Channel] = []
+
+    def make(agent: AgentServer) -> pb_grpc.NodeAgentAsyncStub:
+        channel = grpc.aio.insecure_channel(agent.address)
+        channels.append(channel)
+        return pb_grpc.NodeAgentStub(channel)
+
+    yield make
+    for channel in channels:
+        await channel.close()
+
+
+async def cache_prompt(stub: pb_grpc.NodeAgentAsyncStub, prompt: list[int], tag: str) -> None:
+    """What the conductor does for one request: TxAllocate, Prefill, (decode,) TxCommit."""
+    await stub.TxAllocate(alloc(f"{tag}-tx", keys_of(prompt)))
+    await stub.Prefill(
+        pb.PrefillRequest(
+            request_id=f"{tag}-req", tenant=TENANT, tx_id=f"{tag}-tx", prompt_token_ids=prompt
+        )
+    )
+    await stub.TxCommit(pb.TxCommitRequest(tx_id=f"{tag}-tx"))
+
+
+def payloads(agent: AgentServer, tx_id: str) -> list[object | None]:
+    pool = agent.service.pool
+    return [pool.get_payload(h) for h in pool.get_tx(tx_id).handles]
+
+
+def cached_state(agent: AgentServer) -> dict[int | None, object | None]:
+    """Cached key -> payload object (identity shows the content was left alone)."""
+    pool = agent.service.pool
+    return {
+        pool.block_key(h): pool.get_payload(h)
+        for h in range(pool.capacity_blocks)
+        if pool.block_state(h) is BlockState.CACHED
+    }
+
+
+async def greedy(stub: pb_grpc.NodeAgentAsyncStub, request: pb.GenerateRequest) -> list[int]:
+    request.sampling.CopyFrom(pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    return [t async for msg in stub.Generate(request) for t in msg.token_ids]
+
+
+async def expect_code(call: Awaitable[Any], code: grpc.StatusCode) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == code, info.value.details()
+    return info.value.details() or ""
+
+
+async def read_all(call: grpc.aio.UnaryStreamCall[Any, pb.KvChunk]) -> list[pb.KvChunk]:
+    return [chunk async for chunk in call]
+
+
+async def test_pulled_prefix_is_reused_and_decodes_like_recompute(
+    start_agent: AgentFactory, stubs: Stubs
+) -> None:
+    src, dst, dec, cold = await asyncio.gather(
+        start_agent("prefill", capacity_blocks=32),
+        start_agent("prefill", capacity_blocks=32),
+        start_agent("decode", capacity_blocks=8),
+        start_agent("both", capacity_blocks=8),
+    )
+    s, p = stubs(src), stubs(dst)
+    await cache_prompt(s, S_PROMPT, "s-warm")
+    await cache_prompt(p, P_WARM, "p-warm")
+    s_before = cached_state(src)
+    keys = keys_of(P_PROMPT)
+    assert len(keys) == 4
+
+    # 1. destination: reuse its 1 cached block, allocate 3, lock all 4.
+    dst_tx = await p.TxAllocate(alloc("T_dst", keys))
+    assert (dst_tx.reused_blocks, dst_tx.new_blocks) == (1, 3)
+    # 2. source: lock its cached prefix only.
+    n = 3
+    src_tx = await s.TxAllocate(alloc("T_src", keys[:n], lock_only=True))
+    assert (src_tx.reused_blocks, src_tx.new_blocks) == (n, 0)
+    # 3. pull: block 0 is cached on P already and left alone; blocks 1, 2 are copied.
+    block0 = payloads(dst, "T_dst")[0]
+    pulled = await p.PullBlocks(
+        pb.PullBlocksRequest(
+            tx_id="T_dst", source_address=src.address, source_tx_id="T_src", num_blocks=n
+        )
+    )
+    bytes_per_token = dst.engine.info.kv_layout.bytes_per_token
+    assert pulled.blocks_copied == 2
+    assert pulled.bytes == n * BS * bytes_per_token
+    assert pulled.transfer_s > 0
+    after = payloads(dst, "T_dst")
+    assert after[0] is block0
+    assert after[3] is None
+    src_blocks = payloads(src, "T_src")
+    for i in (1, 2):
+        mine, theirs = after[i], src_blocks[i]
+        assert isinstance(mine, KvCache)
+        assert isinstance(theirs, KvCache)
+        assert mine.num_tokens == BS
+        for (k1, v1), (k2, v2) in zip(mine.layers, theirs.layers, strict=True):
+            assert torch.equal(k1.cpu(), k2.cpu())
+            assert torch.equal(v1.cpu(), v2.cpu())
+    # A retried pull finds nothing left to copy.
+    again = await p.PullBlocks(
+        pb.PullBlocksRequest(
+            tx_id="T_dst", source_address=src.address, source_tx_id="T_src", num_blocks=n
+        )
+    )
+    assert (again.blocks_copied, again.bytes) == (0, 0)
+    # 4. prefill reuses the leading run: 1 own + 2 pulled blocks.
+    prefill = await p.Prefill(
+        pb.PrefillRequest(
+            request_id="r-dst", tenant=TENANT, tx_id="T_dst", prompt_token_ids=P_PROMPT
+        )
+    )
+    assert prefill.cached_tokens == n * BS
+    assert prefill.computed_tokens == len(P_PROMPT) - 1 - n * BS
+    # 5. source releases its locks; end to end, decode from the migrated KV.
+    await s.TxCommit(pb.TxCommitRequest(tx_id="T_src"))
+    migrated = await greedy(
+        stubs(dec),
+        pb.GenerateRequest(
+            request_id="g-dst",
+            tenant=TENANT,
+            prompt_token_ids=P_PROMPT,
+            kv_source=pb.KvSource(
+                address=dst.address, request_id="r-dst", num_tokens=len(P_PROMPT) - 1
+            ),
+        ),
+    )
+    recomputed = await greedy(
+        stubs(cold),
+        pb.GenerateRequest(request_id="g-cold", tenant=TENANT, prompt_token_ids=P_PROMPT),
+    )
+    assert len(migrated) == 8
+    assert migrated == recomputed
+    commit = await p.TxCommit(pb.TxCommitRequest(tx_id="T_dst"))
+    assert commit.stored_blocks == 3
+    assert_no_locks(src, dst, dec, cold)
+    assert cached_state(src) == s_before
+    assert dst.service.pool.match_prefix([BlockKey(k) for k in keys]) == 4
+
+
+async def test_read_blocks_streams_checked_chunks_and_refuses_bad_requests(
+    start_agent: AgentFactory, stubs: Stubs
+) -> None:
+    src = await start_agent("both", capacity_blocks=32)
+    s = stubs(src)
+    await cache_prompt(s, S_PROMPT, "warm")
+    keys = keys_of(S_PROMPT)
+    await s.TxAllocate(alloc("lock", keys, lock_only=True))
+
+    chunks = await read_all(
+        s.ReadBlocks(pb.ReadBlocksRequest(tx_id="lock", block_keys=keys[:2], max_chunk_bytes=4096))
+    )
+    total = 2 * BS * src.engine.info.kv_layout.bytes_per_token
+    assert len(chunks) == total // 4096
+    assert chunks[0].layout.num_layers > 0
+    assert {(c.num_tokens, c.total_bytes) for c in chunks} == {(2 * BS, total)}
+    assert [c.offset for c in chunks] == list(range(0, total, 4096))
+    assert all(zlib.crc32(c.data) == c.crc32 for c in chunks)
+
+    def read(tx_id: str, block_keys: list[int]) -> Awaitable[list[pb.KvChunk]]:
+        return read_all(s.ReadBlocks(pb.ReadBlocksRequest(tx_id=tx_id, block_keys=block_keys)))
+
+    not_found = grpc.StatusCode.NOT_FOUND
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    precondition = grpc.StatusCode.FAILED_PRECONDITION
+    await expect_code(read("never-opened", keys), not_found)
+    await expect_code(read("lock", keys[1:]), invalid)  # not the tx's leading blocks
+    await expect_code(read("lock", [*keys_of(P_PROMPT)[:3], keys[0]]), invalid)
+    await expect_code(read("lock", [*keys, 12345]), invalid)  # more than the tx holds
+    await expect_code(read("lock", []), invalid)
+    # Blocks without KV: allocated but never prefilled, or committed bare.
+    await s.TxAllocate(alloc("fresh", keys_of(P_PROMPT)))
+    details = await expect_code(read("fresh", keys_of(P_PROMPT)[3:4]), invalid)
+    assert "other blocks" in details
+    # Its first 3 blocks are S's cached ones (readable); the 4th has no KV yet.
+    assert len(await read("fresh", keys_of(P_PROMPT)[:3])) == 1
+    await expect_code(read("fresh", keys_of(P_PROMPT)), precondition)
+    bare = keys_of([*range(1000, 1000 + 2 * BS), 1])
+    await s.TxAllocate(alloc("bare", bare))
+    await s.TxCommit(pb.TxCommitRequest(tx_id="bare"))
+    await s.TxAllocate(alloc("bare-lock", bare, lock_only=True))
+    details = await expect_code(read("bare-lock", bare), precondition)
+    assert "hold no KV" in details
+    await s.TxCommit(pb.TxCommitRequest(tx_id="bare-lock"))
+    await expect_code(read("bare-lock", bare), precondition)  # closed tx
+
+    for tx_id in ("lock", "fresh"):
+        await s.TxAbort(pb.TxAbortRequest(tx_id=tx_id))
+    assert_no_locks(src)
+
+
+async def test_failed_pulls_change_nothing_on_the_destination(
+    start_agent: AgentFactory, stubs: Stubs
+) -> None:
+    src, dst, dec = await asyncio.gather(
+        start_agent("both", capacity_blocks=32),
+        start_agent("prefill", capacity_blocks=32),
+        start_agent("decode", capacity_blocks=8),
+    )
+    s, p = stubs(src), stubs(dst)
+    await cache_prompt(s, S_PROMPT, "s-warm")
+    await cache_prompt(p, P_WARM, "p-warm")
+    keys = keys_of(P_PROMPT)
+    await p.TxAllocate(alloc("T_dst", keys))
+    await s.TxAllocate(alloc("T_src", keys[:3], lock_only=True))
+    await s.TxAllocate(alloc("T_other", keys_of(S_PROMPT)[:1], lock_only=True))
+    before = payloads(dst, "T_dst")
+    dst_cached = cached_state(dst)
+
+    def pull(**fields: Any) -> Awaitable[pb.PullBlocksResponse]:
+        request = pb.PullBlocksRequest(
+            tx_id="T_dst", source_address=src.address, source_tx_id="T_src", num_blocks=3
+        )
+        for name, value in fields.items():
+            setattr(request, name, value)
+        return p.PullBlocks(request)
+
+    unavailable = grpc.StatusCode.UNAVAILABLE
+    await expect_code(pull(source_address=UNREACHABLE), unavailable)
+    details = await expect_code(pull(source_tx_id="no-such-tx"), unavailable)
+    assert "NOT_FOUND" in details  # the source's refusal is named in the message
+    # The source's tx holds fewer blocks than the destination asks for.
+    details = await expect_code(pull(source_tx_id="T_other"), unavailable)
+    assert "INVALID_ARGUMENT" in details
+    await expect_code(pull(tx_id="no-such-tx"), grpc.StatusCode.NOT_FOUND)
+    await expect_code(pull(num_blocks=5), grpc.StatusCode.INVALID_ARGUMENT)
+    await expect_code(pull(num_blocks=0), grpc.StatusCode.INVALID_ARGUMENT)
+    await expect_code(pull(source_address=""), grpc.StatusCode.INVALID_ARGUMENT)
+    await expect_code(
+        stubs(dec).PullBlocks(
+            pb.PullBlocksRequest(
+                tx_id="T_dst", source_address=src.address, source_tx_id="T_src", num_blocks=1
+            )
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,  # a decode node does not pull prefixes
+    )
+    after = payloads(dst, "T_dst")
+    assert all(a is b for a, b in zip(after, before, strict=True))
+    assert cached_state(dst) == dst_cached
+
+    for stub, tx_id in ((p, "T_dst"), (s, "T_src"), (s, "T_other")):
+        await stub.TxAbort(pb.TxAbortRequest(tx_id=tx_id))
+    assert_no_locks(src, dst, dec)
+    assert cached_state(dst) == dst_cached
+
+
+async def test_pull_after_the_destination_lease_expired_is_refused(
+    start_agent: AgentFactory, stubs: Stubs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, dst = await asyncio.gather(
+        start_agent("prefill", capacity_blocks=32), start_agent("prefill", capacity_blocks=32)
+    )
+    s, p = stubs(src), stubs(dst)
+    await cache_prompt(s, S_PROMPT, "s-warm")
+    keys = keys_of(P_PROMPT)
+    await s.TxAllocate(alloc("T_src", keys[:3], lock_only=True))
+    request = pb.PullBlocksRequest(
+        tx_id="T_dst", source_address=src.address, source_tx_id="T_src", num_blocks=3
+    )
+
+    # Expired before the pull.
+    await p.TxAllocate(alloc("T_dst", keys, lease_s=0.2))
+    await asyncio.sleep(0.3)
+    await expect_code(p.PullBlocks(request), grpc.StatusCode.FAILED_PRECONDITION)
+    assert_no_locks(dst)
+
+    # Expired during the transfer: nothing may be written into the freed blocks.
+    service = dst.service
+    receive = service._receive_kv
+
+    async def slow_receive(*args: Any, **kwargs: Any) -> Any:
+        result = await receive(*args, **kwargs)
+        await asyncio.sleep(0.7)  # the lease (0.6 s) runs out meanwhile
+        return result
+
+    monkeypatch.setattr(service, "_receive_kv", slow_receive)
+    await p.TxAllocate(alloc("T_dst2", keys, lease_s=0.6))
+    request.tx_id = "T_dst2"
+    details = await expect_code(p.PullBlocks(request), grpc.StatusCode.FAILED_PRECONDITION)
+    assert "expired" in details
+    assert service.pool.stats().cached_blocks == 0
+    assert all(service.pool.get_payload(h) is None for h in range(service.pool.capacity_blocks))
+
+    await s.TxCommit(pb.TxCommitRequest(tx_id="T_src"))
+    assert_no_locks(src, dst)
