@@ -22,7 +22,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conductor.adapters.agents import AgentFleet
+from conductor.adapters.shadow import ShadowSync
 from conductor.api.routes import router
+from conductor.core.prefix_index import PrefixIndex
+from conductor.core.scheduler import Scheduler
 from conductor.dispatch import Dispatcher
 from conductor.errors import (
     ConductorError,
@@ -143,8 +146,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, on_unexpected)
 
 
-def create_app(settings: ConductorSettings, *, poll_agents: bool = True) -> FastAPI:
-    """Build the conductor app. ``poll_agents=False`` turns the poll loop off (tests)."""
+def create_app(
+    settings: ConductorSettings, *, poll_agents: bool = True, follow_events: bool = True
+) -> FastAPI:
+    """Build the conductor app. The switches turn the background loops off (tests):
+    ``poll_agents`` (GetInfo health poll), ``follow_events`` (shadow index sync)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -155,32 +161,45 @@ def create_app(settings: ConductorSettings, *, poll_agents: bool = True) -> Fast
                 settings.agents, model=model_name, rpc_timeout_s=settings.rpc_timeout_s
             )
             stack.push_async_callback(fleet.aclose)
+            metrics = ConductorMetrics()
+            index = PrefixIndex()
             dispatcher = Dispatcher(
                 fleet,
+                index,
+                Scheduler(settings.scheduler_config()),
+                model=model_name,
                 lease_s=settings.lease_s,
                 rpc_timeout_s=settings.rpc_timeout_s,
                 request_timeout_s=settings.request_timeout_s,
+                observe_decision_s=metrics.decision.observe,
             )
             stack.push_async_callback(dispatcher.drain)
             state = AppState(
                 settings=settings,
                 tokenizer=tokenizer,
                 fleet=fleet,
+                index=index,
                 dispatcher=dispatcher,
-                metrics=ConductorMetrics(),
+                metrics=metrics,
                 model_name=model_name,
             )
             app.state.conductor = state
             await fleet.refresh_all()
+            stop = asyncio.Event()
+            tasks: list[asyncio.Task[None]] = []
             if poll_agents:
-                stop = asyncio.Event()
-                task = asyncio.create_task(fleet.run(settings.agent_poll_interval_s, stop))
+                tasks.append(asyncio.create_task(fleet.run(settings.agent_poll_interval_s, stop)))
+            if follow_events:
+                shadow = ShadowSync(fleet, index, on_lag=metrics.event_lag.observe)
+                tasks.append(asyncio.create_task(shadow.run(stop)))
 
-                async def stop_polling() -> None:
-                    stop.set()
-                    await task
+            async def stop_background() -> None:
+                stop.set()
+                for task in tasks:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
-                stack.push_async_callback(stop_polling)
+            stack.push_async_callback(stop_background)
             log.info(
                 "conductor serving model %s with %d agent(s) configured",
                 model_name,

@@ -1,17 +1,21 @@
 """Runs one generation across node agents as a Mooncake-style transaction.
 
-1. Rank (prefill, decode) candidates (``conductor.core.placement``).
-2. ``TxAllocate`` the prompt's block keys on the prefill node (reuse + lock).
-3. Disaggregated: ``Prefill`` there, then ``Generate`` on the decode node with a
-   ``kv_source`` pointing back at the staged KV. Colocated ("both" node):
-   ``Generate`` with the ``tx_id`` and the node prefills locally.
-4. When the first token arrives, ``TxCommit`` on the prefill node: the new blocks
-   become reusable prefix cache.
-5. Any failure or cancellation before the commit ``TxAbort``s the Tx (shielded
-   from cancellation). Node-side leases are the backstop if this process dies.
+1. Block keys of ``prompt[:-1]``; prefix length per node from the shadow index.
+2. ``Scheduler.schedule`` (Algorithm 1 + admission) → a placement, or a rejection that
+   becomes 429 with ``Retry-After`` before any agent is called.
+3. ``TxAllocate`` the keys on the prefill node (reuse + lock). With a migration:
+   ``TxAllocate(LOCK_ONLY)`` on the holder, ``PullBlocks`` on the prefill node, commit the
+   holder (paired Tx, §5.3); a failed migration falls back to recomputing.
+4. Disaggregated: ``Prefill`` there, then ``Generate`` on the decode node with a
+   ``kv_source`` pointing back at the staged KV. Colocated ("both" node): ``Generate``
+   with the ``tx_id``; the node prefills locally.
+5. First token → ``TxCommit`` on the prefill node: new blocks become reusable prefix.
+6. Any failure or cancellation before the commit ``TxAbort``s every Tx held (shielded
+   from cancellation); node-side leases are the backstop if this process dies.
 
-A node that is out of capacity (RESOURCE_EXHAUSTED) or unreachable makes the
-dispatcher try the next candidate; every error leaves here as a ``ConductorError``.
+A node that refuses for capacity (RESOURCE_EXHAUSTED) or is unreachable is excluded and
+the request is scheduled again among the rest. Measured prefill, transfer and decode
+times feed the scheduler's cost models. Every error leaves as a ``ConductorError``.
 """
 
 from __future__ import annotations
@@ -19,15 +23,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 
 from conductor.adapters.agents import AgentCallError, AgentFleet, AgentHandle, translate_rpc_error
-from conductor.core.block_keys import compute_block_keys
-from conductor.core.placement import rank_candidates
+from conductor.core.block_keys import BlockKey, compute_block_keys
+from conductor.core.prefix_index import NodeId, PrefixIndex
+from conductor.core.scheduler import (
+    NodeState,
+    Placement,
+    Rejection,
+    Scheduler,
+    ScheduleRequest,
+    Slo,
+)
 from conductor.errors import (
     ConductorError,
     GatewayTimeout,
@@ -59,6 +72,7 @@ class GenerationRequest:
     tenant: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingSpec
+    slo: Slo
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,12 +91,40 @@ class TokenDelta:
 
 
 @dataclass(frozen=True, slots=True)
-class Placement:
+class Outcome:
+    """Where a request ran and what it reused, for metrics and tests."""
+
     prefill_node: str
     decode_node: str
     disaggregated: bool
-    reused_blocks: int
-    cached_tokens: int
+    cached_tokens: int  # reused on the prefill node (incl. migrated blocks)
+    migrated_tokens: int  # of those, pulled from another node for this request
+    predicted_ttft_s: float
+
+
+class RejectedBySchedule(RateLimited):
+    """A scheduling rejection: the SLO cannot be met, or no node fits."""
+
+    def __init__(self, rejection: Rejection) -> None:
+        messages = {
+            "ttft_slo": "The predicted time to first token exceeds the SLO; retry later.",
+            "tbt_slo": "The predicted time between tokens exceeds the SLO; retry later.",
+            "no_prefill_node": "No prefill node can take this request now.",
+            "no_decode_node": "No decode node has room for this request now.",
+        }
+        codes = {
+            "ttft_slo": "ttft_slo_unattainable",
+            "tbt_slo": "tbt_slo_unattainable",
+            "no_prefill_node": "insufficient_capacity",
+            "no_decode_node": "insufficient_capacity",
+        }
+        super().__init__(
+            messages[rejection.reason],
+            retry_after_s=rejection.retry_after_s,
+            reason=rejection.reason,
+            code=codes[rejection.reason],
+        )
+        self.rejection = rejection
 
 
 def _to_delta(msg: pb.GenerateResponse, cached_tokens: int) -> TokenDelta:
@@ -101,60 +143,6 @@ def _to_delta(msg: pb.GenerateResponse, cached_tokens: int) -> TokenDelta:
     )
 
 
-class GenerationStream:
-    """The running generation: iterate ``TokenDelta``s; ``aclose()`` cancels it."""
-
-    def __init__(
-        self,
-        call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
-        first: pb.GenerateResponse,
-        placement: Placement,
-        release: list[AgentHandle],
-        decode_address: str,
-    ) -> None:
-        self._call = call
-        self._pending: pb.GenerateResponse | None = first
-        self.placement = placement
-        self._release = release
-        self._decode_address = decode_address
-        self._closed = False
-        self._finished = False
-
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    async def __anext__(self) -> TokenDelta:
-        if self._finished:
-            raise StopAsyncIteration
-        if self._pending is not None:
-            msg, self._pending = self._pending, None
-        else:
-            try:
-                read = await self._call.read()
-            except grpc.aio.AioRpcError as exc:
-                await self.aclose()
-                raise _map_error(translate_rpc_error(self._decode_address, exc)) from exc
-            if read is grpc.aio.EOF:
-                await self.aclose()
-                raise UpstreamError("the decode node ended the stream without a finish reason")
-            assert isinstance(read, pb.GenerateResponse)
-            msg = read
-        delta = _to_delta(msg, self.placement.cached_tokens)
-        if delta.finish_reason is not None:
-            self._finished = True
-            await self.aclose()
-        return delta
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if not self._finished:
-            self._call.cancel()
-        for agent in self._release:
-            agent.inflight -= 1
-
-
 def _map_error(exc: AgentCallError) -> ConductorError:
     if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(exc.message)
@@ -171,19 +159,95 @@ def _map_error(exc: AgentCallError) -> ConductorError:
     return UpstreamError(f"A node failed the request: {exc.message}")
 
 
-class Dispatcher:
-    """Places and runs generations; owns the cleanup tasks it starts."""
+class GenerationStream:
+    """The running generation: iterate ``TokenDelta``s; ``aclose()`` cancels it."""
 
     def __init__(
-        self, fleet: AgentFleet, *, lease_s: float, rpc_timeout_s: float, request_timeout_s: float
+        self,
+        call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+        first: pb.GenerateResponse,
+        outcome: Outcome,
+        on_close: Callable[[list[float]], None],
+    ) -> None:
+        self._call = call
+        self._pending: pb.GenerateResponse | None = first
+        self.outcome = outcome
+        self._on_close = on_close
+        self._closed = False
+        self._finished = False
+        self._last_token_at = time.perf_counter()
+        self._gaps_s: list[float] = []
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    @property
+    def mean_gap_s(self) -> float | None:
+        """Mean time between streamed tokens so far (None before the second token)."""
+        return sum(self._gaps_s) / len(self._gaps_s) if self._gaps_s else None
+
+    async def __anext__(self) -> TokenDelta:
+        if self._finished:
+            raise StopAsyncIteration
+        if self._pending is not None:
+            msg, self._pending = self._pending, None
+        else:
+            try:
+                read = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                await self.aclose()
+                raise _map_error(translate_rpc_error(self.outcome.decode_node, exc)) from exc
+            if read is grpc.aio.EOF:
+                await self.aclose()
+                raise UpstreamError("the decode node ended the stream without a finish reason")
+            assert isinstance(read, pb.GenerateResponse)
+            msg = read
+            now = time.perf_counter()
+            self._gaps_s.append(now - self._last_token_at)
+            self._last_token_at = now
+        delta = _to_delta(msg, self.outcome.cached_tokens)
+        if delta.finish_reason is not None:
+            self._finished = True
+            await self.aclose()
+        return delta
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._finished:
+            self._call.cancel()
+        self._on_close(self._gaps_s)
+
+
+class Dispatcher:
+    """Schedules and runs generations; owns the cleanup tasks it starts."""
+
+    def __init__(
+        self,
+        fleet: AgentFleet,
+        index: PrefixIndex,
+        scheduler: Scheduler,
+        *,
+        model: str,
+        lease_s: float,
+        rpc_timeout_s: float,
+        request_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        observe_decision_s: Callable[[float], None] | None = None,
     ) -> None:
         self._fleet = fleet
+        self._index = index
+        self.scheduler = scheduler
+        self._model = model
         self._lease_s = lease_s
         self._rpc_timeout_s = rpc_timeout_s
         self._request_timeout_s = request_timeout_s
-        self._tick = 0
+        self._clock = clock
+        self._observe_decision_s = observe_decision_s
         self._cleanup: set[asyncio.Task[None]] = set()
 
+    # ------------------------------------------------------------------ helpers
     async def _shielded(self, coro: Awaitable[None]) -> None:
         """Run cleanup to completion even if the caller is being cancelled."""
 
@@ -207,47 +271,150 @@ class Dispatcher:
         if self._cleanup:
             await asyncio.gather(*self._cleanup, return_exceptions=True)
 
+    def block_size(self) -> int | None:
+        sizes = [a.info.block_size for a in self._fleet.handles() if a.usable and a.info]
+        return min(sizes) if sizes else None
+
+    def node_states(self, block_size: int, excluded: set[str]) -> list[NodeState]:
+        states = []
+        for agent in self._fleet.handles():
+            info = agent.info
+            if info is None or agent.address in excluded:
+                continue
+            load = agent.load
+            states.append(
+                NodeState(
+                    node_id=NodeId(agent.address),
+                    role=agent.role,
+                    healthy=agent.usable and info.block_size == block_size,
+                    block_size=info.block_size,
+                    capacity_blocks=info.capacity_blocks,
+                    free_blocks=load.free_blocks if load else info.capacity_blocks,
+                    kv_bytes_per_token=info.kv_layout.bytes_per_token,
+                    queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
+                    running_requests=load.running_requests if load else 0,
+                )
+            )
+        return states
+
+    # ------------------------------------------------------------------ entry point
     async def start(self, req: GenerationRequest) -> GenerationStream:
-        """Place the request and return once its first token has been produced."""
-        self._tick += 1
-        candidates = rank_candidates(self._fleet.views(), self._tick)
-        if not candidates.prefill or not candidates.decode:
+        """Schedule the request and return once its first token has been produced."""
+        decision_started = time.perf_counter()
+        block_size = self.block_size()
+        if block_size is None:
             raise ServiceUnavailable(
                 "No prefill and decode capable node is available.", retry_after_s=2.0
             )
+        keys = compute_block_keys(
+            req.prompt_ids[:-1], tenant=req.tenant, model=self._model, block_size=block_size
+        )
+        prefix = self._index.match(keys)
+        sreq = ScheduleRequest(
+            request_id=req.request_id,
+            prompt_tokens=len(req.prompt_ids),
+            prefix_blocks=prefix,
+            max_new_tokens=req.sampling.max_tokens,
+            slo=req.slo,
+        )
+        excluded: set[str] = set()
         last: AgentCallError | None = None
-        exhausted = 0
-        for prefill_address in candidates.prefill:
-            prefill = self._fleet.get(prefill_address)
-            decode = prefill if prefill.role == "both" else self._fleet.get(candidates.decode[0])
+        while True:
+            nodes = self.node_states(block_size, excluded)
+            decision = self.scheduler.schedule(sreq, nodes, self._clock())
+            if self._observe_decision_s is not None and not excluded:
+                self._observe_decision_s(time.perf_counter() - decision_started)
+            if isinstance(decision, Rejection):
+                if decision.reason in ("no_prefill_node", "no_decode_node") and last is not None:
+                    raise _map_error(last) from last
+                if decision.reason in ("no_prefill_node", "no_decode_node") and not any(
+                    n.healthy for n in nodes
+                ):
+                    raise ServiceUnavailable(
+                        "No prefill and decode capable node is available.", retry_after_s=2.0
+                    )
+                raise RejectedBySchedule(decision)
+            self.scheduler.on_assigned(sreq, decision, self._clock())
             try:
-                return await self._attempt(prefill, decode, req)
+                return await self._attempt(req, keys, decision)
             except AgentCallError as exc:
+                self.scheduler.on_finished(req.request_id, decision.prefill, decision.decode)
                 last = exc
                 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    exhausted += 1
+                    excluded.add(exc.address)
                     continue
                 if exc.node_unreachable:
                     self._fleet.mark_unreachable(exc.address, exc.message)
+                    excluded.add(exc.address)
                     continue
                 raise _map_error(exc) from exc
-        assert last is not None
-        if exhausted:
-            raise RateLimited(
-                "Every node is out of KV capacity for this request; retry shortly.",
-                retry_after_s=1.0,
-                reason="insufficient_capacity",
-            ) from last
-        raise _map_error(last) from last
+            except BaseException:
+                self.scheduler.on_finished(req.request_id, decision.prefill, decision.decode)
+                raise
+
+    # ------------------------------------------------------------------ one attempt
+    async def _migrate(
+        self,
+        req: GenerationRequest,
+        keys: list[BlockKey],
+        placement: Placement,
+        prefill: AgentHandle,
+        tx_id: str,
+        local_blocks: int,
+    ) -> int:
+        """Pull the prefix from its holder onto the prefill node; return blocks copied.
+
+        Best effort: any failure leaves the destination recomputing those blocks.
+        """
+        migration = placement.migration
+        assert migration is not None
+        source = self._fleet.get(migration.source)
+        src_tx = f"{tx_id}:src"
+        locked = 0
+        try:
+            lock = await source.stub.TxAllocate(
+                pb.TxAllocateRequest(
+                    tx_id=src_tx,
+                    tenant=req.tenant,
+                    block_keys=keys[: migration.blocks],
+                    lease_s=self._lease_s,
+                    mode=pb.TX_MODE_LOCK_ONLY,
+                ),
+                timeout=self._rpc_timeout_s,
+            )
+            locked = lock.reused_blocks
+            if locked <= local_blocks:
+                return 0
+            pulled = await prefill.stub.PullBlocks(
+                pb.PullBlocksRequest(
+                    tx_id=tx_id,
+                    source_address=source.info.advertise_address if source.info else source.address,
+                    source_tx_id=src_tx,
+                    num_blocks=locked,
+                ),
+                timeout=self._request_timeout_s,
+            )
+            self.scheduler.transfer.observe(
+                migration.source, placement.prefill, pulled.bytes, pulled.transfer_s
+            )
+            return int(pulled.blocks_copied)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "migration %s → %s failed (%s); recomputing", source.address, prefill.address,
+                exc.details(),
+            )  # fmt: skip
+            return 0
+        finally:
+            if locked:
+                await self._shielded(self._abort_tx(source, src_tx))
 
     async def _attempt(
-        self, prefill: AgentHandle, decode: AgentHandle, req: GenerationRequest
+        self, req: GenerationRequest, keys: list[BlockKey], placement: Placement
     ) -> GenerationStream:
+        prefill = self._fleet.get(placement.prefill)
+        decode = self._fleet.get(placement.decode)
         assert prefill.info is not None
-        info = prefill.info
-        keys = compute_block_keys(
-            req.prompt_ids[:-1], tenant=req.tenant, model=info.model, block_size=info.block_size
-        )
+        block_size = prefill.info.block_size
         tx_id = f"{req.request_id}:{uuid.uuid4().hex[:12]}"
         disaggregated = decode is not prefill
         release = [prefill, decode] if disaggregated else [prefill]
@@ -256,7 +423,18 @@ class Dispatcher:
         call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] | None = None
         tx_open = False
         address = prefill.address
+        prompt_len = len(req.prompt_ids)
+        released = False
+
+        def release_books() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                for agent in release:
+                    agent.inflight -= 1
+
         try:
+            reused_blocks = migrated = 0
             if keys:
                 alloc = await prefill.stub.TxAllocate(
                     pb.TxAllocateRequest(
@@ -270,9 +448,13 @@ class Dispatcher:
                 )
                 tx_open = True
                 reused_blocks = alloc.reused_blocks
+                if placement.migration is not None:
+                    migrated = await self._migrate(
+                        req, keys, placement, prefill, tx_id, reused_blocks
+                    )
             else:
-                tx_id, reused_blocks = "", 0  # shorter than one block: no Tx needed
-            cached_tokens = reused_blocks * info.block_size
+                tx_id = ""  # shorter than one block: nothing to own, no Tx needed
+            cached_tokens = max(reused_blocks, migrated) * block_size
             sampling = pb.SamplingParams(
                 temperature=req.sampling.temperature,
                 top_p=req.sampling.top_p,
@@ -300,11 +482,14 @@ class Dispatcher:
                     timeout=self._request_timeout_s,
                 )
                 cached_tokens = pre.cached_tokens
+                self.scheduler.on_prefill_done(
+                    req.request_id, placement.prefill, prompt_len, pre.cached_tokens, pre.prefill_s
+                )
                 gen.kv_source.CopyFrom(
                     pb.KvSource(
-                        address=info.advertise_address,
+                        address=prefill.info.advertise_address,
                         request_id=req.request_id,
-                        num_tokens=len(req.prompt_ids) - 1,
+                        num_tokens=prompt_len - 1,
                     )
                 )
             else:
@@ -317,6 +502,16 @@ class Dispatcher:
                     decode.address, grpc.StatusCode.INTERNAL, "empty generation stream", None
                 )
             assert isinstance(first, pb.GenerateResponse)
+            timings = first.timings
+            if not disaggregated:
+                self.scheduler.on_prefill_done(
+                    req.request_id, placement.prefill, prompt_len, cached_tokens, timings.prefill_s
+                )
+            elif timings.transfer_bytes:
+                self.scheduler.transfer.observe(
+                    placement.prefill, placement.decode, timings.transfer_bytes, timings.transfer_s
+                )
+            self.scheduler.on_decode_started(req.request_id, placement.decode, self._clock())
             # Mooncake §5.3: commit when the first decode token arrives.
             address = prefill.address
             if tx_open:
@@ -324,21 +519,30 @@ class Dispatcher:
                     pb.TxCommitRequest(tx_id=tx_id), timeout=self._rpc_timeout_s
                 )
                 tx_open = False
-            placement = Placement(
-                prefill_node=prefill.address,
-                decode_node=decode.address,
-                disaggregated=disaggregated,
-                reused_blocks=reused_blocks,
-                cached_tokens=cached_tokens,
-            )
-            return GenerationStream(call, first, placement, release, decode.address)
         except BaseException as exc:
             if call is not None:
                 call.cancel()
             if tx_open:
                 await self._shielded(self._abort_tx(prefill, tx_id))
-            for agent in release:
-                agent.inflight -= 1
+            release_books()
             if isinstance(exc, grpc.aio.AioRpcError):
                 raise translate_rpc_error(address, exc) from exc
             raise
+
+        def on_close(gaps_s: list[float]) -> None:
+            release_books()
+            batch, context = self.scheduler.active_decodes(placement.decode)
+            if gaps_s:
+                mean_gap = sum(gaps_s) / len(gaps_s)
+                self.scheduler.observe_tbt(placement.decode, max(1, batch), context, mean_gap)
+            self.scheduler.on_finished(req.request_id, placement.prefill, placement.decode)
+
+        outcome = Outcome(
+            prefill_node=placement.prefill,
+            decode_node=placement.decode,
+            disaggregated=disaggregated,
+            cached_tokens=cached_tokens,
+            migrated_tokens=min(migrated * block_size, cached_tokens),
+            predicted_ttft_s=placement.ttft_s,
+        )
+        return GenerationStream(call, first, outcome, on_close)

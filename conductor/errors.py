@@ -266,8 +266,12 @@ class UnprocessableEntity(ConductorError):
     default_message = "The request could not be processed."
 
 
+REJECT_REASON_HEADER = "X-Kvc-Reject-Reason"
+
+
 class RateLimited(ConductorError):
-    """429.  ``reason`` is the conductor's own cause, for logs and metrics, not the body."""
+    """429.  ``reason`` is the conductor's own machine-readable cause: it is sent in the
+    ``X-Kvc-Reject-Reason`` header and used as the metrics label."""
 
     status_code = 429
     error_type = "requests"
@@ -286,6 +290,7 @@ class RateLimited(ConductorError):
         headers: Mapping[str, str] | None = None,
     ) -> None:
         merged = retry_after_headers(retry_after_s) if retry_after_s is not None else {}
+        merged[REJECT_REASON_HEADER] = reason
         merged.update(headers or {})
         super().__init__(message, param=param, code=code, headers=merged)
         self.error_type = limit_type

@@ -47,13 +47,39 @@ class ConductorMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
+        self.tbt = Histogram(
+            "conductor_time_between_tokens_seconds",
+            "Mean gap between streamed tokens of a request.",
+            ("endpoint",),
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2.5),
+            registry=r,
+        )
+        self.decision = Histogram(
+            "conductor_scheduling_decision_seconds",
+            "Time to place one request: block keys, prefix match, Algorithm 1.",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
+            registry=r,
+        )
+        self.event_lag = Histogram(
+            "conductor_shadow_event_lag_seconds",
+            "Delay from an agent emitting a block/load event to this conductor applying it.",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+            registry=r,
+        )
+        self.prompt_cache_tokens = Counter(
+            "conductor_prompt_cache_tokens_total",
+            "Prompt tokens by where their KV came from: reused on the prefill node (local), "
+            "pulled from another node (migrated), or computed.",
+            ("source",),
+            registry=r,
+        )
+        self.migrations = Counter(
+            "conductor_kv_migrations_total",
+            "Prefix migrations (hot-spot replication) between nodes.",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "conductor_prompt_tokens_total", "Prompt tokens of served requests.", registry=r
-        )
-        self.cached_prompt_tokens = Counter(
-            "conductor_cached_prompt_tokens_total",
-            "Prompt tokens served from a node's KV cache instead of recomputed.",
-            registry=r,
         )
         self.completion_tokens = Counter(
             "conductor_completion_tokens_total", "Generated tokens.", registry=r
@@ -70,6 +96,8 @@ class ConductorMetrics:
         for endpoint in ENDPOINTS:
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)
+        for source in ("local", "migrated", "computed"):
+            self.prompt_cache_tokens.labels(source)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from conductor.core.cost_model import DecodePrior, PrefillPrior
+from conductor.core.scheduler import Admission, Policy, SchedulerConfig
 from kvc.models import DEFAULT_MODEL_DIR
 
 
@@ -44,6 +46,36 @@ class ConductorSettings(BaseSettings):
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one generation")
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of one unary agent call")
     agent_poll_interval_s: float = Field(2.0, gt=0, description="Agent health/info poll period")
+    policy: Literal["round_robin", "least_loaded", "local_prefix", "kv_centric"] = Field(
+        "kv_centric", description="Scheduling policy (kv_centric = Mooncake Algorithm 1)"
+    )
+    admission: Literal["none", "early", "predictive"] = Field(
+        "predictive", description="SLO admission: none | early | predictive (decode load forecast)"
+    )
+    ttft_slo_s: float = Field(30.0, gt=0, description="Default time-to-first-token SLO")
+    tbt_slo_s: float = Field(0.2, gt=0, description="Default time-between-tokens SLO")
+    kvcache_balancing_threshold: float = Field(
+        2.0, ge=1.0, description="Pull a remote prefix when best/local prefix exceeds this ratio"
+    )
+    expected_output_tokens: int = Field(
+        256, ge=1, description="Decode length assumed by load prediction (capped by max_tokens)"
+    )
+    prefill_prior_fixed_s: float = Field(0.002, ge=0, description="Prefill time prior: fixed")
+    prefill_prior_per_token_s: float = Field(
+        2e-5, ge=0, description="Prefill time prior: per uncached token"
+    )
+    prefill_prior_per_token_context_s: float = Field(
+        1e-9, ge=0, description="Prefill time prior: per uncached token × context token"
+    )
+    decode_prior_fixed_s: float = Field(0.002, ge=0, description="TBT prior: fixed")
+    decode_prior_per_request_s: float = Field(5e-4, ge=0, description="TBT prior: per request")
+    decode_prior_per_context_token_s: float = Field(
+        1e-7, ge=0, description="TBT prior: per KV token in the batch"
+    )
+    transfer_bandwidth_bytes_per_s: float = Field(
+        1e9, gt=0, description="KV transfer bandwidth prior between nodes"
+    )
+    transfer_latency_s: float = Field(0.001, ge=0, description="KV transfer latency prior")
 
     @field_validator("agents", "api_keys", mode="before")
     @classmethod
@@ -65,6 +97,26 @@ class ConductorSettings(BaseSettings):
         if not (value / "tokenizer.json").is_file():
             raise ValueError(f"{value} has no tokenizer.json")
         return value
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            policy=Policy(self.policy),
+            admission=Admission(self.admission),
+            kvcache_balancing_threshold=self.kvcache_balancing_threshold,
+            expected_output_tokens=self.expected_output_tokens,
+            prefill_prior=PrefillPrior(
+                fixed_s=self.prefill_prior_fixed_s,
+                per_token_s=self.prefill_prior_per_token_s,
+                per_token_context_s=self.prefill_prior_per_token_context_s,
+            ),
+            decode_prior=DecodePrior(
+                fixed_s=self.decode_prior_fixed_s,
+                per_request_s=self.decode_prior_per_request_s,
+                per_context_token_s=self.decode_prior_per_context_token_s,
+            ),
+            transfer_bandwidth_bytes_per_s=self.transfer_bandwidth_bytes_per_s,
+            transfer_latency_s=self.transfer_latency_s,
+        )
 
     def resolved_served_model_name(self) -> str:
         return self.served_model_name or self.model.name

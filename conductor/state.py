@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from conductor.adapters.agents import AgentFleet
 from conductor.api.schemas import ModelCard
+from conductor.core.prefix_index import PrefixIndex
 from conductor.dispatch import Dispatcher
 from conductor.metrics import ConductorMetrics
 from conductor.settings import ConductorSettings
@@ -18,6 +19,7 @@ class AppState:
     settings: ConductorSettings
     tokenizer: ChatTokenizer
     fleet: AgentFleet
+    index: PrefixIndex
     dispatcher: Dispatcher
     metrics: ConductorMetrics
     model_name: str

@@ -89,3 +89,12 @@ def assert_no_locks(*agents: AgentServer) -> None:
         assert stats.locked_blocks == 0, stats
         assert stats.open_txs == 0, stats
         agent.service.pool.check_invariants()
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait for a condition another task makes true (shadow sync, lease expiry)."""
+    import asyncio
+
+    async with asyncio.timeout(timeout_s):
+        while not predicate():  # noqa: ASYNC110 - no event to wait on across processes
+            await asyncio.sleep(0.02)

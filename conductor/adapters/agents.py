@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from conductor.core.placement import NodeView, Role
+from conductor.core.scheduler import Role
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 
@@ -69,6 +69,7 @@ class AgentHandle:
     model_matches: bool = False
     inflight: int = 0
     last_error: str = field(default="not polled yet")
+    load: pb.LoadUpdate | None = None  # latest from Snapshot / WatchEvents
 
     @property
     def usable(self) -> bool:
@@ -77,11 +78,6 @@ class AgentHandle:
     @property
     def role(self) -> Role:
         return _ROLE_NAMES.get(self.info.role if self.info else 0, "both")
-
-    def view(self) -> NodeView:
-        return NodeView(
-            node_id=self.address, role=self.role, healthy=self.usable, inflight=self.inflight
-        )
 
 
 class AgentFleet:
@@ -105,9 +101,6 @@ class AgentFleet:
 
     def handles(self) -> list[AgentHandle]:
         return list(self._agents.values())
-
-    def views(self) -> list[NodeView]:
-        return [agent.view() for agent in self._agents.values()]
 
     def ready(self) -> bool:
         """A prefill-capable and a decode-capable agent are usable."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from conductor.api.schemas import (
     new_completion_id,
     sse_data,
 )
+from conductor.core.scheduler import Slo
 from conductor.dispatch import (
     GenerationRequest,
     GenerationStream,
@@ -94,6 +96,27 @@ def authenticate(request: Request, state: StateDep) -> str:
 TenantDep = Annotated[str, Depends(authenticate)]
 
 
+SLO_TTFT_HEADER = "x-kvc-slo-ttft-ms"
+SLO_TBT_HEADER = "x-kvc-slo-tbt-ms"
+
+
+def request_slo(request: Request, state: AppState) -> Slo:
+    """The request's SLOs: headers ``X-Kvc-Slo-Ttft-Ms`` / ``X-Kvc-Slo-Tbt-Ms`` or defaults."""
+    values = {"ttft": state.settings.ttft_slo_s, "tbt": state.settings.tbt_slo_s}
+    for name, header in (("ttft", SLO_TTFT_HEADER), ("tbt", SLO_TBT_HEADER)):
+        raw = request.headers.get(header)
+        if raw is None:
+            continue
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = math.nan
+        if not (ms > 0 and math.isfinite(ms)):
+            raise InvalidRequest(f"Header {header} must be a positive number of milliseconds.")
+        values[name] = ms / 1000.0
+    return Slo(ttft_s=values["ttft"], tbt_s=values["tbt"])
+
+
 def _request_id(request: Request) -> str:
     rid: str = request.state.request_id
     return rid
@@ -119,10 +142,19 @@ class _Admitted:
         m.request_duration.labels(self.endpoint).observe(time.perf_counter() - self.started)
         m.inflight.dec()
         self.state.inflight -= 1
+        if (tbt_s := self.stream.mean_gap_s) is not None:
+            m.tbt.labels(self.endpoint).observe(tbt_s)
         if usage is not None:
+            outcome_ = self.stream.outcome
+            cached = min(usage.cached_tokens, usage.prompt_tokens)
+            migrated = min(outcome_.migrated_tokens, cached)
             m.prompt_tokens.inc(usage.prompt_tokens)
-            m.cached_prompt_tokens.inc(usage.cached_tokens)
+            m.prompt_cache_tokens.labels("local").inc(cached - migrated)
+            m.prompt_cache_tokens.labels("migrated").inc(migrated)
+            m.prompt_cache_tokens.labels("computed").inc(usage.prompt_tokens - cached)
             m.completion_tokens.inc(usage.completion_tokens)
+            if migrated:
+                m.migrations.inc()
 
 
 async def _admit(
@@ -134,6 +166,7 @@ async def _admit(
     max_tokens_requested: int | None,
     sampling: Callable[[int], SamplingSpec],
     prompt_param: str,
+    slo: Slo,
 ) -> _Admitted:
     """Bound, check and place one generation; return once its first token exists."""
     started = time.perf_counter()
@@ -173,15 +206,19 @@ async def _admit(
                 tenant=tenant,
                 prompt_ids=tuple(prompt_ids),
                 sampling=sampling(max_tokens),
+                slo=slo,
             )
         )
     except BaseException as exc:
         state.inflight -= 1
         m.inflight.dec()
         outcome = "cancelled"
-        if isinstance(exc, RateLimited | ServiceUnavailable):
+        if isinstance(exc, RateLimited):
             outcome = "rejected"
-            m.rejections.labels(exc.code or "unavailable").inc()
+            m.rejections.labels(exc.reason).inc()
+        elif isinstance(exc, ServiceUnavailable):
+            outcome = "rejected"
+            m.rejections.labels("unavailable").inc()
         elif isinstance(exc, ConductorError):
             outcome = "client_error" if exc.status_code < 500 else "upstream_error"
         elif isinstance(exc, Exception):
@@ -307,7 +344,15 @@ async def chat_completions(
         )
 
     adm = await _admit(
-        state, "chat_completions", request_id, tenant, prompt_ids, explicit, sampling, "messages"
+        state,
+        "chat_completions",
+        request_id,
+        tenant,
+        prompt_ids,
+        explicit,
+        sampling,
+        "messages",
+        request_slo(request, state),
     )
     completion_id = new_chat_completion_id()
     created = int(time.time())
@@ -393,7 +438,15 @@ async def completions(
         )
 
     adm = await _admit(
-        state, "completions", request_id, tenant, prompt_ids, body.max_tokens, sampling, "prompt"
+        state,
+        "completions",
+        request_id,
+        tenant,
+        prompt_ids,
+        body.max_tokens,
+        sampling,
+        "prompt",
+        request_slo(request, state),
     )
     completion_id = new_completion_id()
     created = int(time.time())

@@ -21,3 +21,19 @@ def test_block_table_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert all(row["ops"] > 0 for row in data["pool"])
     assert "| concurrency |" in (tmp_path / "block_table.md").read_text()
     assert (tmp_path / "block_table.png").stat().st_size > 1000
+
+
+def test_scheduler_decision_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
+    from bench import scheduler_decision
+
+    code = scheduler_decision.main(
+        ["--out", str(tmp_path), "--repeats", "5", "--keys-per-node", "100",
+         "--prompts", "1024", "8192", "--fleets", "8", "64"]
+    )  # fmt: skip
+    assert code == 0
+    data = json.loads((tmp_path / "scheduler_decision.json").read_text())
+    assert {(r["prompt_tokens"], r["nodes"]) for r in data["rows"]} == {
+        (1024, 8), (1024, 64), (8192, 8), (8192, 64)
+    }  # fmt: skip
+    assert all(r["p99_ms"] > 0 for r in data["rows"])
+    assert (tmp_path / "scheduler_decision.png").stat().st_size > 1000

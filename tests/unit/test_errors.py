@@ -136,7 +136,11 @@ def test_retry_after_rounding(seconds: float, header: str, ms: str) -> None:
 def test_rate_limited_fields() -> None:
     err = RateLimited("slow down", retry_after_s=0.4, reason="queue_full", limit_type="tokens")
     assert err.reason == "queue_full"
-    assert err.headers == {"Retry-After": "1", "retry-after-ms": "400"}
+    assert err.headers == {
+        "Retry-After": "1",
+        "retry-after-ms": "400",
+        "X-Kvc-Reject-Reason": "queue_full",
+    }
     assert err.to_response_body()["error"] == {
         "message": "slow down",
         "type": "tokens",
@@ -145,7 +149,7 @@ def test_rate_limited_fields() -> None:
     }
     # instance type does not leak into the class
     assert RateLimited.error_type == "requests"
-    assert RateLimited().headers == {}
+    assert RateLimited().headers == {"X-Kvc-Reject-Reason": "rate_limit_exceeded"}
 
 
 def test_service_unavailable_retry_after_optional() -> None:

@@ -1,0 +1,114 @@
+"""Keeps the conductor's shadow ``PrefixIndex`` in step with every agent's block table.
+
+Per agent, one supervised task: ``Snapshot`` → ``reset_node`` → ``WatchEvents`` from the
+snapshot's sequence number + 1, applying each event. A ``resync_required`` batch, a
+sequence gap, a new epoch (the agent restarted) or a broken stream leads back to a
+snapshot, after a capped, jittered backoff when the agent is unreachable. The shadow may
+be stale, never authoritative: agents re-check keys on every Tx, so staleness costs a
+recompute, not a wrong answer. Load updates in the stream refresh the agent's load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+
+import grpc
+
+from conductor.adapters.agents import AgentFleet, AgentHandle
+from conductor.core.block_keys import BlockKey
+from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
+from kvc.v1 import node_agent_pb2 as pb
+
+log = logging.getLogger("conductor.shadow")
+
+LagObserver = Callable[[float], None]
+
+
+class ShadowSync:
+    def __init__(
+        self,
+        fleet: AgentFleet,
+        index: PrefixIndex,
+        *,
+        on_lag: LagObserver | None = None,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self._fleet = fleet
+        self._index = index
+        self._on_lag = on_lag
+        self._max_backoff_s = max_backoff_s
+        self.resyncs = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with asyncio.TaskGroup() as group:
+            for agent in self._fleet.handles():
+                group.create_task(self._follow(agent, stop))
+
+    async def _follow(self, agent: AgentHandle, stop: asyncio.Event) -> None:
+        node = NodeId(agent.address)
+        backoff = 0.1
+        while not stop.is_set():
+            try:
+                await self._sync_once(agent, node, stop)
+                backoff = 0.1
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    log.debug("shadow of %s: %s", agent.address, exc.details())
+                self._index.remove_node(node)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=backoff * random.uniform(0.5, 1.0))
+                backoff = min(self._max_backoff_s, backoff * 2)
+
+    async def _sync_once(self, agent: AgentHandle, node: NodeId, stop: asyncio.Event) -> None:
+        snap = await agent.stub.Snapshot(pb.SnapshotRequest(), timeout=self._fleet.rpc_timeout_s)
+        self._index.reset_node(node, snap.epoch, snap.seq, [BlockKey(k) for k in snap.cached_keys])
+        agent.load = snap.load
+        self.resyncs += 1
+        call = agent.stub.WatchEvents(
+            pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
+        )
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            while True:
+                read = asyncio.ensure_future(call.read())
+                done, _ = await asyncio.wait({read, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                if stopper in done:
+                    read.cancel()
+                    return
+                batch = read.result()
+                if batch is grpc.aio.EOF:
+                    return
+                assert isinstance(batch, pb.EventBatch)
+                if batch.resync_required or not self._apply(agent, node, batch):
+                    log.info("shadow of %s: resync", agent.address)
+                    return
+        finally:
+            stopper.cancel()
+            call.cancel()
+
+    def _apply(self, agent: AgentHandle, node: NodeId, batch: pb.EventBatch) -> bool:
+        now = time.time()
+        for ev in batch.events:
+            kind = ev.WhichOneof("kind")
+            if kind == "stored":
+                keys = [BlockKey(k) for k in ev.stored.block_keys]
+                outcome = self._index.apply(node, batch.epoch, ev.seq, stored=keys)
+            elif kind == "removed":
+                keys = [BlockKey(k) for k in ev.removed.block_keys]
+                outcome = self._index.apply(node, batch.epoch, ev.seq, removed=keys)
+            elif kind == "cleared":
+                outcome = self._index.apply(node, batch.epoch, ev.seq, cleared=True)
+            else:
+                outcome = self._index.apply(node, batch.epoch, ev.seq)
+                if kind == "load":
+                    agent.load = ev.load
+            if outcome is ApplyOutcome.RESYNC:
+                return False
+            if self._on_lag is not None and ev.time_s:
+                self._on_lag(max(0.0, now - ev.time_s))
+        return True

@@ -1,0 +1,461 @@
+"""KV-cache-centric scheduling: Mooncake's Algorithm 1, the comparison policies, and
+SLO admission with decode-load prediction (§4.1–4.3 of the paper).
+
+Inputs per decision: the request (prompt length, block keys, max new tokens, SLOs), the
+nodes (role, health, block size, free blocks, agent-reported load) and, per node, the
+prefix length it holds (from the shadow ``PrefixIndex``). The scheduler owns its cost
+models and a little bookkeeping of what *it* assigned (pending prefills per node, active
+decodes per node with predicted end times); time is always passed in (``now_s``).
+
+Algorithm 1 (policy ``kv_centric``), for every prefill-capable node p::
+
+    if best_len / p.prefix_len > kvcache_balancing_threshold:   # (x/0 = inf)
+        prefix, T_transfer = best_len, transfer(best_len - p.prefix_len blocks)
+    else:
+        prefix, T_transfer = p.prefix_len, 0
+    TTFT(p) = T_queue(p) + T_prefill(n, prefix) + T_transfer (+ P→D KV hand-off)
+
+pick the p with the lowest TTFT; pick the decode node d with the lowest predicted TBT
+among those with room for the request's KV; reject (429) if TTFT > TTFT_SLO or
+TBT > TBT_SLO; if p pulls the prefix, return a ``Migration`` from the best holder.
+
+Policies on the same code, for benchmarks: ``round_robin`` (rotation, prefix-blind),
+``least_loaded`` (lowest queue, prefix-blind), ``local_prefix`` (Algorithm 1 without
+migration: the paper's local cache-aware scheduling), ``kv_centric`` (Algorithm 1).
+
+Admission (knob ``admission``): ``none`` never rejects on SLOs (capacity only);
+``early`` checks TTFT and the decode node's *current* TBT before any work (§4.3.2);
+``predictive`` checks the TBT predicted for the moment this request's prefill finishes
+(§4.3.4, system level): every active decode is assumed to last
+``min(max_new_tokens, expected_output_tokens) × TBT``; decodes predicted to end before
+that moment leave the batch, requests whose prefill ends before it join.
+
+``Retry-After`` on a rejection is the predicted time until the constraint would hold:
+the queue drain needed for TTFT, or the earliest time enough decodes end for TBT.
+
+Complexity per decision: O(P + D + A) for P prefill nodes, D decode nodes and A active
+decodes on the candidate decode nodes; prefix matching happens before, in the index.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from conductor.core.cost_model import (
+    DecodePrior,
+    DecodeTimeModel,
+    PrefillPrior,
+    PrefillTimeModel,
+    TransferModel,
+)
+from conductor.core.prefix_index import NodeId
+
+Role = Literal["prefill", "decode", "both"]
+
+
+class Policy(enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    LOCAL_PREFIX = "local_prefix"
+    KV_CENTRIC = "kv_centric"
+
+
+class Admission(enum.Enum):
+    NONE = "none"
+    EARLY = "early"
+    PREDICTIVE = "predictive"
+
+
+# Priors measured on the embedded tiny model on one CPU core (docs/benchmarks.md); a
+# node's own observed durations replace them as they arrive.
+EMBEDDED_CPU_PREFILL_PRIOR = PrefillPrior(fixed_s=0.002, per_token_s=2e-5, per_token_context_s=1e-9)
+EMBEDDED_CPU_DECODE_PRIOR = DecodePrior(fixed_s=0.002, per_request_s=5e-4, per_context_token_s=1e-7)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    policy: Policy = Policy.KV_CENTRIC
+    admission: Admission = Admission.PREDICTIVE
+    kvcache_balancing_threshold: float = 2.0
+    min_migration_blocks: int = 1
+    expected_output_tokens: int = 256
+    prefill_prior: PrefillPrior = EMBEDDED_CPU_PREFILL_PRIOR
+    decode_prior: DecodePrior = EMBEDDED_CPU_DECODE_PRIOR
+    transfer_bandwidth_bytes_per_s: float = 1e9
+    transfer_latency_s: float = 0.001
+    max_retry_after_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float
+    tbt_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    node_id: NodeId
+    role: Role
+    healthy: bool
+    block_size: int
+    capacity_blocks: int
+    free_blocks: int
+    kv_bytes_per_token: int
+    queued_prefill_tokens: int = 0  # as the agent last reported it
+    running_requests: int = 0  # as the agent last reported it
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.healthy and self.role in ("prefill", "both")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.healthy and self.role in ("decode", "both")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleRequest:
+    request_id: str
+    prompt_tokens: int
+    prefix_blocks: Mapping[NodeId, int]  # per node, blocks of this prompt it holds
+    max_new_tokens: int
+    slo: Slo
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """Pull ``blocks`` leading blocks of the prompt from ``source`` onto the prefill node."""
+
+    source: NodeId
+    blocks: int
+    transfer_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    prefill: NodeId
+    decode: NodeId
+    prefix_blocks: int  # reusable on the prefill node after any migration
+    migration: Migration | None
+    queue_s: float
+    prefill_s: float
+    handoff_s: float  # prefill → decode KV transfer
+    ttft_s: float
+    tbt_s: float
+    fallbacks: tuple[NodeId, ...]  # other prefill nodes, best first, if ``prefill`` refuses
+
+
+RejectReason = Literal["ttft_slo", "tbt_slo", "no_prefill_node", "no_decode_node"]
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    reason: RejectReason
+    retry_after_s: float
+    ttft_s: float
+    tbt_s: float
+
+
+@dataclass(slots=True)
+class _Decode:
+    start_s: float  # predicted (or actual) decode start
+    end_s: float  # predicted decode end
+    context_tokens: int
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class _NodeBook:
+    pending_prefill_s: dict[str, float] = field(default_factory=dict)
+    pending_prefill_tokens: dict[str, int] = field(default_factory=dict)
+    decodes: dict[str, _Decode] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    node: NodeState
+    prefix_blocks: int
+    migration: Migration | None
+    queue_s: float
+    prefill_s: float
+
+    @property
+    def base_ttft_s(self) -> float:
+        return self.queue_s + self.prefill_s + (self.migration.transfer_s if self.migration else 0)
+
+
+class Scheduler:
+    """Algorithm 1 plus admission; one instance per conductor (or per simulation)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.transfer = TransferModel(
+            default_bandwidth_bytes_per_s=config.transfer_bandwidth_bytes_per_s,
+            default_latency_s=config.transfer_latency_s,
+        )
+        self._prefill_models: dict[NodeId, PrefillTimeModel] = {}
+        self._decode_models: dict[NodeId, DecodeTimeModel] = {}
+        self._books: dict[NodeId, _NodeBook] = {}
+        self._rr_prefill = 0
+        self._rr_decode = 0
+
+    # ------------------------------------------------------------------ models
+    def prefill_model(self, node: NodeId) -> PrefillTimeModel:
+        model = self._prefill_models.get(node)
+        if model is None:
+            model = self._prefill_models[node] = PrefillTimeModel(self.config.prefill_prior)
+        return model
+
+    def decode_model(self, node: NodeId) -> DecodeTimeModel:
+        model = self._decode_models.get(node)
+        if model is None:
+            model = self._decode_models[node] = DecodeTimeModel(self.config.decode_prior)
+        return model
+
+    def _book(self, node: NodeId) -> _NodeBook:
+        book = self._books.get(node)
+        if book is None:
+            book = self._books[node] = _NodeBook()
+        return book
+
+    # ------------------------------------------------------------------ estimates
+    def queue_s(self, node: NodeState) -> float:
+        """Predicted wait before a new prefill starts on ``node``.
+
+        The larger of this scheduler's own pending prefills (their predicted durations)
+        and the agent-reported queued tokens (work other conductors sent), so neither
+        is double counted.
+        """
+        book = self._book(node.node_id)
+        own_s = sum(book.pending_prefill_s.values())
+        own_tokens = sum(book.pending_prefill_tokens.values())
+        foreign_tokens = max(0, node.queued_prefill_tokens - own_tokens)
+        foreign_s = 0.0
+        if foreign_tokens:
+            foreign_s = self.prefill_model(node.node_id).coefficients.per_token_s * foreign_tokens
+        return own_s + foreign_s
+
+    def _active_at(self, node: NodeId, at_s: float, now_s: float) -> tuple[int, int, list[float]]:
+        """Decodes on ``node`` predicted active at ``at_s``: (count, context tokens, ends)."""
+        count = 0
+        context = 0
+        ends: list[float] = []
+        for d in self._book(node).decodes.values():
+            if d.finished:
+                continue
+            # A decode running past its predicted end is counted now, not in the future.
+            if d.start_s <= at_s and (at_s < d.end_s or at_s <= now_s):
+                count += 1
+                context += d.context_tokens
+                ends.append(max(d.end_s, now_s))
+        return count, context, ends
+
+    def tbt_at(
+        self, node: NodeState, at_s: float, now_s: float, extra_context_tokens: int
+    ) -> tuple[float, list[float], int]:
+        """Predicted TBT on ``node`` at ``at_s`` with one more request joining."""
+        count, context, ends = self._active_at(node.node_id, at_s, now_s)
+        count = max(count, node.running_requests if at_s <= now_s else 0)
+        tbt = self.decode_model(node.node_id).estimate(count + 1, context + extra_context_tokens)
+        return tbt, ends, count
+
+    def _prefill_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float:
+        cached = min(prompt_tokens - 1, prefix_blocks * node.block_size)
+        return self.prefill_model(node.node_id).estimate(prompt_tokens, max(0, cached))
+
+    # ------------------------------------------------------------------ candidates
+    def _candidates(
+        self, req: ScheduleRequest, prefill_nodes: Sequence[NodeState], migrate: bool
+    ) -> list[_Candidate]:
+        # FindBestPrefixMatch: the longest holder; ties go to the smallest node id.
+        holder = min(prefill_nodes, key=lambda n: (-req.prefix_blocks.get(n.node_id, 0), n.node_id))
+        best_len = req.prefix_blocks.get(holder.node_id, 0)
+        out = []
+        threshold = self.config.kvcache_balancing_threshold
+        for node in prefill_nodes:
+            local = req.prefix_blocks.get(node.node_id, 0)
+            migration = None
+            prefix = local
+            ratio = math.inf if local == 0 else best_len / local
+            if (
+                migrate
+                and holder.node_id != node.node_id
+                and best_len - local >= self.config.min_migration_blocks
+                and ratio > threshold
+            ):
+                nbytes = (best_len - local) * node.block_size * node.kv_bytes_per_token
+                migration = Migration(
+                    source=holder.node_id,
+                    blocks=best_len,
+                    transfer_s=self.transfer.estimate(holder.node_id, node.node_id, nbytes),
+                )
+                prefix = best_len
+            out.append(
+                _Candidate(
+                    node=node,
+                    prefix_blocks=prefix,
+                    migration=migration,
+                    queue_s=self.queue_s(node),
+                    prefill_s=self._prefill_s(node, req.prompt_tokens, prefix),
+                )
+            )
+        return out
+
+    def _order_prefill(
+        self, req: ScheduleRequest, prefill_nodes: list[NodeState]
+    ) -> list[_Candidate]:
+        policy = self.config.policy
+        if policy is Policy.ROUND_ROBIN:
+            cands = self._candidates(req, prefill_nodes, migrate=False)
+            start = self._rr_prefill % len(cands)
+            self._rr_prefill += 1
+            return cands[start:] + cands[:start]
+        if policy is Policy.LEAST_LOADED:
+            cands = self._candidates(req, prefill_nodes, migrate=False)
+            return sorted(cands, key=lambda c: (c.queue_s, c.node.node_id))
+        migrate = policy is Policy.KV_CENTRIC
+        cands = self._candidates(req, prefill_nodes, migrate=migrate)
+        return sorted(cands, key=lambda c: (c.base_ttft_s, c.node.node_id))
+
+    def _decode_options(
+        self,
+        req: ScheduleRequest,
+        decode_nodes: list[NodeState],
+        prefill: NodeState,
+        at_s: float,
+        now_s: float,
+    ) -> list[tuple[float, NodeState, list[float]]]:
+        """Decode nodes with room for the request, best first: (predicted TBT, node, ends)."""
+        if prefill.role == "both":
+            decode_nodes = [prefill]  # colocated: no KV hand-off
+        need_tokens = req.prompt_tokens + req.max_new_tokens
+        options = []
+        for node in decode_nodes:
+            if node is not prefill and node.free_blocks * node.block_size < need_tokens:
+                continue  # no room for this request's KV on the decode node
+            tbt, ends, _ = self.tbt_at(node, at_s, now_s, req.prompt_tokens)
+            options.append((tbt, node, ends))
+        if self.config.policy is Policy.ROUND_ROBIN and options:
+            start = self._rr_decode % len(options)
+            self._rr_decode += 1
+            return options[start:] + options[:start]
+        return sorted(options, key=lambda o: (o[0], -o[1].free_blocks, o[1].node_id))
+
+    # ------------------------------------------------------------------ decision
+    def schedule(
+        self, req: ScheduleRequest, nodes: Sequence[NodeState], now_s: float
+    ) -> Placement | Rejection:
+        prefill_nodes = [n for n in nodes if n.can_prefill]
+        decode_nodes = [n for n in nodes if n.can_decode]
+        if not prefill_nodes:
+            return Rejection("no_prefill_node", self._retry(1.0), math.inf, math.inf)
+        if not decode_nodes:
+            return Rejection("no_decode_node", self._retry(1.0), math.inf, math.inf)
+        ordered = self._order_prefill(req, prefill_nodes)
+        best = ordered[0]
+        # The P→D KV hand-off for the chosen pair is added once the decode node is known.
+        at_s = now_s
+        if self.config.admission is Admission.PREDICTIVE:
+            at_s = now_s + best.base_ttft_s
+        options = self._decode_options(req, decode_nodes, best.node, at_s, now_s)
+        if not options:
+            return Rejection("no_decode_node", self._retry(1.0), best.base_ttft_s, math.inf)
+        tbt, decode, ends = options[0]
+        handoff_s = 0.0
+        if decode.node_id != best.node.node_id:
+            nbytes = req.prompt_tokens * best.node.kv_bytes_per_token
+            handoff_s = self.transfer.estimate(best.node.node_id, decode.node_id, nbytes)
+        ttft = best.base_ttft_s + handoff_s
+        if self.config.admission is not Admission.NONE:
+            if ttft > req.slo.ttft_s:
+                drain = ttft - req.slo.ttft_s
+                return Rejection("ttft_slo", self._retry(drain), ttft, tbt)
+            if tbt > req.slo.tbt_s:
+                return Rejection(
+                    "tbt_slo", self._retry(self._tbt_drain_s(decode, req, at_s, now_s, ends)),
+                    ttft, tbt,
+                )  # fmt: skip
+        return Placement(
+            prefill=best.node.node_id,
+            decode=decode.node_id,
+            prefix_blocks=best.prefix_blocks,
+            migration=best.migration,
+            queue_s=best.queue_s,
+            prefill_s=best.prefill_s,
+            handoff_s=handoff_s,
+            ttft_s=ttft,
+            tbt_s=tbt,
+            fallbacks=tuple(c.node.node_id for c in ordered[1:]),
+        )
+
+    def _tbt_drain_s(
+        self, node: NodeState, req: ScheduleRequest, at_s: float, now_s: float, ends: list[float]
+    ) -> float:
+        """Earliest wait after which the decode TBT prediction meets the SLO."""
+        for end in sorted(ends):
+            wait = max(0.0, end - at_s)
+            tbt, _, _ = self.tbt_at(node, end + 1e-9, now_s, req.prompt_tokens)
+            if tbt <= req.slo.tbt_s:
+                return wait + (at_s - now_s)
+        return self.config.max_retry_after_s
+
+    def _retry(self, seconds: float) -> float:
+        return min(self.config.max_retry_after_s, max(1.0, seconds))
+
+    # ------------------------------------------------------------------ bookkeeping
+    def on_assigned(self, req: ScheduleRequest, placement: Placement, now_s: float) -> None:
+        """Record the assignment so the next decisions see its queue and decode load."""
+        book = self._book(placement.prefill)
+        book.pending_prefill_s[req.request_id] = placement.prefill_s
+        book.pending_prefill_tokens[req.request_id] = req.prompt_tokens
+        start = now_s + placement.ttft_s
+        decode_tokens = min(req.max_new_tokens, self.config.expected_output_tokens)
+        self._book(placement.decode).decodes[req.request_id] = _Decode(
+            start_s=start,
+            end_s=start + decode_tokens * placement.tbt_s,
+            context_tokens=req.prompt_tokens + decode_tokens,
+        )
+
+    def on_prefill_done(
+        self, request_id: str, node: NodeId, total_tokens: int, cached_tokens: int,
+        duration_s: float | None,
+    ) -> None:  # fmt: skip
+        """The prefill finished (or failed: ``duration_s`` None); learn from its duration."""
+        book = self._book(node)
+        book.pending_prefill_s.pop(request_id, None)
+        book.pending_prefill_tokens.pop(request_id, None)
+        if duration_s is not None and duration_s > 0:
+            self.prefill_model(node).observe(total_tokens, cached_tokens, duration_s)
+
+    def on_decode_started(self, request_id: str, node: NodeId, now_s: float) -> None:
+        d = self._book(node).decodes.get(request_id)
+        if d is not None:
+            length = d.end_s - d.start_s
+            d.start_s, d.end_s = now_s, now_s + length
+
+    def on_finished(self, request_id: str, prefill: NodeId, decode: NodeId) -> None:
+        """The request left the system (done, failed or cancelled)."""
+        book = self._book(prefill)
+        book.pending_prefill_s.pop(request_id, None)
+        book.pending_prefill_tokens.pop(request_id, None)
+        self._book(decode).decodes.pop(request_id, None)
+
+    def observe_tbt(
+        self, node: NodeId, batch_requests: int, context_tokens: int, tbt_s: float
+    ) -> None:
+        if tbt_s > 0 and batch_requests > 0:
+            self.decode_model(node).observe(batch_requests, context_tokens, tbt_s)
+
+    def active_decodes(self, node: NodeId) -> tuple[int, int]:
+        """(requests, context tokens) this scheduler has running on ``node``."""
+        live = [d for d in self._book(node).decodes.values() if not d.finished]
+        return len(live), sum(d.context_tokens for d in live)
+
+    def forget_node(self, node: NodeId) -> None:
+        self._books.pop(node, None)
+        self._prefill_models.pop(node, None)
+        self._decode_models.pop(node, None)

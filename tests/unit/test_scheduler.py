@@ -1,0 +1,295 @@
+"""Algorithm 1, the comparison policies and admission, branch by branch (fake clock)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from conductor.core.cost_model import DecodePrior, PrefillPrior
+from conductor.core.prefix_index import NodeId
+from conductor.core.scheduler import (
+    Admission,
+    NodeState,
+    Placement,
+    Policy,
+    Rejection,
+    Scheduler,
+    SchedulerConfig,
+    ScheduleRequest,
+    Slo,
+)
+
+# Round numbers so expectations are easy to read: a prefill costs 1 ms per uncached
+# token; a decode step costs 10 ms + 10 ms per request in the batch; transfers are 1 GB/s.
+PREFILL = PrefillPrior(fixed_s=0.0, per_token_s=0.001, per_token_context_s=0.0)
+DECODE = DecodePrior(fixed_s=0.01, per_request_s=0.01, per_context_token_s=0.0)
+BS = 32
+KV_BYTES_PER_TOKEN = 1000
+NOW = 100.0
+
+
+def config(**kw: object) -> SchedulerConfig:
+    base = SchedulerConfig(
+        prefill_prior=PREFILL,
+        decode_prior=DECODE,
+        transfer_bandwidth_bytes_per_s=1e9,
+        transfer_latency_s=0.0,
+        kvcache_balancing_threshold=2.0,
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def node(name: str, role: str = "prefill", **kw: object) -> NodeState:
+    base = NodeState(
+        node_id=NodeId(name),
+        role=role,  # type: ignore[arg-type]
+        healthy=True,
+        block_size=BS,
+        capacity_blocks=10_000,
+        free_blocks=10_000,
+        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def request(
+    prefix: dict[str, int] | None = None,
+    prompt: int = 1024 + 1,
+    ttft_s: float = 30.0,
+    tbt_s: float = 1.0,
+    max_new: int = 100,
+    rid: str = "r",
+) -> ScheduleRequest:
+    return ScheduleRequest(
+        request_id=rid,
+        prompt_tokens=prompt,
+        prefix_blocks={NodeId(k): v for k, v in (prefix or {}).items()},
+        max_new_tokens=max_new,
+        slo=Slo(ttft_s=ttft_s, tbt_s=tbt_s),
+    )
+
+
+FLEET = [node("p1"), node("p2"), node("p3"), node("d1", "decode")]
+
+
+def placed(decision: Placement | Rejection) -> Placement:
+    assert isinstance(decision, Placement), decision
+    return decision
+
+
+def test_prefers_the_node_holding_the_prefix() -> None:
+    s = Scheduler(config())
+    p = placed(s.schedule(request({"p2": 30}), FLEET, NOW))
+    assert p.prefill == "p2"
+    assert p.decode == "d1"
+    assert p.prefix_blocks == 30
+    assert p.migration is None
+    assert p.prefill_s == pytest.approx((1025 - 30 * BS) * 0.001)
+    assert p.fallbacks == ("p1", "p3")
+
+
+def test_busy_holder_loses_to_migration_when_ratio_exceeds_threshold() -> None:
+    """Algorithm 1 line 5: best_len / prefix_len > threshold → pull the prefix."""
+    s = Scheduler(config())
+    busy = [node("p1"), node("p2", queued_prefill_tokens=5000), node("d1", "decode")]
+    p = placed(s.schedule(request({"p2": 30}), busy, NOW))
+    assert p.prefill == "p1"
+    assert p.migration is not None
+    assert p.migration.source == "p2"
+    assert p.migration.blocks == 30
+    assert p.migration.transfer_s == pytest.approx(30 * BS * KV_BYTES_PER_TOKEN / 1e9)
+    assert p.prefix_blocks == 30
+
+
+def test_no_migration_when_ratio_is_below_threshold() -> None:
+    """p1 holds 20, best holds 30: 30/20 = 1.5 ≤ 2 → compute locally from 20 blocks."""
+    s = Scheduler(config())
+    fleet = [node("p1"), node("p2", queued_prefill_tokens=5000), node("d1", "decode")]
+    p = placed(s.schedule(request({"p1": 20, "p2": 30}), fleet, NOW))
+    assert p.prefill == "p1"
+    assert p.migration is None
+    assert p.prefix_blocks == 20
+
+
+def test_local_prefix_policy_never_migrates() -> None:
+    s = Scheduler(config(policy=Policy.LOCAL_PREFIX))
+    fleet = [node("p1"), node("p2", queued_prefill_tokens=5000), node("d1", "decode")]
+    p = placed(s.schedule(request({"p2": 30}), fleet, NOW))
+    assert p.migration is None
+    assert p.prefill == "p1"  # p2's queue (5 s) costs more than recomputing (1 s)
+    assert p.prefix_blocks == 0
+
+
+def test_least_loaded_ignores_prefixes() -> None:
+    s = Scheduler(config(policy=Policy.LEAST_LOADED))
+    fleet = [node("p1", queued_prefill_tokens=10), node("p2"), node("d1", "decode")]
+    p = placed(s.schedule(request({"p1": 30}), fleet, NOW))
+    assert p.prefill == "p2"
+
+
+def test_round_robin_rotates() -> None:
+    s = Scheduler(config(policy=Policy.ROUND_ROBIN))
+    chosen = [placed(s.schedule(request({"p1": 30}), FLEET, NOW)).prefill for _ in range(4)]
+    assert chosen == ["p1", "p2", "p3", "p1"]
+
+
+def test_own_assignments_queue_up() -> None:
+    """Without agent reports, the scheduler's own pending prefills make the queue."""
+    s = Scheduler(config(policy=Policy.LEAST_LOADED))
+    chosen = []
+    for i in range(3):
+        req = request(rid=f"r{i}")
+        p = placed(s.schedule(req, FLEET, NOW))
+        s.on_assigned(req, p, NOW)
+        chosen.append(p.prefill)
+    assert sorted(chosen) == ["p1", "p2", "p3"]
+    s.on_prefill_done("r0", NodeId(chosen[0]), 1025, 0, 1.0)
+    assert s.queue_s(node(chosen[0])) == 0.0
+
+
+def test_agent_reported_queue_is_not_double_counted() -> None:
+    s = Scheduler(config())
+    req = request(rid="mine")
+    p = placed(s.schedule(req, [node("p1"), node("d1", "decode")], NOW))
+    s.on_assigned(req, p, NOW)
+    own = s.queue_s(node("p1"))
+    assert own == pytest.approx(1.025)
+    # The agent now reports our own request as queued: same estimate, not twice.
+    assert s.queue_s(node("p1", queued_prefill_tokens=1025)) == pytest.approx(own)
+    # Another conductor's 2000 tokens on top add their linear cost.
+    assert s.queue_s(node("p1", queued_prefill_tokens=3025)) == pytest.approx(own + 2.0)
+
+
+def test_ttft_rejection_with_retry_after_from_queue_drain() -> None:
+    s = Scheduler(config())
+    fleet = [node("p1", queued_prefill_tokens=20_000), node("d1", "decode")]
+    r = s.schedule(request(ttft_s=5.0), fleet, NOW)
+    assert isinstance(r, Rejection)
+    assert r.reason == "ttft_slo"
+    assert r.ttft_s == pytest.approx(20.0 + 1.025 + 1025 * KV_BYTES_PER_TOKEN / 1e9)
+    assert r.retry_after_s == pytest.approx(r.ttft_s - 5.0)
+
+
+def test_admission_none_never_rejects_on_slo() -> None:
+    s = Scheduler(config(admission=Admission.NONE))
+    fleet = [node("p1", queued_prefill_tokens=20_000), node("d1", "decode")]
+    assert isinstance(s.schedule(request(ttft_s=5.0, tbt_s=0.001), fleet, NOW), Placement)
+
+
+def _load_decode(s: Scheduler, count: int, end_s: float) -> None:
+    """Put ``count`` decodes on d1 that started already and end at ``end_s``."""
+    for i in range(count):
+        req = request(rid=f"busy{i}", max_new=1)
+        p = Placement(
+            prefill=NodeId("p1"), decode=NodeId("d1"), prefix_blocks=0, migration=None,
+            queue_s=0, prefill_s=0, handoff_s=0, ttft_s=0, tbt_s=0, fallbacks=(),
+        )  # fmt: skip
+        s.on_assigned(req, p, NOW - 1)
+        s.on_decode_started(req.request_id, NodeId("d1"), NOW - 1)
+        s.on_prefill_done(req.request_id, NodeId("p1"), 10, 0, None)
+        book = s._books[NodeId("d1")].decodes[req.request_id]
+        book.end_s = end_s
+
+
+def test_early_rejects_on_current_decode_load() -> None:
+    """9 running + this one → TBT 0.11 s > 0.1 s, even though they end before prefill does."""
+    s = Scheduler(config(admission=Admission.EARLY))
+    _load_decode(s, 9, end_s=NOW + 0.5)
+    r = s.schedule(request(tbt_s=0.1), FLEET, NOW)
+    assert isinstance(r, Rejection)
+    assert r.reason == "tbt_slo"
+    assert r.tbt_s == pytest.approx(0.11)
+    assert r.retry_after_s == pytest.approx(1.0)  # drains at NOW+0.5; Retry-After ≥ 1 s
+
+
+def test_predictive_admits_when_decodes_end_before_prefill_finishes() -> None:
+    """§4.3.4: the same load is gone by the time this prefill (≈1 s) completes."""
+    s = Scheduler(config(admission=Admission.PREDICTIVE))
+    _load_decode(s, 9, end_s=NOW + 0.5)
+    p = placed(s.schedule(request(tbt_s=0.1), FLEET, NOW))
+    assert p.tbt_s == pytest.approx(0.02)
+
+
+def test_predictive_rejects_load_that_will_still_be_there() -> None:
+    s = Scheduler(config(admission=Admission.PREDICTIVE))
+    _load_decode(s, 9, end_s=NOW + 50)
+    r = s.schedule(request(tbt_s=0.1), FLEET, NOW)
+    assert isinstance(r, Rejection)
+    assert r.reason == "tbt_slo"
+    assert r.retry_after_s == pytest.approx(50 - 0)  # until they end
+
+
+def test_predictive_counts_requests_joining_before_prefill_ends() -> None:
+    s = Scheduler(config(admission=Admission.PREDICTIVE))
+    # Nine requests admitted now, whose decode starts at ~NOW+1 and lasts long.
+    for i in range(9):
+        req = request(rid=f"j{i}", prompt=33, max_new=1000)
+        p = placed(s.schedule(req, [node("p9"), node("d1", "decode")], NOW))
+        s.on_assigned(req, p, NOW)
+    r = s.schedule(request(tbt_s=0.1), [node("p1"), node("d1", "decode")], NOW)
+    assert isinstance(r, Rejection)
+    assert r.reason == "tbt_slo"
+
+
+def test_decode_choice_by_tbt_and_room() -> None:
+    s = Scheduler(config())
+    _load_decode(s, 3, end_s=NOW + 100)
+    fleet = [
+        node("p1"),
+        node("d1", "decode"),
+        node("d2", "decode"),
+        node("d3", "decode", free_blocks=1),
+    ]
+    p = placed(s.schedule(request(), fleet, NOW))
+    assert p.decode == "d2"  # d1 is loaded, d3 has no room for the prompt's KV
+
+
+def test_both_node_decodes_locally_without_handoff() -> None:
+    s = Scheduler(config())
+    p = placed(s.schedule(request(), [node("b1", "both")], NOW))
+    assert (p.prefill, p.decode, p.handoff_s) == ("b1", "b1", 0.0)
+
+
+def test_handoff_is_part_of_ttft() -> None:
+    s = Scheduler(config())
+    p = placed(s.schedule(request(), FLEET, NOW))
+    assert p.handoff_s == pytest.approx(1025 * KV_BYTES_PER_TOKEN / 1e9)
+    assert p.ttft_s == pytest.approx(p.queue_s + p.prefill_s + p.handoff_s)
+
+
+@pytest.mark.parametrize(
+    ("fleet", "reason"),
+    [
+        ([node("d1", "decode")], "no_prefill_node"),
+        ([node("p1")], "no_decode_node"),
+        ([node("p1", healthy=False), node("d1", "decode")], "no_prefill_node"),
+        ([node("p1"), node("d1", "decode", free_blocks=0)], "no_decode_node"),
+    ],
+)
+def test_no_node(fleet: list[NodeState], reason: str) -> None:
+    r = Scheduler(config()).schedule(request(), fleet, NOW)
+    assert isinstance(r, Rejection)
+    assert r.reason == reason
+    assert r.retry_after_s >= 1.0
+
+
+def test_observed_prefill_times_change_estimates() -> None:
+    s = Scheduler(config())
+    before = s.prefill_model(NodeId("p1")).estimate(1025, 0)
+    for _ in range(200):
+        s.on_prefill_done("x", NodeId("p1"), 1025, 0, 3 * before)
+    assert s.prefill_model(NodeId("p1")).estimate(1025, 0) > 2 * before
+    assert math.isclose(s.prefill_model(NodeId("p2")).estimate(1025, 0), before)
+
+
+def test_finished_requests_leave_the_books() -> None:
+    s = Scheduler(config())
+    req = request(rid="done")
+    p = placed(s.schedule(req, FLEET, NOW))
+    s.on_assigned(req, p, NOW)
+    assert s.active_decodes(NodeId("d1"))[0] == 1
+    s.on_finished("done", p.prefill, p.decode)
+    assert s.active_decodes(NodeId("d1")) == (0, 0)
+    assert s.queue_s(node(p.prefill)) == 0.0
