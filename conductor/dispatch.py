@@ -267,6 +267,12 @@ class Dispatcher:
             # The node-side lease frees the blocks if this abort is lost.
             log.warning("TxAbort %s on %s failed: %s", tx_id, agent.address, exc.details())
 
+    async def _commit_quietly(self, agent: AgentHandle, tx_id: str) -> None:
+        try:
+            await agent.stub.TxCommit(pb.TxCommitRequest(tx_id=tx_id), timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("TxCommit %s on %s failed: %s", tx_id, agent.address, exc.details())
+
     async def drain(self) -> None:
         if self._cleanup:
             await asyncio.gather(*self._cleanup, return_exceptions=True)
@@ -405,8 +411,8 @@ class Dispatcher:
             )  # fmt: skip
             return 0
         finally:
-            if locked:
-                await self._shielded(self._abort_tx(source, src_tx))
+            if locked:  # paired Tx: the holder commits too, which only releases its locks
+                await self._shielded(self._commit_quietly(source, src_tx))
 
     async def _attempt(
         self, req: GenerationRequest, keys: list[BlockKey], placement: Placement
