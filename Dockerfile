@@ -23,7 +23,8 @@ COPY --from=build /opt/kvc /opt/kvc
 RUN useradd --system --uid 10001 --create-home kvc
 USER 10001
 WORKDIR /home/kvc
-EXPOSE 8000 50051
+# conductor HTTP (and /metrics), agent gRPC, agent /metrics (with --metrics-port 9464)
+EXPOSE 8000 50051 9464
 # The conductor's liveness; agents override it with `kvc probe grpc://127.0.0.1:50051`.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
   CMD ["kvc", "probe", "http://127.0.0.1:8000/health"]

@@ -22,7 +22,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conductor.adapters.agents import AgentFleet
+from conductor.adapters.discovery import run_discovery
+from conductor.adapters.ratelimit import RateLimiter
 from conductor.adapters.shadow import ShadowSync
+from conductor.api.admin import router as admin_router
 from conductor.api.routes import router
 from conductor.core.prefix_index import PrefixIndex
 from conductor.core.scheduler import Scheduler
@@ -36,6 +39,8 @@ from conductor.errors import (
 from conductor.metrics import ConductorMetrics
 from conductor.settings import ConductorSettings
 from conductor.state import AppState
+from conductor.tenants import TenantDirectory
+from kvc.registry import connect
 from kvc.tokenization import ChatTokenizer
 
 log = logging.getLogger("conductor")
@@ -157,11 +162,30 @@ def create_app(
         async with contextlib.AsyncExitStack() as stack:
             tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, settings.model)
             model_name = settings.resolved_served_model_name()
+            metrics = ConductorMetrics()
             fleet = AgentFleet(
-                settings.agents, model=model_name, rpc_timeout_s=settings.rpc_timeout_s
+                settings.agents,
+                model=model_name,
+                rpc_timeout_s=settings.rpc_timeout_s,
+                observe_call=metrics.record_agent_call,
             )
             stack.push_async_callback(fleet.aclose)
-            metrics = ConductorMetrics()
+            redis = connect(settings.redis_url) if settings.redis_url else None
+            if redis is not None:
+                stack.push_async_callback(redis.aclose)
+                metrics.redis_up.set(1)
+            else:  # no Redis configured: export no redis_up at all rather than a false 0
+                metrics.registry.unregister(metrics.redis_up)
+            tenants = TenantDirectory(
+                default_tenant=settings.default_tenant,
+                default_requests_per_minute=settings.default_requests_per_minute,
+                default_tokens_per_minute=settings.default_tokens_per_minute,
+                api_keys=settings.api_keys,
+                tenants_file=settings.tenants_file,
+                redis=redis,
+                keys_in_redis=settings.api_keys_in_redis,
+            )
+            limiter = RateLimiter(redis, on_redis_state=lambda up: metrics.redis_up.set(int(up)))
             index = PrefixIndex()
             dispatcher = Dispatcher(
                 fleet,
@@ -182,6 +206,8 @@ def create_app(
                 dispatcher=dispatcher,
                 metrics=metrics,
                 model_name=model_name,
+                tenants=tenants,
+                limiter=limiter,
             )
             app.state.conductor = state
             await fleet.refresh_all()
@@ -189,6 +215,20 @@ def create_app(
             tasks: list[asyncio.Task[None]] = []
             if poll_agents:
                 tasks.append(asyncio.create_task(fleet.run(settings.agent_poll_interval_s, stop)))
+            if redis is not None:
+                tasks.append(
+                    asyncio.create_task(
+                        run_discovery(
+                            fleet,
+                            redis,
+                            model=model_name,
+                            static=settings.agents,
+                            interval_s=settings.agent_poll_interval_s,
+                            stop=stop,
+                            on_redis_state=lambda up: metrics.redis_up.set(int(up)),
+                        )
+                    )
+                )
             if follow_events:
                 shadow = ShadowSync(fleet, index, on_lag=metrics.event_lag.observe)
                 tasks.append(asyncio.create_task(shadow.run(stop)))
@@ -217,5 +257,6 @@ def create_app(
     )
     _install_error_handlers(app)
     app.include_router(router)
+    app.include_router(admin_router)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_bytes)
     return app

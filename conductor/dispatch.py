@@ -154,6 +154,8 @@ def _map_error(exc: AgentCallError) -> ConductorError:
         )
     if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return GatewayTimeout("A node did not answer in time.")
+    if exc.reason == "transfer":
+        return UpstreamError(f"Moving the prompt's KV between nodes failed: {exc.message}")
     if exc.node_unreachable:
         return ServiceUnavailable("A node became unavailable.", retry_after_s=1.0)
     return UpstreamError(f"A node failed the request: {exc.message}")
@@ -346,8 +348,8 @@ class Dispatcher:
             except AgentCallError as exc:
                 self.scheduler.on_finished(req.request_id, decision.prefill, decision.decode)
                 last = exc
-                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    excluded.add(exc.address)
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED or exc.reason == "draining":
+                    excluded.add(exc.address)  # busy or leaving: schedule among the others
                     continue
                 if exc.node_unreachable:
                     self._fleet.mark_unreachable(exc.address, exc.message)
@@ -496,6 +498,8 @@ class Dispatcher:
                         address=prefill.info.advertise_address,
                         request_id=req.request_id,
                         num_tokens=prompt_len - 1,
+                        # vLLM P/D: the decode engine pulls the KV itself with these.
+                        engine_transfer_params=pre.engine_transfer_params,
                     )
                 )
             else:

@@ -2,17 +2,90 @@
 
 Conventions: ``conductor_`` prefix, base units (seconds), ``_total`` only on
 counters, no colons, and bounded labels only — ``endpoint`` is one of the fixed
-route names, ``outcome`` one of ``OUTCOMES``, ``reason`` one of the rejection
-reasons the code defines. Nothing from a request body ever becomes a label.
-Each app instance has its own registry, so several apps can live in one process.
+route names, ``outcome`` one of ``OUTCOMES``, ``reason`` one of ``REJECTION_REASONS``
+(anything else is counted as ``other``), ``method`` a NodeAgent RPC name and ``code``
+a gRPC status name. The one label taken from configuration is ``agent`` on
+``conductor_agent_up``: the agent addresses this conductor is configured with (or
+discovers in its registry), so its cardinality is the fleet size; an agent that
+leaves the fleet leaves the metric at the next scrape. Nothing from a request body
+ever becomes a label. Each app instance has its own registry, so several apps can
+live in one process.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 OUTCOMES = ("success", "client_error", "rejected", "upstream_error", "cancelled")
 ENDPOINTS = ("chat_completions", "completions")
+ROLES = ("prefill", "decode", "both")
+PROMPT_SOURCES = ("local", "migrated", "computed")
+# Every cause the conductor refuses a request for before any engine work (429 or 503).
+REJECTION_REASONS = (
+    "conductor_overloaded",  # max_inflight_requests reached on this conductor
+    "tenant_rate_limit",  # the tenant's requests or tokens per minute
+    "ttft_slo",  # predicted time to first token over the SLO
+    "tbt_slo",  # predicted time between tokens over the SLO
+    "no_prefill_node",  # no prefill node fits (capacity)
+    "no_decode_node",  # no decode node has room
+    "insufficient_capacity",  # every node refused the Tx for capacity
+    "no_capacity",  # no node serving the model is ready (503)
+    "unavailable",  # nodes unreachable (503)
+    "rate_limit_exceeded",  # a RateLimited raised without a reason of its own
+    "other",
+)
+# The NodeAgent RPCs (kvc.v1) and the gRPC status codes: fixed sets.
+AGENT_METHODS = (
+    "GetInfo",
+    "TxAllocate",
+    "TxCommit",
+    "TxAbort",
+    "Snapshot",
+    "Prefill",
+    "PullBlocks",
+    "other",
+)
+GRPC_CODES = (
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
+
+
+def rejection_reason(reason: str) -> str:
+    """The ``reason`` label for a refusal: one of ``REJECTION_REASONS``."""
+    return reason if reason in REJECTION_REASONS else "other"
+
+
+class AgentView(Protocol):
+    """What the metrics read of an agent handle (``conductor.adapters.agents.AgentHandle``)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def reachable(self) -> bool: ...
+    @property
+    def usable(self) -> bool: ...
+    @property
+    def role(self) -> str: ...
+
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -78,6 +151,11 @@ class ConductorMetrics:
             "Prefix migrations (hot-spot replication) between nodes.",
             registry=r,
         )
+        self.redis_up = Gauge(
+            "conductor_redis_up",
+            "1 when the last Redis operation (registry, rate limits, keys) succeeded.",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "conductor_prompt_tokens_total", "Prompt tokens of served requests.", registry=r
         )
@@ -93,11 +171,50 @@ class ConductorMetrics:
             ("role",),
             registry=r,
         )
+        self.agent_up = Gauge(
+            "conductor_agent_up",
+            "1 when the agent answered this conductor's latest poll, else 0; one series per "
+            "agent address in the fleet.",
+            ("agent",),
+            registry=r,
+        )
+        self.agent_calls = Counter(
+            "conductor_agent_calls_total",
+            "Unary calls to node agents by RPC and gRPC status (TxAllocate RESOURCE_EXHAUSTED "
+            "is a capacity refusal; UNAVAILABLE an unreachable agent).",
+            ("method", "code"),
+            registry=r,
+        )
         for endpoint in ENDPOINTS:
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)
-        for source in ("local", "migrated", "computed"):
+        for source in PROMPT_SOURCES:
             self.prompt_cache_tokens.labels(source)
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason)
+        for role in ROLES:
+            self.agents_usable.labels(role)
+        for method in ("TxAllocate", "TxCommit", "TxAbort"):
+            for code in ("OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"):
+                self.agent_calls.labels(method, code)
+
+    def record_agent_call(self, method: str, code: str) -> None:
+        """Count one finished unary agent call; ``method`` may be a full gRPC path."""
+        name = method.rsplit("/", 1)[-1]
+        self.agent_calls.labels(
+            name if name in AGENT_METHODS else "other", code if code in GRPC_CODES else "UNKNOWN"
+        ).inc()
+
+    def refresh_agents(self, agents: Iterable[AgentView]) -> None:
+        """Sample the fleet: usable agents by role, and up/down per agent address."""
+        agents = list(agents)
+        for role in ROLES:
+            self.agents_usable.labels(role).set(
+                sum(1 for a in agents if a.usable and a.role == role)
+            )
+        self.agent_up.clear()  # agents that left the fleet leave the metric
+        for a in agents:
+            self.agent_up.labels(a.address).set(1 if a.reachable else 0)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

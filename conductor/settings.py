@@ -35,6 +35,27 @@ class ConductorSettings(BaseSettings):
         default_factory=list, description="Accepted bearer keys, comma-separated (empty: no auth)"
     )
     default_tenant: str = Field("default", description="Tenant of unauthenticated requests")
+    tenants_file: Path | None = Field(
+        None, description="JSON/YAML file: tenants with their API keys and rate limits"
+    )
+    api_keys_in_redis: bool = Field(
+        False, description="Also resolve API keys from Redis (kvc:apikey:<sha256>)"
+    )
+    admin_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Bearer keys for /admin endpoints (empty: admin off)"
+    )
+    default_requests_per_minute: int = Field(
+        0, ge=0, description="Per-tenant request limit when a tenant sets none (0: unlimited)"
+    )
+    default_tokens_per_minute: int = Field(
+        0, ge=0, description="Per-tenant token limit (prompt + max_tokens) (0: unlimited)"
+    )
+    redis_url: str = Field(
+        "", description="Redis for the node registry, rate limits and keys (empty: none)"
+    )
+    drain_delay_s: float = Field(
+        5.0, ge=0, description="On SIGTERM, report not-ready this long before closing"
+    )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
     lease_s: float = Field(30.0, gt=0, le=600, description="Lease on node-side block locks")
     max_inflight_requests: int = Field(
@@ -77,7 +98,7 @@ class ConductorSettings(BaseSettings):
     )
     transfer_latency_s: float = Field(0.001, ge=0, description="KV transfer latency prior")
 
-    @field_validator("agents", "api_keys", mode="before")
+    @field_validator("agents", "api_keys", "admin_keys", mode="before")
     @classmethod
     def _csv(cls, value: Any) -> Any:
         return _split_csv(value)
@@ -89,6 +110,15 @@ class ConductorSettings(BaseSettings):
             host, sep, port = addr.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"agent address {addr!r} is not host:port")
+        return value
+
+    @field_validator("tenants_file")
+    @classmethod
+    def _tenants_file(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            from conductor.tenants import load_tenants_file
+
+            load_tenants_file(value)  # fail fast with the file's problem
         return value
 
     @field_validator("model")

@@ -6,11 +6,13 @@ import time
 from dataclasses import dataclass, field
 
 from conductor.adapters.agents import AgentFleet
+from conductor.adapters.ratelimit import RateLimiter
 from conductor.api.schemas import ModelCard
 from conductor.core.prefix_index import PrefixIndex
 from conductor.dispatch import Dispatcher
 from conductor.metrics import ConductorMetrics
 from conductor.settings import ConductorSettings
+from conductor.tenants import TenantDirectory
 from kvc.tokenization import ChatTokenizer
 
 
@@ -23,6 +25,8 @@ class AppState:
     dispatcher: Dispatcher
     metrics: ConductorMetrics
     model_name: str
+    tenants: TenantDirectory
+    limiter: RateLimiter
     created: int = field(default_factory=lambda: int(time.time()))
     inflight: int = 0
     draining: bool = False

@@ -4,6 +4,7 @@
   kvc agent [flags]       run a node agent (gRPC) around an engine
   kvc demo [flags]        conductor on 127.0.0.1:8000 + a prefill and a decode agent
   kvc probe URL           health probe for containers (http://… or grpc://host:port)
+  kvc bench replay ...    replay a Mooncake trace on the simulated fleet (docs/simulator.md)
 
 Every setting is a flag and an environment variable; ``--help`` lists them.
 """
@@ -14,7 +15,6 @@ import argparse
 import asyncio
 import logging
 import sys
-from types import FrameType
 
 from kvc.settings_cli import SettingsError, add_settings_arguments, settings_from_args
 
@@ -28,30 +28,10 @@ def _setup_logging(level: str) -> None:
 
 
 def _run_conductor(ns: argparse.Namespace) -> int:
-    import uvicorn
-
-    from conductor.app import create_app
+    from conductor.main import serve
     from conductor.settings import ConductorSettings
 
-    class GracefulServer(uvicorn.Server):
-        """Drains on SIGTERM/SIGINT and exits 0, like the agents (uvicorn would
-        re-raise the signal after its graceful shutdown and exit with -15)."""
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            super().handle_exit(sig, frame)
-            captured = getattr(self, "_captured_signals", None)
-            if isinstance(captured, list):
-                captured.clear()
-
-    settings = settings_from_args(ConductorSettings, ns)
-    config = uvicorn.Config(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=ns.log_level.lower(),
-        timeout_graceful_shutdown=30,
-    )
-    GracefulServer(config).run()
+    serve(settings_from_args(ConductorSettings, ns), ns.log_level)
     return 0
 
 
@@ -85,6 +65,52 @@ def _run_probe(ns: argparse.Namespace) -> int:
     return probe_main(ns.url, ns.timeout_s)
 
 
+def _run_bench_replay(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvc.sim.profile import SimConfigError
+    from kvc.sim.replay import ProgressLine, ReplayOptions, run_scenario
+    from kvc.sim.scenario import load_scenario
+    from kvc.sim.trace import TraceError, read_trace
+
+    try:
+        scenario = load_scenario(ns.scenario)
+        scenario.select(ns.policy)
+        if ns.speed is not None and ns.speed <= 0:
+            raise SimConfigError("--speed must be > 0")
+        requests = read_trace(ns.trace, limit=ns.limit)
+    except (SimConfigError, TraceError, OSError) as exc:
+        print(f"kvc bench replay: {exc}", file=sys.stderr)
+        return 2
+    options = ReplayOptions(
+        trace_name=str(ns.trace),
+        policy=ns.policy,
+        speed=ns.speed,
+        plots=not ns.no_plots,
+        progress=None if ns.quiet else ProgressLine(),
+    )
+    summary = run_scenario(scenario, requests, Path(ns.out), options)
+    for name, block in summary["policies"].items():
+        cells = [f"{name:<28}"]
+        for label, key, unit in (
+            ("hit", "hit_ratio", "%"),
+            ("TTFT mean", "ttft_mean_s", "s"),
+            ("p90", "ttft_p90_s", "s"),
+            ("rejected", "rejected", ""),
+            ("prefill GPU", "prefill_gpu_s", "s"),
+        ):
+            value = block[key]
+            if value is None:
+                cells.append(f"{label} -")
+            elif unit == "%":
+                cells.append(f"{label} {value:.1%}")
+            else:
+                cells.append(f"{label} {value:,.2f}{unit}" if unit else f"{label} {value}")
+        print("  ".join(cells))
+    print(f"wrote {Path(ns.out) / 'summary.json'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from conductor.settings import ConductorSettings
     from node_agent.settings import AgentSettings
@@ -113,6 +139,27 @@ def build_parser() -> argparse.ArgumentParser:
     p_probe.add_argument("url")
     p_probe.add_argument("--timeout-s", type=float, default=3.0)
     p_probe.set_defaults(func=_run_probe)
+    p_bench = sub.add_parser("bench", help="benchmarks: trace replay on the simulator")
+    bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)
+    p_replay = bench_sub.add_parser(
+        "replay",
+        help="replay a Mooncake trace through the simulated fleet (same scheduler code)",
+    )
+    p_replay.add_argument("--trace", required=True, help="Mooncake JSONL trace file")
+    p_replay.add_argument(
+        "--scenario", required=True, help="bundled scenario name or a scenario JSON file"
+    )
+    p_replay.add_argument(
+        "--policy", default=None, help="run only this run/policy (default: every one compared)"
+    )
+    p_replay.add_argument(
+        "--speed", type=float, default=None, help="replay speed (replaces the scenario's)"
+    )
+    p_replay.add_argument("--out", required=True, help="output folder (summary.json, plots)")
+    p_replay.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    p_replay.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p_replay.add_argument("--quiet", action="store_true", help="no progress bar")
+    p_replay.set_defaults(func=_run_bench_replay)
     return parser
 
 

@@ -135,6 +135,8 @@ def run_demo(opts: DemoOptions) -> int:
                 str(opts.port),
                 "--agents",
                 agents,
+                "--drain-delay-s",
+                "0",
             ],
         )
         base = f"http://{opts.host}:{opts.port}"

@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from kvc.tokenization import ChatTokenizer
-from node_agent.engines.base import EngineAdapter
+from node_agent.engines.base import EngineAdapter, EngineError
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
 
 log = logging.getLogger("node_agent")
 
+T = TypeVar("T")
+
 
 def build_engine(settings: AgentSettings) -> EngineAdapter:
-    """The engine adapter the settings name (the embedded transformer for now)."""
+    """The engine adapter the settings name: the embedded transformer, or vLLM."""
+    if settings.engine == "vllm":
+        from node_agent.engines.vllm import VllmConfig, VllmEngineAdapter
+
+        tokenizer = ChatTokenizer.from_dir(settings.model)
+        return VllmEngineAdapter(VllmConfig.from_settings(settings), tokenizer)
+
     from node_agent.engines.embedded import EmbeddedModel
     from node_agent.engines.embedded_adapter import EmbeddedEngineAdapter
 
@@ -31,14 +42,83 @@ def build_engine(settings: AgentSettings) -> EngineAdapter:
     )
 
 
+async def start_engine(engine: EngineAdapter, settings: AgentSettings) -> AgentSettings:
+    """Bring up an engine that runs outside the agent (vLLM) and size the pool to it.
+
+    The pool's block size and capacity become the engine's own, so a TxAllocate
+    refuses what the engine cannot hold. Other engines need nothing: ``settings``.
+    """
+    from node_agent.engines.vllm import VllmEngineAdapter
+
+    if not isinstance(engine, VllmEngineAdapter):
+        return settings
+    geometry = await engine.start()
+    if (geometry.block_size, geometry.capacity_blocks) != (
+        settings.block_size,
+        settings.capacity_blocks,
+    ):
+        log.info(
+            "block pool follows vLLM: %d blocks of %d tokens",
+            geometry.capacity_blocks,
+            geometry.block_size,
+        )
+    return settings.model_copy(
+        update={"block_size": geometry.block_size, "capacity_blocks": geometry.capacity_blocks}
+    )
+
+
+async def _unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """``work``'s result, or None (``work`` cancelled) when ``stop`` is set first."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _stop_when_engine_fails(engine: EngineAdapter, stop: asyncio.Event) -> str:
+    """An agent without its engine has nothing to serve: a launched vLLM that exits
+    stops the agent too, which then exits non-zero (its supervisor restarts both)."""
+    from node_agent.engines.vllm import VllmEngineAdapter
+
+    if not isinstance(engine, VllmEngineAdapter):
+        await stop.wait()
+        return ""
+    reason = await engine.wait_failed()
+    log.error("%s: stopping the agent", reason)
+    stop.set()
+    return reason
+
+
 async def serve(settings: AgentSettings) -> None:
-    engine = await asyncio.to_thread(build_engine, settings)
-    server = AgentServer(settings, engine)
-    await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    engine = await asyncio.to_thread(build_engine, settings)
+    try:
+        started = await _unless_stopped(start_engine(engine, settings), stop)
+    except BaseException:
+        await engine.aclose()
+        raise
+    if started is None:  # SIGTERM while the engine was starting
+        await engine.aclose()
+        return
+    settings = started
+    server = AgentServer(settings, engine)
+    await server.start()
+    watch = asyncio.create_task(_stop_when_engine_fails(engine, stop))
     await stop.wait()
-    log.info("node agent stopping")
-    await server.stop(grace_s=5.0)
+    failure = watch.result() if watch.done() else ""
+    watch.cancel()
+    log.info("node agent draining (up to %.0f s), then stopping", settings.shutdown_grace_s)
+    await server.drain_and_stop(grace_s=settings.shutdown_grace_s)
+    if failure:
+        raise EngineError(failure)

@@ -20,19 +20,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from redis.asyncio import Redis
 
 from conductor.core.block_keys import BlockKey, compute_block_keys
+from kvc.registry import AgentRecord, connect, keep_registered
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.blocks.events import EventLog
@@ -52,8 +55,12 @@ from node_agent.blocks.pool import (
     TxNotFound,
 )
 from node_agent.engines.base import (
+    CacheCleared,
+    CacheMirroringEngine,
+    CacheStored,
     EngineAdapter,
     EngineBusy,
+    EngineCacheEvent,
     EngineError,
     GenerateJob,
     PrefillJob,
@@ -61,6 +68,7 @@ from node_agent.engines.base import (
     Sampling,
 )
 from node_agent.engines.embedded import KvCache, KvLayout
+from node_agent.metrics import AgentMetrics, MetricsHttpServer
 from node_agent.settings import AgentSettings
 
 log = logging.getLogger("node_agent")
@@ -77,6 +85,10 @@ _MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
 Context = grpc.aio.ServicerContext[object, object]
 KvStream = grpc.aio.UnaryStreamCall[Any, pb.KvChunk]  # any request type
+
+
+class Draining(EngineError):
+    """The agent is draining: it finishes in-flight work but takes no new work."""
 
 
 class TransferError(Exception):
@@ -111,6 +123,8 @@ def layout_to_pb(layout: KvLayout) -> pb.KvLayout:
 
 def _grpc_error(exc: Exception) -> tuple[grpc.StatusCode, str, pb.ErrorInfo | None]:
     """The one place agent exceptions become gRPC status codes."""
+    if isinstance(exc, Draining):
+        return grpc.StatusCode.UNAVAILABLE, str(exc), pb.ErrorInfo(reason="draining")
     if isinstance(exc, CapacityExhausted):
         info = pb.ErrorInfo(
             reason="capacity", needed_blocks=exc.needed_blocks, free_blocks=exc.free_blocks
@@ -124,8 +138,8 @@ def _grpc_error(exc: Exception) -> tuple[grpc.StatusCode, str, pb.ErrorInfo | No
         return grpc.StatusCode.NOT_FOUND, str(exc), None
     if isinstance(exc, TxClosed | ContentMissing):  # expired/finished tx; blocks lack KV
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc), None
-    if isinstance(exc, TransferError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc), None
+    if isinstance(exc, TransferError):  # the peer failed us; this node itself is fine
+        return grpc.StatusCode.UNAVAILABLE, str(exc), pb.ErrorInfo(reason="transfer")
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", None
 
 
@@ -148,10 +162,12 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         engine: EngineAdapter,
         *,
         clock: Callable[[], float] = time.monotonic,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self._settings = settings
         self._engine = engine
         self._clock = clock
+        self.metrics = metrics if metrics is not None else AgentMetrics()
         self.pool = BlockPool(
             capacity_blocks=settings.capacity_blocks,
             clock=clock,
@@ -168,7 +184,13 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         self._last_prefill = (0.0, 0, 0)
         self._last_load: pb.LoadUpdate | None = None
         self._stopping = False
+        self.draining = False
+        self.health: health.aio.HealthServicer | None = None
         self.node_info = pb.NodeInfo()
+        if isinstance(engine, CacheMirroringEngine):  # vLLM: the pool mirrors its cache
+            engine.set_cache_sink(self.apply_engine_cache_events)
+        # Engine-to-engine KV hand-offs (vLLM P/D) of finished prefills, by request id.
+        self._engine_transfers: dict[str, dict[str, Any]] = {}
         # Pulled blocks must live where the engine keeps KV: a pool mixing devices
         # could not concatenate a reused prefix.
 
@@ -189,6 +211,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             advertise_address=s.resolved_advertise_address(port),
             version=_version(),
         )
+        self.metrics.set_info(role=s.role, engine=info.engine, model=info.model)
 
     async def close(self) -> None:
         self._stopping = True
@@ -210,7 +233,12 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         if load != self._last_load:
             self._append(pb.Event(load=load))
             self._last_load = load
+        self.refresh_metrics()
         await self._notify()
+
+    def refresh_metrics(self) -> None:
+        """Sample the pool and engine gauges (housekeeping and every scrape call this)."""
+        self.metrics.refresh(self.pool, self._engine.load(), self._staged_bytes)
 
     async def run_housekeeping(self) -> None:
         while not self._stopping:
@@ -227,7 +255,9 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             running_requests=load.running_requests,
             waiting_requests=load.waiting_requests,
             free_blocks=stats.free_blocks,
-            kv_usage_ratio=1.0 - stats.free_blocks / stats.capacity_blocks,
+            kv_usage_ratio=max(
+                1.0 - stats.free_blocks / stats.capacity_blocks, load.kv_usage_ratio
+            ),
             last_prefill_s=last_s,
             last_prefill_tokens=last_tokens,
             last_prefill_cached_tokens=last_cached,
@@ -236,6 +266,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
     def _append(self, event: pb.Event) -> None:
         event.time_s = time.time()
         event.seq = self._events.append(event)
+        self.metrics.record_event(event.WhichOneof("kind"))
 
     def _publish_pool_events(self) -> None:
         for ev in self.pool.take_events():
@@ -258,14 +289,56 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         self._publish_pool_events()
         await self._notify()
 
+    async def apply_engine_cache_events(self, events: Sequence[EngineCacheEvent]) -> None:
+        """Mirror an engine-owned KV cache (vLLM's KV events) into the pool; publish it."""
+        for ev in events:
+            if isinstance(ev, CacheStored):
+                self.pool.mirror_stored(ev.keys, ev.parent_key)
+            elif isinstance(ev, CacheCleared):
+                self.pool.mirror_clear()
+            else:
+                self.pool.mirror_removed(ev.keys)
+        await self._after_mutation()
+
     # ----------------------------------------------------------------- Tx
     async def GetInfo(self, request: pb.GetInfoRequest, context: Context) -> pb.NodeInfo:
         return self.node_info
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise Draining("this node is draining and takes no new work")
+
+    async def set_draining(self, draining: bool) -> None:
+        """Stop (or resume) taking new work; health turns NOT_SERVING while draining."""
+        if draining != self.draining:
+            log.info("node agent %s", "draining" if draining else "resuming")
+        self.draining = draining
+        self.node_info.draining = draining
+        if self.health is not None:
+            status = (
+                health_pb2.HealthCheckResponse.NOT_SERVING
+                if draining
+                else health_pb2.HealthCheckResponse.SERVING
+            )
+            await self.health.set(SERVICE_NAME, status)
+
+    def busy(self) -> tuple[int, int]:
+        """(open transactions, running generations): what a drain waits for."""
+        return self.pool.stats().open_txs, self._engine.load().running_requests
+
+    async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
+        await self.set_draining(not request.resume)
+        open_txs, running = self.busy()
+        return pb.DrainResponse(draining=self.draining, open_txs=open_txs, running_requests=running)
 
     async def TxAllocate(
         self, request: pb.TxAllocateRequest, context: Context
     ) -> pb.TxAllocateResponse:
         mode = TxMode.LOCK_ONLY if request.mode == pb.TX_MODE_LOCK_ONLY else TxMode.ALLOCATE
+        op = "lock_only" if mode is TxMode.LOCK_ONLY else "allocate"
+        if self.draining and mode is TxMode.ALLOCATE:  # a source may still lend its blocks
+            self.metrics.tx.labels(op, "draining").inc()
+            await _abort(context, Draining("this node is draining and takes no new work"))
         try:
             result = self.pool.tx_allocate(
                 AllocateParams(
@@ -277,8 +350,10 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 )
             )
         except BlockPoolError as exc:
+            self.metrics.record_tx(op, exc)
             await self._after_mutation()
             await _abort(context, exc)
+        self.metrics.record_tx(op)
         await self._after_mutation()
         return pb.TxAllocateResponse(
             tx_id=result.tx_id,
@@ -293,8 +368,10 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         try:
             result = self.pool.tx_commit(request.tx_id)
         except BlockPoolError as exc:
+            self.metrics.record_tx("commit", exc)
             await self._after_mutation()
             await _abort(context, exc)
+        self.metrics.record_tx("commit")
         await self._after_mutation()
         return pb.TxCommitResponse(tx_id=request.tx_id, stored_blocks=len(result.stored_keys))
 
@@ -302,8 +379,10 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         try:
             result = self.pool.tx_abort(request.tx_id)
         except BlockPoolError as exc:
+            self.metrics.record_tx("abort", exc)
             await self._after_mutation()
             await _abort(context, exc)
+        self.metrics.record_tx("abort")
         await self._after_mutation()
         return pb.TxAbortResponse(tx_id=request.tx_id, freed_blocks=result.freed_blocks)
 
@@ -326,18 +405,22 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             yield pb.EventBatch(epoch=self.epoch, resync_required=True)
             return
         next_seq = max(1, request.from_seq)
-        while not self._stopping:
-            batch = self._events.since(next_seq)
-            if batch is None:
-                yield pb.EventBatch(epoch=self.epoch, resync_required=True)
-                return
-            if batch:
-                next_seq = batch[-1][0] + 1
-                yield pb.EventBatch(epoch=self.epoch, events=[ev for _, ev in batch])
-                continue
-            async with self._new_events:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._new_events.wait(), timeout=5.0)
+        self.metrics.watch_subscribers.inc()
+        try:
+            while not self._stopping:
+                batch = self._events.since(next_seq)
+                if batch is None:
+                    yield pb.EventBatch(epoch=self.epoch, resync_required=True)
+                    return
+                if batch:
+                    next_seq = batch[-1][0] + 1
+                    yield pb.EventBatch(epoch=self.epoch, events=[ev for _, ev in batch])
+                    continue
+                async with self._new_events:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._new_events.wait(), timeout=5.0)
+        finally:
+            self.metrics.watch_subscribers.dec()
 
     # ----------------------------------------------------------------- prefill
     def _require_role(self, *allowed: str) -> None:
@@ -347,9 +430,19 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             )
 
     async def _prefill_into_tx(
-        self, request_id: str, tenant: str, tx_id: str, prompt: tuple[int, ...]
+        self,
+        request_id: str,
+        tenant: str,
+        tx_id: str,
+        prompt: tuple[int, ...],
+        *,
+        for_generate: bool = False,
     ) -> tuple[KvCache | None, int, int, float]:
-        """Compute KV of prompt[:-1] into the Tx's blocks. Returns (kv, cached, computed, s)."""
+        """Compute KV of prompt[:-1] into the Tx's blocks. Returns (kv, cached, computed, s).
+
+        An engine that owns its KV cache (vLLM) prefills inside ``generate``: for a local
+        Generate the Tx is then only checked (it reserved the capacity), not computed.
+        """
         if not prompt:
             raise PromptRejected("prompt must contain at least one token")
         keys = compute_block_keys(
@@ -370,6 +463,9 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             raise InvalidArgument(
                 f"transaction {tx_id!r} holds blocks for a different prompt, tenant or model"
             )
+        if for_generate and self._engine.info.owns_kv_cache:
+            cached = self.pool.match_prefix(keys) * self._settings.block_size
+            return None, cached, len(prompt) - 1 - cached, 0.0
         payloads = tuple(_as_kv(self.pool.get_payload(h)) for h in handles)
         outcome = await self._engine.prefill(
             PrefillJob(
@@ -377,6 +473,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 prompt_ids=prompt,
                 block_size=self._settings.block_size,
                 block_payloads=payloads,
+                tenant=tenant,
             )
         )
         # The lease may have run out while computing: then the handles may belong
@@ -390,11 +487,17 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         for index, kv in outcome.new_block_payloads.items():
             self.pool.set_payload(handles[index], kv)
         self._last_prefill = (outcome.prefill_s, outcome.computed_tokens, outcome.cached_tokens)
+        if outcome.engine_transfer_params is not None:
+            self._engine_transfers[request_id] = dict(outcome.engine_transfer_params)
+        self.metrics.prefill_seconds.observe(outcome.prefill_s)
+        self.metrics.prefill_tokens.labels("computed").inc(outcome.computed_tokens)
+        self.metrics.prefill_tokens.labels("cached").inc(outcome.cached_tokens)
         return outcome.kv, outcome.cached_tokens, outcome.computed_tokens, outcome.prefill_s
 
     async def Prefill(self, request: pb.PrefillRequest, context: Context) -> pb.PrefillResponse:
         prompt = tuple(request.prompt_token_ids)
         try:
+            self._refuse_if_draining()
             self._require_role("prefill", "both")
             if not request.request_id:
                 raise PromptRejected("request_id is required")
@@ -408,6 +511,16 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             )
         except (BlockPoolError, EngineError) as exc:
             await _abort(context, exc)
+        transfer = self._engine_transfers.pop(request.request_id, None)
+        if transfer is not None:  # the decode engine pulls the KV itself: nothing to stage
+            return pb.PrefillResponse(
+                request_id=request.request_id,
+                prompt_tokens=len(prompt),
+                cached_tokens=cached,
+                computed_tokens=computed,
+                prefill_s=prefill_s,
+                engine_transfer_params=json.dumps(transfer),
+            )
         ttl = request.stage_ttl_s if request.stage_ttl_s > 0 else self._settings.stage_ttl_s
         self._staged[request.request_id] = _Staged(
             kv=kv,
@@ -438,7 +551,8 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         staged = self._unstage(request.request_id)
         if staged is None:
             await _abort(context, NotStaged(f"no staged KV for request {request.request_id!r}"))
-        async for msg in self._stream_kv(staged.kv, staged.num_tokens, request.max_chunk_bytes):
+        stream = self._stream_kv(staged.kv, staged.num_tokens, request.max_chunk_bytes)
+        async for msg in self._count_sent(stream, "handoff"):
             yield msg
 
     async def _stream_kv(
@@ -480,8 +594,28 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             await self._after_mutation()  # the lookup may have expired leases
             await _abort(context, exc)
         num_tokens = len(request.block_keys) * self._settings.block_size
-        async for msg in self._stream_kv(kv, num_tokens, request.max_chunk_bytes):
+        stream = self._stream_kv(kv, num_tokens, request.max_chunk_bytes)
+        async for msg in self._count_sent(stream, "migration"):
             yield msg
+
+    async def _count_sent(
+        self, stream: AsyncIterator[pb.KvChunk], kind: str
+    ) -> AsyncIterator[pb.KvChunk]:
+        """Pass chunks through, counting bytes sent (even of a transfer cut short)."""
+        started = time.perf_counter()
+        sent = 0
+        complete = False
+        try:
+            async for msg in stream:
+                sent += len(msg.data)
+                yield msg
+            complete = True
+        finally:
+            self.metrics.transfer_bytes.labels("sent", kind).inc(sent)
+            if complete:
+                self.metrics.transfer_seconds.labels("sent", kind).observe(
+                    time.perf_counter() - started
+                )
 
     async def _read_tx_blocks(self, tx_id: str, keys: tuple[int, ...]) -> KvCache:
         """KV of the open Tx's first ``len(keys)`` blocks, which must hold exactly ``keys``."""
@@ -509,6 +643,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         self, request: pb.PullBlocksRequest, context: Context
     ) -> pb.PullBlocksResponse:
         try:
+            self._refuse_if_draining()
             self._require_role("prefill", "both")
             copied, nbytes, transfer_s = await self._pull_blocks(request)
         except (BlockPoolError, EngineError, TransferError) as exc:
@@ -548,8 +683,10 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 device=self._engine.info.device,
             )
         except TransferError:
+            self.metrics.transfer_failures.labels("migration").inc()
             await self._require_open(request.tx_id)  # our lease ran out: report that instead
             raise
+        self.metrics.record_transfer("received", "migration", nbytes, transfer_s)
         assert kv is not None  # n > 0 blocks of > 0 tokens
         blocks = await asyncio.to_thread(
             lambda: {i: kv.slice(i * bs, (i + 1) * bs) for i in wanted}
@@ -592,11 +729,17 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
     async def _fetch_kv(self, source: pb.KvSource) -> tuple[KvCache | None, float, int]:
         """Pull a staged prefill from a peer (FetchKv)."""
         request = pb.FetchKvRequest(request_id=source.request_id)
-        return await self._receive_kv(
-            source.address,
-            lambda peer: peer.FetchKv(request),
-            expected_tokens=source.num_tokens,
-        )
+        try:
+            kv, seconds, nbytes = await self._receive_kv(
+                source.address,
+                lambda peer: peer.FetchKv(request),
+                expected_tokens=source.num_tokens,
+            )
+        except TransferError:
+            self.metrics.transfer_failures.labels("handoff").inc()
+            raise
+        self.metrics.record_transfer("received", "handoff", nbytes, seconds)
+        return kv, seconds, nbytes
 
     async def _receive_kv(
         self,
@@ -668,18 +811,23 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         timings = pb.GenerateTimings()
         cached = 0
         try:
+            self._refuse_if_draining()
             prefix_kv: KvCache | None = None
+            transfer: dict[str, Any] | None = None
             if request.HasField("kv_source"):
                 self._require_role("decode", "both")
                 if request.kv_source.num_tokens != max(0, len(prompt) - 1):
                     raise PromptRejected("kv_source.num_tokens must equal len(prompt) - 1")
-                prefix_kv, timings.transfer_s, timings.transfer_bytes = await self._fetch_kv(
-                    request.kv_source
-                )
+                if request.kv_source.engine_transfer_params:
+                    transfer = _engine_transfer(request.kv_source, self._engine.info.owns_kv_cache)
+                else:
+                    prefix_kv, timings.transfer_s, timings.transfer_bytes = await self._fetch_kv(
+                        request.kv_source
+                    )
             elif request.tx_id:
                 self._require_role("both")
                 prefix_kv, cached, _, timings.prefill_s = await self._prefill_into_tx(
-                    request.request_id, request.tenant, request.tx_id, prompt
+                    request.request_id, request.tenant, request.tx_id, prompt, for_generate=True
                 )
             else:
                 self._require_role("decode", "both")
@@ -689,12 +837,15 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                     prompt_ids=prompt,
                     sampling=sampling,
                     prefix_kv=prefix_kv,
+                    tenant=request.tenant,
+                    engine_transfer_params=transfer,
                 )
             )
             produced = 0
             first = True
             async for step in steps:
                 produced += len(step.token_ids)
+                self.metrics.generated_tokens.inc(len(step.token_ids))
                 msg = pb.GenerateResponse(token_ids=list(step.token_ids), text=step.text)
                 if first:
                     msg.timings.CopyFrom(timings)
@@ -705,12 +856,27 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                         pb.GenerateUsage(
                             prompt_tokens=len(prompt),
                             completion_tokens=produced,
-                            cached_tokens=cached,
+                            cached_tokens=cached
+                            if step.cached_tokens is None
+                            else step.cached_tokens,
                         )
                     )
                 yield msg
         except (BlockPoolError, EngineError, TransferError) as exc:
             await _abort(context, exc)
+
+
+def _engine_transfer(source: pb.KvSource, owns_kv_cache: bool) -> dict[str, Any]:
+    """The engine-to-engine hand-off of a ``KvSource`` (vLLM P/D), checked."""
+    if not owns_kv_cache:
+        raise PromptRejected("this node's engine cannot pull KV from another engine")
+    try:
+        params = json.loads(source.engine_transfer_params)
+    except ValueError:
+        params = None
+    if not isinstance(params, dict):
+        raise PromptRejected("kv_source.engine_transfer_params must be a JSON object")
+    return params
 
 
 def _as_kv(payload: object) -> KvCache | None:
@@ -734,6 +900,7 @@ class AgentServer:
         self.engine = engine
         self.service = NodeAgentService(settings, engine)
         self.health = health.aio.HealthServicer()
+        self.service.health = self.health
         self._server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
@@ -741,7 +908,11 @@ class AgentServer:
             ]
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self._stop_registration = asyncio.Event()
+        self._redis: Redis | None = None
+        self._registration: asyncio.Task[None] | None = None
         self.port = 0
+        self.metrics_server: MetricsHttpServer | None = None
 
     @property
     def address(self) -> str:
@@ -756,6 +927,24 @@ class AgentServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self.service.run_housekeeping()))
+        if self.settings.redis_url:
+            self._redis = connect(self.settings.redis_url)
+            self._registration = asyncio.create_task(
+                keep_registered(
+                    self._redis,
+                    self._registry_record,
+                    self.settings.registry_ttl_s,
+                    self._stop_registration,
+                )
+            )
+        if self.settings.metrics_port:
+            self.metrics_server = MetricsHttpServer(
+                self.service.metrics,
+                host=self.settings.metrics_host or self.settings.host,
+                port=self.settings.metrics_port,
+                before_scrape=self.service.refresh_metrics,
+            )
+            await self.metrics_server.start()
         log.info(
             "node agent %s (%s, model %s) serving on %s",
             self.service.node_info.node_id,
@@ -765,8 +954,49 @@ class AgentServer:
         )
         return self.port
 
+    def _registry_record(self) -> AgentRecord:
+        info = self.service.node_info
+        return AgentRecord(
+            node_id=info.node_id,
+            address=info.advertise_address,
+            role=self.settings.role,
+            model=info.model,
+            epoch=info.epoch,
+            block_size=info.block_size,
+            updated_at=time.time(),
+        )
+
+    async def drain_and_stop(self, grace_s: float) -> None:
+        """SIGTERM path: refuse new work, let in-flight generations and transactions
+        finish for up to ``grace_s``, abort whatever Tx is still open, then stop."""
+        await self.service.set_draining(True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        # Poll with a deadline: engines (embedded, vLLM) expose no "idle" event.
+        while self.service.busy() != (0, 0) and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        open_txs, running = self.service.busy()
+        if open_txs or running:
+            log.warning(
+                "drain grace over: aborting %d open transaction(s), %d running", open_txs, running
+            )
+        aborted = self.service.pool.clear() if open_txs else []
+        if aborted:
+            log.info("aborted transactions at shutdown: %s", ", ".join(aborted))
+        await self.stop(grace_s=1.0)
+
     async def stop(self, grace_s: float = 5.0) -> None:
+        self._stop_registration.set()  # withdraw from the registry first
+        if self._registration is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._registration, timeout=2.0)
+            self._registration = None
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
         await self.health.enter_graceful_shutdown()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         await self.service.close()
         for task in self._tasks:
             task.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import socket
 from pathlib import Path
 from typing import Literal
@@ -24,7 +25,17 @@ class AgentSettings(BaseSettings):
     advertise_address: str = Field(
         "", description="host:port peers and conductors dial; default host:port"
     )
-    engine: Literal["embedded"] = Field("embedded", description="Inference engine adapter")
+    metrics_host: str = Field(
+        "", description="Address the Prometheus /metrics HTTP server binds; default: host"
+    )
+    # Off by default: several agents often share a host (kvc demo, tests), where one
+    # fixed port would collide. Deployments set it (compose and the Helm chart use 9464).
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 = no metrics server)"
+    )
+    engine: Literal["embedded", "vllm"] = Field(
+        "embedded", description="Inference engine adapter: embedded (in-process) or vllm"
+    )
     model: Path = Field(DEFAULT_MODEL_DIR, description="Model folder (Hugging Face layout)")
     served_model_name: str = Field("", description="Model name clients use; default folder name")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
@@ -39,15 +50,82 @@ class AgentSettings(BaseSettings):
     stage_ttl_s: float = Field(30.0, gt=0, description="Staged KV expires unfetched after this")
     event_buffer: int = Field(65536, ge=16, description="Events kept for WatchEvents resume")
     load_interval_s: float = Field(0.5, gt=0, description="Load update period")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, time in-flight work gets before Txs are aborted"
+    )
+    redis_url: str = Field("", description="Redis to register in (empty: no registry)")
+    registry_ttl_s: float = Field(
+        10.0, gt=0, description="Registry record TTL; refreshed every third of it"
+    )
     transfer_chunk_bytes: int = Field(
         1024 * 1024, ge=4096, le=3 * 1024 * 1024, description="KV transfer chunk size"
+    )
+
+    # engine=vllm (docs/engines.md): the agent launches vLLM with vllm_python, or attaches
+    # to vllm_url; either way it talks HTTP (generation, /metrics) and ZMQ (KV events).
+    vllm_url: str = Field(
+        "", description="vLLM OpenAI server to attach to (http://host:port); empty: launch one"
+    )
+    vllm_python: str = Field(
+        "", description="Python that has vllm installed, to launch it (e.g. .venv-vllm/bin/python)"
+    )
+    vllm_port: int = Field(
+        0, ge=0, le=65535, description="HTTP port of a launched vLLM on 127.0.0.1 (0 = a free one)"
+    )
+    vllm_launch_args: str = Field(
+        "", description="Extra arguments for a launched vLLM, shell-quoted (e.g. '--enforce-eager')"
+    )
+    vllm_startup_timeout_s: float = Field(
+        300.0, gt=0, description="How long a launched or attached vLLM may take to become healthy"
+    )
+    kv_events_endpoint: str = Field(
+        "",
+        description="ZMQ endpoint of vLLM's KV-event publisher (tcp://host:port or ipc://path), "
+        "bound by vLLM; launch: empty = a private ipc socket; attach: empty = no cache mirror",
+    )
+    kv_events_replay_endpoint: str = Field(
+        "",
+        description="ZMQ endpoint of vLLM's KV-event replay socket, to fill sequence gaps "
+        "(attach: empty = a gap clears the mirror; launch: empty = a private ipc socket)",
+    )
+    kv_events_topic: str = Field("kv-events", description="Topic of vLLM's KV events")
+    pd_connector: Literal["none", "nixl"] = Field(
+        "none",
+        description="vLLM prefill/decode hand-off via kv_transfer_params (nixl: vLLM's "
+        "NixlConnector, GPUs only); none: vLLM nodes run role both",
     )
 
     @model_validator(mode="after")
     def _check(self) -> AgentSettings:
         if not self.model.is_dir():
             raise ValueError(f"model folder {self.model} does not exist")
+        if self.engine == "vllm":
+            self._check_vllm()
         return self
+
+    def _check_vllm(self) -> None:
+        if bool(self.vllm_url) == bool(self.vllm_python):
+            raise ValueError(
+                "engine=vllm needs exactly one of vllm_url (attach) or vllm_python (launch)"
+            )
+        if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_url {self.vllm_url!r} is not an http(s) URL")
+        if self.vllm_python and not Path(self.vllm_python).is_file():
+            raise ValueError(f"vllm_python {self.vllm_python} does not exist")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name} {value!r} must be tcp://host:port or ipc://path")
+        if self.role != "both" and self.pd_connector == "none":
+            raise ValueError("a vLLM node runs role both unless pd_connector is set")
+        try:
+            self.vllm_launch_arg_list()
+        except ValueError as exc:
+            raise ValueError(f"vllm_launch_args: {exc}") from exc
+
+    def vllm_launch_arg_list(self) -> list[str]:
+        """``vllm_launch_args`` split the way a POSIX shell would."""
+        return shlex.split(self.vllm_launch_args)
 
     def resolved_served_model_name(self) -> str:
         return self.served_model_name or self.model.name

@@ -98,3 +98,47 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> 
     async with asyncio.timeout(timeout_s):
         while not predicate():  # noqa: ASYNC110 - no event to wait on across processes
             await asyncio.sleep(0.02)
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port (Debian package ``redis-server``)."""
+
+    def __init__(self, port: int, proc: Any) -> None:
+        self.port = port
+        self.proc = proc
+        self.url = f"redis://127.0.0.1:{port}/0"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Any) -> Any:
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed: run `make system-deps`"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert time.monotonic() < deadline, "redis-server did not start"
+        time.sleep(0.02)
+    server = RedisServer(port, proc)
+    yield server
+    server.stop()

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -47,7 +48,15 @@ class AgentCallError(Exception):
         self.info = info
 
     @property
+    def reason(self) -> str:
+        """The agent's ErrorInfo reason: capacity, busy, draining, transfer, or ""."""
+        return self.info.reason if self.info is not None else ""
+
+    @property
     def node_unreachable(self) -> bool:
+        """The node itself is down (not: draining, or a peer failing a transfer)."""
+        if self.reason in ("draining", "transfer"):
+            return False
         return self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -73,31 +82,96 @@ class AgentHandle:
 
     @property
     def usable(self) -> bool:
-        return self.reachable and self.model_matches and self.info is not None
+        return (
+            self.reachable
+            and self.model_matches
+            and self.info is not None
+            and not self.info.draining
+        )
 
     @property
     def role(self) -> Role:
         return _ROLE_NAMES.get(self.info.role if self.info else 0, "both")
 
 
+CallObserver = Callable[[str, str], None]  # (gRPC method path, status code name)
+
+
+class _ObserveUnaryCalls(grpc.aio.UnaryUnaryClientInterceptor):
+    """Reports every unary call's method and final status (``conductor_agent_calls_total``).
+
+    Streams (Generate, WatchEvents) are not observed: their status arrives at their end.
+    """
+
+    def __init__(self, observe: CallObserver) -> None:
+        self._observe = observe
+
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[
+            [grpc.aio.ClientCallDetails, Any], Awaitable[grpc.aio.UnaryUnaryCall[Any, Any]]
+        ],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> grpc.aio.UnaryUnaryCall[Any, Any]:
+        call = await continuation(client_call_details, request)
+        code = await call.code()  # waits for the end; never raises the call's error
+        method: object = client_call_details.method  # bytes at run time, str in stubs
+        self._observe(method.decode() if isinstance(method, bytes) else str(method), code.name)
+        return call
+
+
 class AgentFleet:
     """The agents this conductor knows, polled for info and health."""
 
-    def __init__(self, addresses: Sequence[str], *, model: str, rpc_timeout_s: float) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        model: str,
+        rpc_timeout_s: float,
+        observe_call: CallObserver | None = None,
+    ) -> None:
         self.model = model
         self.rpc_timeout_s = rpc_timeout_s
+        self._interceptors = [_ObserveUnaryCalls(observe_call)] if observe_call else None
         self._agents: dict[str, AgentHandle] = {}
+        self._closing: list[grpc.aio.Channel] = []
         for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-            self._agents[address] = AgentHandle(
+            self.add(address)
+
+    def add(self, address: str) -> AgentHandle:
+        agent = self._agents.get(address)
+        if agent is None:
+            channel = grpc.aio.insecure_channel(
+                address, options=_CHANNEL_OPTIONS, interceptors=self._interceptors
+            )
+            agent = self._agents[address] = AgentHandle(
                 address=address, channel=channel, stub=pb_grpc.NodeAgentStub(channel)
             )
+        return agent
+
+    def remove(self, address: str) -> None:
+        agent = self._agents.pop(address, None)
+        if agent is not None:
+            self._closing.append(agent.channel)  # closed at shutdown: calls may be in flight
+
+    async def sync(self, addresses: set[str]) -> None:
+        """Make the fleet exactly ``addresses`` (registry discovery); poll new agents."""
+        for address in set(self._agents) - addresses:
+            log.info("agent %s left the registry", address)
+            self.remove(address)
+        new = [self.add(a) for a in sorted(addresses - set(self._agents))]
+        await asyncio.gather(*(self.refresh_one(a) for a in new))
 
     def __len__(self) -> int:
         return len(self._agents)
 
     def get(self, address: str) -> AgentHandle:
         return self._agents[address]
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._agents
 
     def handles(self) -> list[AgentHandle]:
         return list(self._agents.values())
@@ -157,5 +231,5 @@ class AgentFleet:
         return self.ready()
 
     async def aclose(self) -> None:
-        for agent in self._agents.values():
-            await agent.channel.close()
+        for channel in [*(a.channel for a in self._agents.values()), *self._closing]:
+            await channel.close()

@@ -44,10 +44,26 @@ class ShadowSync:
         self._max_backoff_s = max_backoff_s
         self.resyncs = 0
 
-    async def run(self, stop: asyncio.Event) -> None:
-        async with asyncio.TaskGroup() as group:
-            for agent in self._fleet.handles():
-                group.create_task(self._follow(agent, stop))
+    async def run(self, stop: asyncio.Event, reconcile_s: float = 0.5) -> None:
+        """Follow every agent in the fleet; start and stop followers as it changes."""
+        followers: dict[str, asyncio.Task[None]] = {}
+        try:
+            while not stop.is_set():
+                current = {a.address: a for a in self._fleet.handles()}
+                for address in set(followers) - set(current):
+                    followers.pop(address).cancel()
+                    self._index.remove_node(NodeId(address))
+                for address, agent in current.items():
+                    if address not in followers or followers[address].done():
+                        followers[address] = asyncio.create_task(self._follow(agent, stop))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=reconcile_s)
+        finally:
+            for task in followers.values():
+                task.cancel()
+            for task in followers.values():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _follow(self, agent: AgentHandle, stop: asyncio.Event) -> None:
         node = NodeId(agent.address)

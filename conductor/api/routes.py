@@ -43,6 +43,7 @@ from conductor.api.schemas import (
     new_completion_id,
     sse_data,
 )
+from conductor.core.ratelimit import Limit, format_reset
 from conductor.core.scheduler import Slo
 from conductor.dispatch import (
     GenerationRequest,
@@ -61,7 +62,9 @@ from conductor.errors import (
     ServiceUnavailable,
     UnprocessableEntity,
 )
+from conductor.metrics import rejection_reason
 from conductor.state import AppState
+from conductor.tenants import Tenant
 from kvc.tokenization import ChatTemplateError
 
 log = logging.getLogger("conductor.api")
@@ -77,23 +80,23 @@ def get_state(request: Request) -> AppState:
 StateDep = Annotated[AppState, Depends(get_state)]
 
 
-def authenticate(request: Request, state: StateDep) -> str:
+async def authenticate(request: Request, state: StateDep) -> Tenant:
     """Return the caller's tenant; 401 when keys are configured and none matches."""
-    keys = state.settings.api_keys
-    if not keys:
-        return state.settings.default_tenant
+    if not state.tenants.auth_required:
+        return state.tenants.default
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
+    if scheme.lower() != "bearer" or not token.strip():
         raise AuthenticationFailed(
             "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
         )
-    if token.strip() not in keys:
+    tenant = await state.tenants.resolve(token.strip())
+    if tenant is None:
         raise AuthenticationFailed("Incorrect API key provided.")
-    return state.settings.default_tenant
+    return tenant
 
 
-TenantDep = Annotated[str, Depends(authenticate)]
+TenantDep = Annotated[Tenant, Depends(authenticate)]
 
 
 SLO_TTFT_HEADER = "x-kvc-slo-ttft-ms"
@@ -131,6 +134,7 @@ class _Admitted:
     stream: GenerationStream
     started: float
     ttft_s: float
+    headers: dict[str, str]
     done: bool = False
 
     def finish(self, outcome: str, usage: UsageCounts | None) -> None:
@@ -157,11 +161,44 @@ class _Admitted:
                 m.migrations.inc()
 
 
+async def _check_rate(
+    state: AppState, endpoint: str, tenant: Tenant, tokens: int
+) -> dict[str, str]:
+    """Consume the tenant's request and token budget, or raise 429 with OpenAI's headers."""
+    limits = {
+        "requests": Limit(tenant.requests_per_minute),
+        "tokens": Limit(tenant.tokens_per_minute),
+    }
+    decision = await state.limiter.check(tenant.name, limits, {"requests": 1, "tokens": tokens})
+    headers: dict[str, str] = {}
+    for name, dim in decision.dimensions.items():
+        headers[f"x-ratelimit-limit-{name}"] = str(dim.limit)
+        headers[f"x-ratelimit-remaining-{name}"] = str(dim.remaining)
+        headers[f"x-ratelimit-reset-{name}"] = format_reset(dim.reset_s)
+    if decision.allowed:
+        return headers
+    refused = decision.refused_by or "requests"
+    dim = decision.dimensions[refused]
+    unit = "requests per min (RPM)" if refused == "requests" else "tokens per min (TPM)"
+    requested = 1 if refused == "requests" else tokens
+    state.metrics.rejections.labels("tenant_rate_limit").inc()
+    state.metrics.requests.labels(endpoint, "rejected").inc()
+    raise RateLimited(
+        f"Rate limit reached for {unit} of tenant {tenant.name!r}: Limit {dim.limit}, "
+        f"Remaining {dim.remaining}, Requested {requested}. "
+        f"Please try again in {format_reset(decision.retry_after_s)}.",
+        retry_after_s=decision.retry_after_s,
+        reason="tenant_rate_limit",
+        limit_type="tokens" if refused == "tokens" else "requests",
+        headers=headers,
+    )
+
+
 async def _admit(
     state: AppState,
     endpoint: str,
     request_id: str,
-    tenant: str,
+    tenant: Tenant,
     prompt_ids: list[int],
     max_tokens_requested: int | None,
     sampling: Callable[[int], SamplingSpec],
@@ -189,6 +226,7 @@ async def _admit(
             param=prompt_param,
         )
     max_tokens = max_tokens_requested or min(state.settings.default_max_tokens, room)
+    rate_headers = await _check_rate(state, endpoint, tenant, len(prompt_ids) + max_tokens)
     if state.inflight >= state.settings.max_inflight_requests:
         m.rejections.labels("conductor_overloaded").inc()
         m.requests.labels(endpoint, "rejected").inc()
@@ -203,7 +241,7 @@ async def _admit(
         stream = await state.dispatcher.start(
             GenerationRequest(
                 request_id=request_id,
-                tenant=tenant,
+                tenant=tenant.name,
                 prompt_ids=tuple(prompt_ids),
                 sampling=sampling(max_tokens),
                 slo=slo,
@@ -215,7 +253,7 @@ async def _admit(
         outcome = "cancelled"
         if isinstance(exc, RateLimited):
             outcome = "rejected"
-            m.rejections.labels(exc.reason).inc()
+            m.rejections.labels(rejection_reason(exc.reason)).inc()
         elif isinstance(exc, ServiceUnavailable):
             outcome = "rejected"
             m.rejections.labels("unavailable").inc()
@@ -227,7 +265,14 @@ async def _admit(
         raise
     ttft_s = time.perf_counter() - started
     m.ttft.labels(endpoint).observe(ttft_s)
-    return _Admitted(state=state, endpoint=endpoint, stream=stream, started=started, ttft_s=ttft_s)
+    return _Admitted(
+        state=state,
+        endpoint=endpoint,
+        stream=stream,
+        started=started,
+        ttft_s=ttft_s,
+        headers=rate_headers,
+    )
 
 
 async def _collect(adm: _Admitted) -> tuple[str, str, UsageCounts]:
@@ -288,15 +333,10 @@ async def _sse(
         adm.finish(outcome, usage)
 
 
-def _sse_response(body: AsyncIterator[str], request_id: str) -> StreamingResponse:
+def _sse_response(adm: _Admitted, body: AsyncIterator[str], request_id: str) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id}
     return StreamingResponse(
-        body,
-        media_type="text/event-stream",
-        headers={
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-            "X-Request-Id": request_id,
-        },
+        body, media_type="text/event-stream", headers={**headers, **adm.headers}
     )
 
 
@@ -372,7 +412,9 @@ async def chat_completions(
             ],
             usage=_usage_model(usage),
         )
-        return JSONResponse(response.model_dump(), headers={"X-Request-Id": request_id})
+        return JSONResponse(
+            response.model_dump(), headers={"X-Request-Id": request_id, **adm.headers}
+        )
 
     include_usage = body.include_usage
 
@@ -400,7 +442,7 @@ async def chat_completions(
         )
 
     first = chunk([ChunkChoice(index=0, delta=ChoiceDelta(role="assistant", content=""))])
-    return _sse_response(_sse(adm, make_chunk, first), request_id)
+    return _sse_response(adm, _sse(adm, make_chunk, first), request_id)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -460,7 +502,9 @@ async def completions(
             choices=[CompletionChoice(text=text, index=0, finish_reason=finish)],
             usage=_usage_model(usage),
         )
-        return JSONResponse(response.model_dump(), headers={"X-Request-Id": request_id})
+        return JSONResponse(
+            response.model_dump(), headers={"X-Request-Id": request_id, **adm.headers}
+        )
 
     include_usage = body.include_usage
 
@@ -492,7 +536,7 @@ async def completions(
         )
         return sse_data(chunk_json(c, include_usage))
 
-    return _sse_response(_sse(adm, make_chunk, None), request_id)
+    return _sse_response(adm, _sse(adm, make_chunk, None), request_id)
 
 
 @router.get("/v1/models")
@@ -537,8 +581,5 @@ async def ready(state: StateDep) -> Response:
 
 @router.get("/metrics")
 async def metrics(state: StateDep) -> Response:
-    for role in ("prefill", "decode", "both"):
-        state.metrics.agents_usable.labels(role).set(
-            sum(1 for a in state.fleet.handles() if a.usable and a.role == role)
-        )
+    state.metrics.refresh_agents(state.fleet.handles())
     return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4")

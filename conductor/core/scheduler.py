@@ -21,10 +21,18 @@ TBT > TBT_SLO; if p pulls the prefix, return a ``Migration`` from the best holde
 
 Policies on the same code, for benchmarks: ``round_robin`` (rotation, prefix-blind),
 ``least_loaded`` (lowest queue, prefix-blind), ``local_prefix`` (Algorithm 1 without
-migration: the paper's local cache-aware scheduling), ``kv_centric`` (Algorithm 1).
+migration: the paper's local cache-aware scheduling), ``kv_centric`` (Algorithm 1),
+``kv_adaptive`` (Algorithm 1 with two changes: the fixed ``kvcache_balancing_threshold``
+is replaced by the break-even point of each decision — p pulls the best prefix iff
+``T_transfer + T_prefill(n, best_len) < T_prefill(n, local)``, the rule §4.2 states in
+words — and ``local`` counts the prompt's blocks that requests queued on p are computing
+right now (``ScheduleRequest.pending_blocks``), which a FIFO prefill placed behind them
+will find cached; measured in docs/benchmarks.md).
 
 Admission (knob ``admission``): ``none`` never rejects on SLOs (capacity only);
 ``early`` checks TTFT and the decode node's *current* TBT before any work (§4.3.2);
+``prefill_only`` checks TTFT only: the decode stage's load is left to the decode node
+when the prefill ends (the §7.6 baseline, whose refusals waste the prefill);
 ``predictive`` checks the TBT predicted for the moment this request's prefill finishes
 (§4.3.4, system level): every active decode is assumed to last
 ``min(max_new_tokens, expected_output_tokens) × TBT``; decodes predicted to end before
@@ -62,12 +70,14 @@ class Policy(enum.Enum):
     LEAST_LOADED = "least_loaded"
     LOCAL_PREFIX = "local_prefix"
     KV_CENTRIC = "kv_centric"
+    KV_ADAPTIVE = "kv_adaptive"
 
 
 class Admission(enum.Enum):
     NONE = "none"
     EARLY = "early"
     PREDICTIVE = "predictive"
+    PREFILL_ONLY = "prefill_only"
 
 
 # Priors measured on the embedded tiny model on one CPU core (docs/benchmarks.md); a
@@ -124,6 +134,10 @@ class ScheduleRequest:
     prefix_blocks: Mapping[NodeId, int]  # per node, blocks of this prompt it holds
     max_new_tokens: int
     slo: Slo
+    # Per node, leading blocks of this prompt that requests already queued there are
+    # computing (allocated, not committed yet): cached by the time a prefill placed
+    # behind them starts. Only ``kv_adaptive`` reads it; callers may leave it empty.
+    pending_blocks: Mapping[NodeId, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +283,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ candidates
     def _candidates(
-        self, req: ScheduleRequest, prefill_nodes: Sequence[NodeState], migrate: bool
+        self,
+        req: ScheduleRequest,
+        prefill_nodes: Sequence[NodeState],
+        migrate: bool,
+        break_even: bool = False,
     ) -> list[_Candidate]:
         # FindBestPrefixMatch: the longest holder; ties go to the smallest node id.
         holder = min(prefill_nodes, key=lambda n: (-req.prefix_blocks.get(n.node_id, 0), n.node_id))
@@ -278,29 +296,34 @@ class Scheduler:
         threshold = self.config.kvcache_balancing_threshold
         for node in prefill_nodes:
             local = req.prefix_blocks.get(node.node_id, 0)
+            if break_even:
+                local = max(local, req.pending_blocks.get(node.node_id, 0))
             migration = None
             prefix = local
             ratio = math.inf if local == 0 else best_len / local
+            prefill_s = self._prefill_s(node, req.prompt_tokens, local)
             if (
                 migrate
                 and holder.node_id != node.node_id
                 and best_len - local >= self.config.min_migration_blocks
-                and ratio > threshold
+                and (break_even or ratio > threshold)
             ):
                 nbytes = (best_len - local) * node.block_size * node.kv_bytes_per_token
-                migration = Migration(
-                    source=holder.node_id,
-                    blocks=best_len,
-                    transfer_s=self.transfer.estimate(holder.node_id, node.node_id, nbytes),
-                )
-                prefix = best_len
+                transfer_s = self.transfer.estimate(holder.node_id, node.node_id, nbytes)
+                pulled_s = self._prefill_s(node, req.prompt_tokens, best_len)
+                if not break_even or transfer_s + pulled_s < prefill_s:
+                    migration = Migration(
+                        source=holder.node_id, blocks=best_len, transfer_s=transfer_s
+                    )
+                    prefix = best_len
+                    prefill_s = pulled_s
             out.append(
                 _Candidate(
                     node=node,
                     prefix_blocks=prefix,
                     migration=migration,
                     queue_s=self.queue_s(node),
-                    prefill_s=self._prefill_s(node, req.prompt_tokens, prefix),
+                    prefill_s=prefill_s,
                 )
             )
         return out
@@ -317,8 +340,9 @@ class Scheduler:
         if policy is Policy.LEAST_LOADED:
             cands = self._candidates(req, prefill_nodes, migrate=False)
             return sorted(cands, key=lambda c: (c.queue_s, c.node.node_id))
-        migrate = policy is Policy.KV_CENTRIC
-        cands = self._candidates(req, prefill_nodes, migrate=migrate)
+        migrate = policy in (Policy.KV_CENTRIC, Policy.KV_ADAPTIVE)
+        break_even = policy is Policy.KV_ADAPTIVE
+        cands = self._candidates(req, prefill_nodes, migrate=migrate, break_even=break_even)
         return sorted(cands, key=lambda c: (c.base_ttft_s, c.node.node_id))
 
     def _decode_options(
@@ -374,7 +398,7 @@ class Scheduler:
             if ttft > req.slo.ttft_s:
                 drain = ttft - req.slo.ttft_s
                 return Rejection("ttft_slo", self._retry(drain), ttft, tbt)
-            if tbt > req.slo.tbt_s:
+            if tbt > req.slo.tbt_s and self.config.admission is not Admission.PREFILL_ONLY:
                 return Rejection(
                     "tbt_slo", self._retry(self._tbt_drain_s(decode, req, at_s, now_s, ends)),
                     ttft, tbt,

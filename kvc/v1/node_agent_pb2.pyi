@@ -160,6 +160,7 @@ class NodeInfo(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _builtins.int
     ADVERTISE_ADDRESS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -176,6 +177,8 @@ class NodeInfo(_message.Message):
     advertise_address: _builtins.str
     """host:port peers use for FetchKv"""
     version: _builtins.str
+    draining: _builtins.bool
+    """refuses new work; conductors stop scheduling onto it"""
     @_builtins.property
     def kv_layout(self) -> Global___KvLayout: ...
     def __init__(
@@ -192,10 +195,11 @@ class NodeInfo(_message.Message):
         kv_layout: Global___KvLayout | None = ...,
         advertise_address: _builtins.str = ...,
         version: _builtins.str = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "capacity_blocks", b"capacity_blocks", "engine", b"engine", "epoch", b"epoch", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model", b"model", "node_id", b"node_id", "role", b"role", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model", b"model", "node_id", b"node_id", "role", b"role", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -715,6 +719,7 @@ class PrefillResponse(_message.Message):
     COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
     PREFILL_S_FIELD_NUMBER: _builtins.int
     KV_BYTES_FIELD_NUMBER: _builtins.int
+    ENGINE_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_tokens: _builtins.int
     cached_tokens: _builtins.int
@@ -723,6 +728,10 @@ class PrefillResponse(_message.Message):
     prefill_s: _builtins.float
     kv_bytes: _builtins.int
     """staged for transfer"""
+    engine_transfer_params: _builtins.str
+    """A JSON object when the engine hands its KV to the decode engine itself (vLLM's
+    kv_transfer_params, pd_connector=nixl): nothing is staged; pass it on in KvSource.
+    """
     def __init__(
         self,
         *,
@@ -732,10 +741,11 @@ class PrefillResponse(_message.Message):
         computed_tokens: _builtins.int = ...,
         prefill_s: _builtins.float = ...,
         kv_bytes: _builtins.int = ...,
+        engine_transfer_params: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "computed_tokens", b"computed_tokens", "kv_bytes", b"kv_bytes", "prefill_s", b"prefill_s", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "computed_tokens", b"computed_tokens", "engine_transfer_params", b"engine_transfer_params", "kv_bytes", b"kv_bytes", "prefill_s", b"prefill_s", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -748,22 +758,26 @@ class KvSource(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    ENGINE_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """host:port of the prefill agent"""
     request_id: _builtins.str
     """its staged prefill"""
     num_tokens: _builtins.int
     """tokens of KV to pull"""
+    engine_transfer_params: _builtins.str
+    """From PrefillResponse: the decode engine pulls the KV itself (no FetchKv)."""
     def __init__(
         self,
         *,
         address: _builtins.str = ...,
         request_id: _builtins.str = ...,
         num_tokens: _builtins.int = ...,
+        engine_transfer_params: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "num_tokens", b"num_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "engine_transfer_params", b"engine_transfer_params", "num_tokens", b"num_tokens", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1057,3 +1071,48 @@ class PullBlocksResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullBlocksResponse: _TypeAlias = PullBlocksResponse  # noqa: Y015
+
+@_typing.final
+class DrainRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESUME_FIELD_NUMBER: _builtins.int
+    resume: _builtins.bool
+    """true: accept new work again"""
+    def __init__(
+        self,
+        *,
+        resume: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["resume", b"resume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainRequest: _TypeAlias = DrainRequest  # noqa: Y015
+
+@_typing.final
+class DrainResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DRAINING_FIELD_NUMBER: _builtins.int
+    OPEN_TXS_FIELD_NUMBER: _builtins.int
+    RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
+    draining: _builtins.bool
+    open_txs: _builtins.int
+    running_requests: _builtins.int
+    def __init__(
+        self,
+        *,
+        draining: _builtins.bool = ...,
+        open_txs: _builtins.int = ...,
+        running_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "open_txs", b"open_txs", "running_requests", b"running_requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainResponse: _TypeAlias = DrainResponse  # noqa: Y015

@@ -74,6 +74,11 @@ class NodeAgentStub:
                 request_serializer=kvc_dot_v1_dot_node__agent__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvc_dot_v1_dot_node__agent__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvc.v1.NodeAgent/Drain',
+                request_serializer=kvc_dot_v1_dot_node__agent__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvc_dot_v1_dot_node__agent__pb2.DrainResponse.FromString,
+                _registered_method=True)
         self.FetchKv = channel.unary_stream(
                 '/kvc.v1.NodeAgent/FetchKv',
                 request_serializer=kvc_dot_v1_dot_node__agent__pb2.FetchKvRequest.SerializeToString,
@@ -151,6 +156,14 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop taking new work (TxAllocate, Prefill, Generate, PullBlocks answer
+        UNAVAILABLE; in-flight work and commits continue), or resume. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FetchKv(self, request, context):
         """Agent-to-agent KV transfer of a staged prefill, chunk by chunk.
         """
@@ -218,6 +231,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvc_dot_v1_dot_node__agent__pb2.GenerateRequest.FromString,
                     response_serializer=kvc_dot_v1_dot_node__agent__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvc_dot_v1_dot_node__agent__pb2.DrainRequest.FromString,
+                    response_serializer=kvc_dot_v1_dot_node__agent__pb2.DrainResponse.SerializeToString,
             ),
             'FetchKv': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchKv,
@@ -451,6 +469,33 @@ class NodeAgent:
             '/kvc.v1.NodeAgent/Generate',
             kvc_dot_v1_dot_node__agent__pb2.GenerateRequest.SerializeToString,
             kvc_dot_v1_dot_node__agent__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvc.v1.NodeAgent/Drain',
+            kvc_dot_v1_dot_node__agent__pb2.DrainRequest.SerializeToString,
+            kvc_dot_v1_dot_node__agent__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

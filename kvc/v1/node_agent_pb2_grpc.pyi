@@ -67,6 +67,10 @@ class NodeAgentStub:
     """Generate tokens (role decode|both). With kv_source set, the prompt's KV is
     pulled from the prefill node instead of being recomputed.
     """
+    Drain: _grpc.UnaryUnaryMultiCallable[_node_agent_pb2.DrainRequest, _node_agent_pb2.DrainResponse]
+    """Stop taking new work (TxAllocate, Prefill, Generate, PullBlocks answer
+    UNAVAILABLE; in-flight work and commits continue), or resume. Idempotent.
+    """
     FetchKv: _grpc.UnaryStreamMultiCallable[_node_agent_pb2.FetchKvRequest, _node_agent_pb2.KvChunk]
     """Agent-to-agent KV transfer of a staged prefill, chunk by chunk."""
     ReadBlocks: _grpc.UnaryStreamMultiCallable[_node_agent_pb2.ReadBlocksRequest, _node_agent_pb2.KvChunk]
@@ -102,6 +106,10 @@ class NodeAgentAsyncStub(NodeAgentStub):
     Generate: _aio.UnaryStreamMultiCallable[_node_agent_pb2.GenerateRequest, _node_agent_pb2.GenerateResponse]  # type: ignore[assignment]
     """Generate tokens (role decode|both). With kv_source set, the prompt's KV is
     pulled from the prefill node instead of being recomputed.
+    """
+    Drain: _aio.UnaryUnaryMultiCallable[_node_agent_pb2.DrainRequest, _node_agent_pb2.DrainResponse]  # type: ignore[assignment]
+    """Stop taking new work (TxAllocate, Prefill, Generate, PullBlocks answer
+    UNAVAILABLE; in-flight work and commits continue), or resume. Idempotent.
     """
     FetchKv: _aio.UnaryStreamMultiCallable[_node_agent_pb2.FetchKvRequest, _node_agent_pb2.KvChunk]  # type: ignore[assignment]
     """Agent-to-agent KV transfer of a staged prefill, chunk by chunk."""
@@ -183,6 +191,16 @@ class NodeAgentServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_node_agent_pb2.GenerateResponse], _abc.AsyncIterator[_node_agent_pb2.GenerateResponse]]:
         """Generate tokens (role decode|both). With kv_source set, the prompt's KV is
         pulled from the prefill node instead of being recomputed.
+        """
+
+    @_abc_1.abstractmethod
+    def Drain(
+        self,
+        request: _node_agent_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_agent_pb2.DrainResponse, _abc.Awaitable[_node_agent_pb2.DrainResponse]]:
+        """Stop taking new work (TxAllocate, Prefill, Generate, PullBlocks answer
+        UNAVAILABLE; in-flight work and commits continue), or resume. Idempotent.
         """
 
     @_abc_1.abstractmethod

@@ -49,6 +49,17 @@ Exceptions::
      │    └── TxExpired        its lease ran out, it was aborted          (FAILED_PRECONDITION)
      └── CapacityExhausted     needed_blocks > free_blocks (free+evictable) (RESOURCE_EXHAUSTED)
 
+Mirroring an engine-owned cache (vLLM)
+    An engine that keeps KV in its own paged cache reports what it cached and evicted
+    (vLLM's KV events). ``mirror_stored`` marks those keys CACHED outside any tx: a key
+    already CACHED is refreshed in the LRU, a key ALLOCATED by an open tx is left to that
+    tx's commit, a new key takes a free block, else the LRU victim, else it is skipped
+    (conservative: a key missing here costs a recompute, never a wrong answer).
+    ``mirror_removed`` frees unlocked CACHED blocks at once; a locked or ALLOCATED one is
+    only *marked* and freed when its last lock is released (I6) — a mirror never takes a
+    block from under a lock. A later ``mirror_stored`` of a marked key unmarks it.
+    ``mirror_clear`` is ``mirror_removed`` of every key. All three queue the usual events.
+
 Events
     Queued, never sent: ``take_events()`` drains ``BlockStored`` (on commit, newly cached
     keys as contiguous runs in prefix order, with the parent key), ``BlockRemoved`` (on
@@ -72,6 +83,7 @@ Invariants (checked by ``check_invariants``)
         allocated (in-use) block is never evicted, and eviction is the only way a cached
         block's content goes away besides ``clear()``.
     I5  every open tx has a finite lease deadline and a heap entry for it.
+    I6  every key marked removed-by-the-engine belongs to a locked (or ALLOCATED) block.
 """
 
 from __future__ import annotations
@@ -326,6 +338,9 @@ class BlockPool:
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
         self._finished_keys = 0
         self._events: list[BlockEvent] = []
+        # Keys the engine evicted while a tx held them: freed on their last unlock (I6).
+        self._engine_dropped: set[BlockKey] = set()
+        self.leases_expired = 0  # txs aborted by lease expiry so far (a metric)
 
     # ------------------------------------------------------------------ transactions
 
@@ -458,6 +473,98 @@ class BlockPool:
         self._events.append(AllBlocksCleared())
         return aborted
 
+    # ------------------------------------------------------------------ engine mirror
+
+    def mirror_stored(self, keys: Sequence[BlockKey], parent_key: BlockKey | None) -> int:
+        """The engine cached ``keys`` (a chain after ``parent_key``): mark them CACHED.
+
+        Outside any tx; never touches a locked or ALLOCATED block and never evicts a key
+        of this call. Queues ``BlockRemoved`` for LRU victims, then ``BlockStored`` for
+        the keys it added as contiguous runs. Returns the number of keys added.
+        """
+        self._expire_due()
+        for key in keys:
+            if not _is_uint64(key):
+                raise InvalidArgument(f"key {key!r} is not a uint64")
+        added: set[BlockKey] = set()
+        evicted: list[BlockKey] = []
+        runs: list[BlockStored] = []
+        run: list[BlockKey] = []
+        run_parent: BlockKey | None = None
+        now = self._clock()
+        prev = parent_key
+        for key in keys:
+            self._engine_dropped.discard(key)
+            h = self._by_key.get(key)
+            if h is not None:
+                block = self._blocks[h]
+                if block.state is BlockState.CACHED and block.lock_count == 0:
+                    self._lru.move_to_end(h)
+                    block.last_used_s = now
+            else:
+                h = self._take_block_for_mirror(added, evicted)
+                if h is not None:
+                    block = self._blocks[h]
+                    block.state = BlockState.CACHED
+                    block.key = key
+                    block.last_used_s = now
+                    self._by_key[key] = h
+                    self._n_cached += 1
+                    self._lru[h] = None
+                    added.add(key)
+                    if not run:
+                        run_parent = prev
+                    run.append(key)
+                    prev = key
+                    continue
+            if run:
+                runs.append(BlockStored(tuple(run), run_parent))
+                run = []
+            prev = key
+        if run:
+            runs.append(BlockStored(tuple(run), run_parent))
+        if evicted:
+            self._events.append(BlockRemoved(tuple(evicted)))
+        self._events.extend(runs)
+        return len(added)
+
+    def mirror_removed(self, keys: Sequence[BlockKey]) -> int:
+        """The engine evicted ``keys``: free them, or mark them while a tx holds them (I6).
+
+        Unknown keys are ignored. Queues ``BlockRemoved`` for the keys freed now and
+        returns how many that is.
+        """
+        self._expire_due()
+        dropped: list[BlockKey] = []
+        for key in keys:
+            h = self._by_key.get(key)
+            if h is None:
+                continue
+            block = self._blocks[h]
+            if block.state is BlockState.CACHED and block.lock_count == 0:
+                dropped.append(self._drop_cached(block))
+            else:
+                self._engine_dropped.add(key)
+        if dropped:
+            self._events.append(BlockRemoved(tuple(dropped)))
+        return len(dropped)
+
+    def mirror_clear(self) -> int:
+        """The engine dropped its whole cache: ``mirror_removed`` of every key held."""
+        return self.mirror_removed(list(self._by_key))
+
+    def _take_block_for_mirror(
+        self, protected: set[BlockKey], evicted: list[BlockKey]
+    ) -> int | None:
+        """A free block, else the LRU victim unless this same call added it."""
+        if self._free:
+            return self._free.pop()
+        victim = next(iter(self._lru), None)
+        if victim is None or self._blocks[victim].key in protected:
+            return None
+        evicted.append(self._drop_cached(self._blocks[victim]))
+        return self._free.pop()
+
     # ------------------------------------------------------------------ payloads
 
     def set_payload(self, handle: int, obj: object) -> bool:
@@ -589,6 +696,12 @@ class BlockPool:
                 f"I4: LRU membership of block {block.handle} wrong",
             )
         _require(n_locked == self._n_locked, "I3: locked counter")
+        for key in self._engine_dropped:
+            dropped = self._by_key.get(key)
+            _require(
+                dropped is not None and self._blocks[dropped].lock_count > 0,
+                f"I6: engine-evicted key {key} is not held by a lock",
+            )
 
         live = {tx_id for d, tx_id in self._deadlines if self._txs.get(tx_id) is not None}
         _require(live == set(self._txs), "I5: open tx without a deadline heap entry")
@@ -696,6 +809,7 @@ class BlockPool:
                 continue  # finished already, or extended (a newer entry exists)
             self._abort(tx, expired=True)
             expired.append(tx_id)
+        self.leases_expired += len(expired)
         return expired
 
     def _compact_deadlines(self) -> None:
@@ -731,7 +845,10 @@ class BlockPool:
                 self._n_locked -= 1
                 block.last_used_s = now
                 if block.state is BlockState.CACHED:
-                    self._lru[h] = None
+                    if block.key in self._engine_dropped:  # the engine evicted it (I6)
+                        self._events.append(BlockRemoved((self._drop_cached(block, in_lru=False),)))
+                    else:
+                        self._lru[h] = None
 
     def _drop_cached(self, block: _Block, *, in_lru: bool = True) -> BlockKey:
         """CACHED and unlocked -> FREE; returns the dropped key."""
@@ -753,6 +870,8 @@ class BlockPool:
         self._to_free(block)
 
     def _to_free(self, block: _Block) -> None:
+        if block.key is not None:
+            self._engine_dropped.discard(block.key)
         block.state = BlockState.FREE
         block.key = None
         block.payload = None

@@ -9,10 +9,11 @@ always computed by whoever decodes, so it yields the logits of the first token.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
+from conductor.core.block_keys import BlockKey
 from node_agent.engines.embedded import KvCache, KvLayout
 
 
@@ -37,6 +38,9 @@ class EngineInfo:
     kv_layout: KvLayout
     eos_token_ids: frozenset[int]
     device: str = "cpu"  # where KV tensors live (torch device string)
+    # True for engines with their own paged KV cache (vLLM): the agent's pool is then a
+    # capacity ledger plus a mirror of the engine's cache, and prefill runs in generate().
+    owns_kv_cache: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,7 @@ class PrefillJob:
     prompt_ids: tuple[int, ...]
     block_size: int
     block_payloads: tuple[KvCache | None, ...]
+    tenant: str = ""  # isolates prefix caching in engines that key it (vLLM cache_salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,9 @@ class PrefillOutcome:
     computed_tokens: int
     prefill_s: float
     new_block_payloads: dict[int, KvCache] = field(default_factory=dict)
+    # Engine-to-engine KV hand-off (vLLM's kv_transfer_params): what the decode engine
+    # needs to pull this prefill's KV itself; None when the KV is in ``kv``.
+    engine_transfer_params: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +86,8 @@ class GenerateJob:
     prompt_ids: tuple[int, ...]
     sampling: Sampling
     prefix_kv: KvCache | None  # KV of prompt[:-1] when already known
+    tenant: str = ""  # isolates prefix caching in engines that key it (vLLM cache_salt)
+    engine_transfer_params: Mapping[str, Any] | None = None  # from the prefill engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +95,7 @@ class GenerationStep:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None  # "stop" | "length" on the last step
+    cached_tokens: int | None = None  # engine-reported prefix-cache hit (last step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +103,36 @@ class EngineLoad:
     queued_prefill_tokens: int
     running_requests: int
     waiting_requests: int
+    kv_usage_ratio: float = 0.0  # the engine's own KV usage (0-1) where it reports one
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStored:
+    """The engine cached ``keys`` (canonical block keys, a chain after ``parent_key``)."""
+
+    keys: tuple[BlockKey, ...]
+    parent_key: BlockKey | None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRemoved:
+    """The engine evicted ``keys``."""
+
+    keys: tuple[BlockKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheCleared:
+    """The engine dropped its whole cache (or the mirror lost track of it)."""
+
+
+EngineCacheEvent = CacheStored | CacheRemoved | CacheCleared
+EngineCacheSink = Callable[[Sequence[EngineCacheEvent]], Awaitable[None]]
 
 
 class EngineAdapter(Protocol):
-    """What the node agent drives. Implementations: ``EmbeddedEngineAdapter``."""
+    """What the node agent drives. Implementations: ``EmbeddedEngineAdapter``,
+    ``VllmEngineAdapter``."""
 
     @property
     def info(self) -> EngineInfo: ...
@@ -107,6 +144,17 @@ class EngineAdapter(Protocol):
     def generate(self, job: GenerateJob) -> AsyncIterator[GenerationStep]: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class CacheMirroringEngine(Protocol):
+    """An engine that owns its KV cache and reports its changes (vLLM's KV events).
+
+    The agent hands it a sink once; the engine calls it, on the agent's event loop, with
+    canonical block keys so the pool (and every conductor's shadow) sees the real cache.
+    """
+
+    def set_cache_sink(self, sink: EngineCacheSink) -> None: ...
 
 
 def split_prefix(prompt_ids: Sequence[int]) -> tuple[Sequence[int], int]:

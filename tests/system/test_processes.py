@@ -6,6 +6,7 @@ with ``python -m kvc.cli`` exactly as an operator would, and stopped with SIGTER
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -76,7 +77,7 @@ def stop(procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> list[
 
 
 class System:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, drain_delay_s: float = 0.0) -> None:
         self.http_port, self.prefill_port, self.decode_port = free_port(), free_port(), free_port()
         self.base = f"http://127.0.0.1:{self.http_port}"
         self.logs = [tmp / "prefill.log", tmp / "decode.log", tmp / "conductor.log"]
@@ -91,6 +92,8 @@ class System:
                     str(self.http_port),
                     "--agents",
                     f"127.0.0.1:{self.prefill_port},127.0.0.1:{self.decode_port}",
+                    "--drain-delay-s",
+                    str(drain_delay_s),
                 ],
                 self.logs[2],
             ),
@@ -234,3 +237,66 @@ def test_kvc_demo_serves_and_stops_everything(tmp_path: Path) -> None:
     assert code == 0, log.read_text()[-3000:]
     assert not any(_alive(pid) for pid in children)
     assert not any(port_open(p) for p in ports)
+
+
+def test_rolling_update_old_and_new_conductor_side_by_side(tmp_path: Path) -> None:
+    """SIGTERM to the old conductor mid-stream: it turns not-ready at once, finishes the
+    stream it is serving, and exits 0, while a new conductor on the same agents serves."""
+    import threading
+
+    sysm = System(tmp_path, drain_delay_s=3.0)
+    new_port = free_port()
+    new_log = tmp_path / "conductor-new.log"
+    try:
+        wait_ready(sysm.base, sysm.procs, sysm.logs)
+        agents = f"127.0.0.1:{sysm.prefill_port},127.0.0.1:{sysm.decode_port}"
+        new = spawn(
+            ["conductor", "--port", str(new_port), "--agents", agents, "--drain-delay-s", "0"],
+            new_log,
+        )
+        sysm.procs.append(new)
+        sysm.logs.append(new_log)
+        new_base = f"http://127.0.0.1:{new_port}"
+        wait_ready(new_base, sysm.procs, sysm.logs)
+
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],
+                "max_tokens": 1200, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        first_chunk = threading.Event()
+        result: dict[str, object] = {}
+
+        def stream_from_old() -> None:
+            with httpx.stream(
+                "POST", f"{sysm.base}/v1/chat/completions", json=body, timeout=120
+            ) as resp:
+                lines = []
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        first_chunk.set()
+                result["lines"] = lines
+
+        reader = threading.Thread(target=stream_from_old)
+        reader.start()
+        assert first_chunk.wait(60)
+        old = sysm.procs[2]
+        old.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert httpx.get(f"{sysm.base}/ready", timeout=5).status_code == 503
+        for _ in range(3):  # the new conductor serves throughout the rollout
+            r = httpx.post(
+                f"{new_base}/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 4},
+                timeout=60,
+            )  # fmt: skip
+            assert r.status_code == 200
+        reader.join(120)
+        lines = result["lines"]
+        assert isinstance(lines, list)
+        assert lines[-1] == "data: [DONE]"
+        usage = json.loads(lines[-2][len("data: ") :])["usage"]
+        assert usage["completion_tokens"] == 1200  # the in-flight stream was not cut
+        assert old.wait(timeout=60) == 0
+    finally:
+        stop(sysm.procs)

@@ -1,5 +1,8 @@
 """BlockPool under random interleavings of allocate/commit/abort/retry/expiry (hypothesis).
 
+Engine-mirror calls (``mirror_stored``/``mirror_removed``/``mirror_clear``, as a vLLM
+agent makes from the engine's KV events) are interleaved too.
+
 Prompts are short paths over a 3-token alphabet hashed with the real chained block keys
 (block_size 1), for two tenants, so prefixes overlap heavily and a pool of 8 blocks is
 constantly reusing, sharing in-flight blocks, evicting and running out of capacity.
@@ -80,6 +83,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(CAPACITY_BLOCKS, self.clock, max_lease_s=10.0)
         self.model = Model()
         self.shadow: set[BlockKey] = set()  # cached keys rebuilt from events only
+        self.engine_removed: set[BlockKey] = set()  # keys ever mirrored as removed
         self.next_tx = 0
 
     @initialize()
@@ -207,11 +211,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.model.committed[tx_id] = result
         n = len(tx.result.handles)
         held = list(tx.params.keys)[:n]
-        for h, key in zip(tx.result.handles, held, strict=True):
-            assert self.pool.block_key(h) == key
-            assert self.pool.block_state(h) is BlockState.CACHED
         assert set(result.stored_keys) <= set(held)
-        assert self.pool.match_prefix(held) == n
+        if not set(held) & self.engine_removed:  # else dropped at its last unlock (I6)
+            for h, key in zip(tx.result.handles, held, strict=True):
+                assert self.pool.block_key(h) == key
+                assert self.pool.block_state(h) is BlockState.CACHED
+            assert self.pool.match_prefix(held) == n
         if tx.params.mode is TxMode.LOCK_ONLY:
             assert result.stored_keys == ()
 
@@ -280,6 +285,40 @@ class BlockPoolMachine(RuleBasedStateMachine):
         tx.result = replace(tx.result, lease_deadline=deadline)
         assert self.pool.get_tx(tx_id) == tx.result
 
+    @rule(tokens=prompts, tenant=tenants)
+    def mirror_stored(self, tokens: list[int], tenant: str) -> None:
+        keys = compute_block_keys(tokens, tenant=tenant, model="m", block_size=1)
+        locked_before = {
+            h: self.pool.block_key(h)
+            for h in range(CAPACITY_BLOCKS)
+            if self.pool.block_state(h) is BlockState.ALLOCATED
+        }
+        added = self.pool.mirror_stored(keys, None)
+        if added:
+            event("mirrored stored")
+        for h, key in locked_before.items():  # in-flight blocks are left to their tx
+            assert self.pool.block_key(h) == key
+            assert self.pool.block_state(h) is BlockState.ALLOCATED
+
+    @rule(tokens=prompts, tenant=tenants)
+    def mirror_removed(self, tokens: list[int], tenant: str) -> None:
+        keys = compute_block_keys(tokens, tenant=tenant, model="m", block_size=1)
+        self.engine_removed.update(keys)
+        if self.pool.mirror_removed(keys):
+            event("mirrored removed")
+        for key in keys:  # gone now, unless a tx holds it
+            h = next((h for h in range(CAPACITY_BLOCKS) if self.pool.block_key(h) == key), None)
+            if h is not None:
+                assert self.pool.stats().locked_blocks > 0
+
+    @rule()
+    def mirror_clear(self) -> None:
+        held = (self.pool.block_key(h) for h in range(CAPACITY_BLOCKS))
+        self.engine_removed.update(k for k in held if k is not None)
+        self.pool.mirror_clear()
+        stats = self.pool.stats()
+        assert stats.evictable_blocks == 0
+
     # ------------------------------------------------------------------ invariants
 
     def _apply_events(self, events: Sequence[BlockEvent]) -> None:
@@ -319,7 +358,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def cached_content_is_never_overwritten(self) -> None:
         for h in range(CAPACITY_BLOCKS):
             if self.pool.block_state(h) is BlockState.CACHED:
-                assert self.pool.get_payload(h) == self.pool.block_key(h)
+                # Mirrored blocks carry no payload: their KV lives in the engine.
+                assert self.pool.get_payload(h) in (None, self.pool.block_key(h))
 
     @invariant()
     def events_rebuild_the_cached_set(self) -> None:

@@ -1,0 +1,83 @@
+{{/* Names, labels and the kvc command lines shared by the templates. */}}
+
+{{- define "kvc.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvc.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvc.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "kvc.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "kvc.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvc.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvc.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{- define "kvc.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- .Values.serviceAccount.name | default (include "kvc.fullname" .) -}}
+{{- else -}}
+{{- .Values.serviceAccount.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The headless Service (and StatefulSet) name of one node pool. */}}
+{{- define "kvc.poolName" -}}
+{{- printf "%s-%s" (include "kvc.fullname" .root) .pool.name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Every agent's gRPC address, comma-separated: the conductors' static list. */}}
+{{- define "kvc.agentAddresses" -}}
+{{- $root := . -}}
+{{- $addresses := list -}}
+{{- range $pool := .Values.nodes -}}
+{{- $svc := include "kvc.poolName" (dict "root" $root "pool" $pool) -}}
+{{- range $i := until (int $pool.replicas) -}}
+{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc:%d" $svc $i $svc $root.Release.Namespace (int $root.Values.agent.grpcPort)) -}}
+{{- end -}}
+{{- end -}}
+{{- join "," $addresses -}}
+{{- end -}}
+
+{{/* The model folder flag, when one is set (empty: the image's packaged model). */}}
+{{- define "kvc.modelArgs" -}}
+{{- if .Values.model.path }}
+- --model
+- {{ .Values.model.path | quote }}
+{{- end }}
+- --served-model-name
+- {{ .Values.model.servedName | quote }}
+{{- end -}}
+
+{{- define "kvc.modelVolumeMount" -}}
+{{- if .Values.model.volume.persistentVolumeClaim }}
+- name: model
+  mountPath: {{ .Values.model.volume.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "kvc.modelVolume" -}}
+{{- if .Values.model.volume.persistentVolumeClaim }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.volume.persistentVolumeClaim }}
+    readOnly: true
+{{- end }}
+{{- end -}}

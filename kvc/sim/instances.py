@@ -1,0 +1,353 @@
+"""Simulated serving instances: prefill (chunked, FIFO, real ``BlockPool``), decode
+(continuous batching) and their NICs.
+
+What it models
+    * ``Nic``: one instance's network card, one transfer at a time in each direction. A
+      transfer of ``b`` bytes that may start at ``ready_s`` starts when both the sender's
+      egress and the receiver's ingress are free, occupies both for
+      ``b / nic_bytes_per_s`` and lands ``latency_s`` later (``reserve_transfer``). So a
+      hot prefix pulled by many instances queues on its holder's NIC: the congestion that
+      Mooncake's hot-spot replication relieves (§4.2).
+    * ``PrefillInstance``: the real ``node_agent.blocks.pool.BlockPool`` as its KV cache
+      (HBM + DRAM tiers, ``cache_tokens`` in all), an LRU of the keys held in the HBM
+      share (reuse from HBM needs no host-to-device load), a FIFO of ``PrefillJob``s
+      (one prefill at a time; its chunks run back to back), and the event stream the
+      conductor's shadow index follows (``drain_events``: epoch + sequence numbers).
+    * ``DecodeInstance``: continuous batching. A step of ``b`` requests holding ``k`` KV
+      tokens lasts ``profile.tbt_s(b, k)``; every request in the batch gains one token per
+      step; requests join and leave only at step boundaries (or at once when the instance
+      is idle). KV for ``prompt + output`` tokens is reserved on admission and bounded by
+      ``hbm_kv_tokens``; so is the batch (``max_batch_requests``). Requests that do not fit
+      wait in FIFO order (``queue`` mode) — or, with ``refuse=True``, are refused when they
+      do not fit or would push the step time over the TBT SLO (the decode node's own load
+      check, after the prefill has been spent: the §7.6 baseline's waste).
+
+    Step durations and end times are kept per instance, so a request's token gaps are a
+    slice of them: no per-token work.
+
+Knobs
+    From the profile (capacities, tiers, decode limits) and the cluster config (block size,
+    lease, ``refuse``).
+
+Complexity
+    Prefill start O(blocks of the prompt) (cached-prefix count and HBM LRU refresh).
+    Decode step O(1) + O(requests joining or leaving); memory O(steps) per instance.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from conductor.core.block_keys import BlockKey
+from conductor.core.prefix_index import NodeId
+from kvc.sim.profile import Profile
+from node_agent.blocks.pool import (
+    AllBlocksCleared,
+    BlockPool,
+    BlockRemoved,
+    BlockState,
+    BlockStored,
+)
+
+__all__ = [
+    "DecodeInstance",
+    "DecodeSeq",
+    "IndexEvent",
+    "Nic",
+    "PrefillInstance",
+    "PrefillJob",
+    "reserve_transfer",
+]
+
+
+@dataclass(slots=True)
+class Nic:
+    egress_free_s: float = 0.0
+    ingress_free_s: float = 0.0
+    bytes_sent: int = 0
+
+
+def reserve_transfer(
+    profile: Profile, src: Nic, dst: Nic, nbytes: int, ready_s: float
+) -> tuple[float, float]:
+    """Book ``nbytes`` from ``src`` to ``dst``: (wire start, arrival) in virtual seconds."""
+    start = max(ready_s, src.egress_free_s, dst.ingress_free_s)
+    end = start + profile.wire_s(nbytes)
+    src.egress_free_s = end
+    dst.ingress_free_s = end
+    src.bytes_sent += nbytes
+    return start, end + profile.network.latency_s
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEvent:
+    """One event of a node's stream as the shadow index consumes it."""
+
+    seq: int
+    stored: tuple[BlockKey, ...] = ()
+    removed: tuple[BlockKey, ...] = ()
+    cleared: bool = False
+
+
+@dataclass(slots=True)
+class PrefillJob:
+    """A request queued on a prefill instance, holding an open ALLOCATE tx there."""
+
+    request_id: str
+    tx_id: str
+    keys: tuple[BlockKey, ...]
+    handles: tuple[int, ...]
+    input_tokens: int
+    on_start: Callable[[int, float], None]  # (cached tokens, duration): it starts now
+    on_done: Callable[[], None]  # it finished
+    migrating: bool = False  # a prefix pull is in flight; the job may not start
+    migrated_blocks: int = 0  # leading blocks whose KV arrived from another node
+
+
+class PrefillInstance:
+    """One prefill node: block pool, HBM tier LRU, FIFO queue, NIC."""
+
+    def __init__(
+        self,
+        node_id: NodeId,
+        profile: Profile,
+        capacity_blocks: int,
+        block_tokens: int,
+        clock: Callable[[], float],
+        max_lease_s: float,
+    ) -> None:
+        self.node_id = node_id
+        self.epoch = f"sim-{node_id}"
+        self.profile = profile
+        self.block_tokens = block_tokens
+        self.pool = BlockPool(
+            capacity_blocks,
+            clock,
+            max_lease_s=max_lease_s,
+            max_finished_txs=1024,
+            max_finished_keys=65_536,
+        )
+        self.hbm_capacity_blocks = min(
+            profile.prefill.hbm_cache_tokens // block_tokens, capacity_blocks
+        )
+        self._hbm: OrderedDict[BlockKey, None] = OrderedDict()
+        self.queue: deque[PrefillJob] = deque()
+        self.running: PrefillJob | None = None
+        self.queued_tokens = 0  # prompt tokens of queued + running jobs
+        self.nic = Nic()
+        self.busy_s = 0.0
+        self.evicted_blocks = 0
+        self._seq = 0
+
+    # ------------------------------------------------------------------ events
+    def drain_events(self) -> list[IndexEvent]:
+        """The pool's queued block events, numbered as the agent's stream would be."""
+        out: list[IndexEvent] = []
+        for event in self.pool.take_events():
+            self._seq += 1
+            if isinstance(event, BlockStored):
+                out.append(IndexEvent(self._seq, stored=event.keys))
+            elif isinstance(event, BlockRemoved):
+                self.evicted_blocks += len(event.keys)
+                out.append(IndexEvent(self._seq, removed=event.keys))
+            else:
+                assert isinstance(event, AllBlocksCleared)
+                out.append(IndexEvent(self._seq, cleared=True))
+        return out
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    # ------------------------------------------------------------------ queue
+    def enqueue(self, job: PrefillJob) -> None:
+        self.queue.append(job)
+        self.queued_tokens += job.input_tokens
+
+    def next_ready(self) -> PrefillJob | None:
+        """Pop the head job if the instance is idle and the head may start (FIFO)."""
+        if self.running is not None or not self.queue or self.queue[0].migrating:
+            return None
+        job = self.queue.popleft()
+        self.running = job
+        return job
+
+    def finish(self, job: PrefillJob) -> None:
+        assert self.running is job
+        self.running = None
+        self.queued_tokens -= job.input_tokens
+
+    def cached_prefix_blocks(self, job: PrefillJob) -> int:
+        """Leading blocks whose KV is valid now: migrated ones, then CACHED ones.
+
+        Counted at prefill start, not at allocation: a block another queued request was
+        computing has been committed by now (FIFO), exactly as a real engine checks its
+        prefix cache when the request is scheduled, not when it arrives.
+        """
+        state = self.pool.block_state
+        n = 0
+        migrated = job.migrated_blocks
+        for h in job.handles:
+            if n >= migrated and state(h) is not BlockState.CACHED:
+                break
+            n += 1
+        return n
+
+    def prefill_duration_s(self, job: PrefillJob, cached_blocks: int, cached_tokens: int) -> float:
+        """Truth: compute, overlapped with loading reused DRAM blocks; refreshes the HBM LRU."""
+        hbm = self._hbm
+        dram_blocks = 0
+        for key in job.keys[:cached_blocks]:
+            if key not in hbm:
+                dram_blocks += 1
+        load_tokens = min(dram_blocks * self.block_tokens, cached_tokens)
+        compute = self.profile.prefill_compute_s(job.input_tokens, cached_tokens)
+        duration = max(compute, self.profile.h2d_load_s(load_tokens))
+        cap = self.hbm_capacity_blocks
+        if cap:
+            move = hbm.move_to_end
+            for key in job.keys:
+                if key in hbm:
+                    move(key)
+                else:
+                    hbm[key] = None
+            while len(hbm) > cap:
+                hbm.popitem(last=False)
+        return duration
+
+
+@dataclass(slots=True)
+class DecodeSeq:
+    """One request on a decode instance."""
+
+    request_id: str
+    prompt_tokens: int
+    steps_needed: int  # output tokens after the first (which the prefill produced)
+    reserve_tokens: int
+    first_token_s: float
+    on_done: Callable[[DecodeSeq], None]
+    join_step: int = -1  # index of its first decode step
+    admitted: bool = False
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    steps: list[float] = field(default_factory=list)  # durations
+    step_ends: list[float] = field(default_factory=list)
+
+
+class DecodeInstance:
+    """One decode node running continuous batching (see the module docstring)."""
+
+    def __init__(
+        self,
+        node_id: NodeId,
+        profile: Profile,
+        block_tokens: int,
+        schedule_at: Callable[[float, Callable[[], None]], None],
+        clock: Callable[[], float],
+        refuse: bool,
+        tbt_slo_s: float,
+    ) -> None:
+        self.node_id = node_id
+        self.profile = profile
+        self.block_tokens = block_tokens
+        self.capacity_tokens = profile.decode.hbm_kv_tokens
+        self.max_batch = profile.decode.max_batch_requests
+        self.refuse = refuse
+        self.tbt_slo_s = tbt_slo_s
+        self._schedule_at = schedule_at
+        self._clock = clock
+        self.reserved_tokens = 0
+        self.batch_requests = 0
+        self.context_tokens = 0
+        self.joining: list[DecodeSeq] = []  # admitted, join at the next step boundary
+        self.waiting: deque[DecodeSeq] = deque()  # not admitted yet (queue mode)
+        self._finish_at: dict[int, list[DecodeSeq]] = {}
+        self.stats = DecodeStats()
+        self._stepping = False
+        self._step_s = 0.0
+        self.nic = Nic()
+
+    @property
+    def free_blocks(self) -> int:
+        return max(0, self.capacity_tokens - self.reserved_tokens) // self.block_tokens
+
+    @property
+    def running_requests(self) -> int:
+        return self.batch_requests + len(self.joining) + len(self.waiting)
+
+    def current_tbt_s(self) -> float:
+        if not self.batch_requests:
+            return 0.0
+        return self.profile.tbt_s(self.batch_requests, self.context_tokens)
+
+    def _fits(self, seq: DecodeSeq) -> bool:
+        return (
+            self.reserved_tokens + seq.reserve_tokens <= self.capacity_tokens
+            and self.batch_requests + len(self.joining) < self.max_batch
+        )
+
+    def offer(self, seq: DecodeSeq) -> bool:
+        """A request whose KV just arrived. False: refused (``refuse`` mode only)."""
+        if not self.waiting and self._fits(seq):
+            if self.refuse:
+                b = self.batch_requests + len(self.joining) + 1
+                k = self.context_tokens + seq.prompt_tokens + 1
+                k += sum(s.prompt_tokens + 1 for s in self.joining)
+                if self.profile.tbt_s(b, k) > self.tbt_slo_s:
+                    return False
+            self._admit(seq)
+        elif self.refuse:
+            return False
+        else:
+            self.waiting.append(seq)
+        if not self._stepping:
+            self._start_step()
+        return True
+
+    def _admit(self, seq: DecodeSeq) -> None:
+        self.reserved_tokens += seq.reserve_tokens
+        seq.admitted = True
+        self.joining.append(seq)
+
+    def _start_step(self) -> None:
+        if self.joining:
+            step = len(self.stats.steps)
+            for seq in self.joining:
+                seq.join_step = step
+                self.batch_requests += 1
+                self.context_tokens += seq.prompt_tokens + 1
+                self._finish_at.setdefault(step + seq.steps_needed, []).append(seq)
+            self.joining = []
+        if not self.batch_requests:
+            self._stepping = False
+            return
+        self._stepping = True
+        self._step_s = self.profile.tbt_s(self.batch_requests, self.context_tokens)
+        self._schedule_at(self._clock() + self._step_s, self._end_step)
+
+    def _end_step(self) -> None:
+        stats = self.stats
+        stats.steps.append(self._step_s)
+        stats.step_ends.append(self._clock())
+        self.context_tokens += self.batch_requests
+        done = self._finish_at.pop(len(stats.steps), None)
+        if done:
+            for seq in done:
+                self.batch_requests -= 1
+                self.context_tokens -= seq.prompt_tokens + 1 + seq.steps_needed
+                self.reserved_tokens -= seq.reserve_tokens
+            for seq in done:
+                seq.on_done(seq)
+        while self.waiting and self._fits(self.waiting[0]):
+            self._admit(self.waiting.popleft())
+        self._start_step()
+
+    def gaps_s(self, seq: DecodeSeq) -> list[float]:
+        """Token gaps of a finished request: first-token→first step end, then step times."""
+        stats = self.stats
+        first = stats.step_ends[seq.join_step] - seq.first_token_s
+        return [first, *stats.steps[seq.join_step + 1 : seq.join_step + seq.steps_needed]]

@@ -1,0 +1,743 @@
+"""Engine adapter for a vLLM OpenAI server (attached by URL, or launched by the agent).
+
+The agent stays in its own environment and talks to vLLM over HTTP and ZMQ only:
+
+* generation: ``POST /v1/completions`` with the token-id prompt, streamed, with
+  ``return_token_ids`` (text is detokenized here, with the same tokenizer files the
+  conductor uses), ``stream_options.include_usage`` (vLLM's ``cached_tokens`` becomes the
+  usage the client sees), ``cache_salt`` = tenant (vLLM's prefix cache is per tenant, as
+  the canonical block keys are) and ``vllm_xargs.kv_cache_report_mode = "full"`` (vLLM
+  re-announces reused prefix blocks, which heals the mirror after any gap);
+* the KV cache mirror: vLLM's KV events (``vllm_events``) re-keyed to canonical block
+  keys and pushed into the agent's pool through the ``CacheMirroringEngine`` sink;
+* capacity and load: the pool's capacity is vLLM's KV block count (usable blocks, read
+  from ``vllm:cache_config_info``; a launched vLLM gets ``--num-gpu-blocks-override``),
+  so a TxAllocate refuses what vLLM cannot hold; ``/metrics`` is polled for waiting and
+  running requests and KV usage;
+* prefill/decode disaggregation through vLLM's ``kv_transfer_params`` (NixlConnector),
+  behind ``pd_connector`` (GPUs only, see docs/engines.md): ``prefill`` sends the
+  ``do_remote_decode`` leg with ``max_tokens=1`` and returns the engine's transfer
+  parameters; ``generate`` forwards them to the decode engine.
+
+Launch mode starts ``<vllm_python> -m vllm.entrypoints.openai.api_server`` in its own
+process group on 127.0.0.1, with vLLM's caches in a private temp dir and KV events on
+private ipc sockets unless configured; ``aclose`` sends SIGTERM (vLLM stops its engine
+core and workers), waits, and kills whatever of the group is left.
+
+Errors: vLLM's 400 → ``PromptRejected``, 429/503 or too many generations →
+``EngineBusy``, anything else → ``EngineError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvc.tokenization import ChatTokenizer, IncrementalDetokenizer
+from node_agent.engines.base import (
+    EngineBusy,
+    EngineCacheSink,
+    EngineError,
+    EngineInfo,
+    EngineLoad,
+    GenerateJob,
+    GenerationStep,
+    PrefillJob,
+    PrefillOutcome,
+    PromptRejected,
+)
+from node_agent.engines.embedded import KvLayout
+from node_agent.engines.vllm_events import KvEventDecoder, KvEventSubscriber
+from node_agent.settings import AgentSettings
+from node_agent.stopping import StopStringMatcher
+
+log = logging.getLogger("node_agent.vllm")
+
+__all__ = ["KvGeometry", "VllmConfig", "VllmEngineAdapter", "salt_for_tenant"]
+
+_SALT_MAX_LEN: Final = 128
+_SALT_FORBIDDEN: Final = frozenset("@/\\\x00")
+_HASHED_SALT_PREFIX: Final = "kvc-t-"
+_STOP_WAIT_S: Final = 20.0
+_DTYPES: Final = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def salt_for_tenant(tenant: str) -> str | None:
+    """vLLM's ``cache_salt`` for a tenant: the tenant itself where vLLM accepts it.
+
+    vLLM takes at most 128 characters and none of ``@ / \\ NUL``; other tenants get a
+    stable digest. The empty tenant sends no salt.
+    """
+    if not tenant:
+        return None
+    if len(tenant) <= _SALT_MAX_LEN and not _SALT_FORBIDDEN.intersection(tenant):
+        return tenant
+    digest = hashlib.blake2b(tenant.encode("utf-8"), digest_size=16).hexdigest()
+    return _HASHED_SALT_PREFIX + digest
+
+
+@dataclass(frozen=True, slots=True)
+class KvGeometry:
+    """What the agent's pool must match: vLLM's block size and usable block count."""
+
+    block_size: int
+    capacity_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class VllmConfig:
+    model_dir: Path
+    served_model_name: str
+    block_size: int
+    capacity_blocks: int  # usable blocks asked of a launched vLLM
+    url: str = ""  # attach to this server; empty: launch one
+    python: str = ""
+    port: int = 0
+    launch_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 300.0
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = "kv-events"
+    pd_connector: str = "none"
+    max_running: int = 16
+    metrics_interval_s: float = 0.5
+    request_timeout_s: float = 600.0
+
+    @classmethod
+    def from_settings(cls, settings: AgentSettings) -> VllmConfig:
+        return cls(
+            model_dir=settings.model,
+            served_model_name=settings.resolved_served_model_name(),
+            block_size=settings.block_size,
+            capacity_blocks=settings.capacity_blocks,
+            url=settings.vllm_url,
+            python=settings.vllm_python,
+            port=settings.vllm_port,
+            launch_args=tuple(settings.vllm_launch_arg_list()),
+            startup_timeout_s=settings.vllm_startup_timeout_s,
+            kv_events_endpoint=settings.kv_events_endpoint,
+            kv_events_replay_endpoint=settings.kv_events_replay_endpoint,
+            kv_events_topic=settings.kv_events_topic,
+            pd_connector=settings.pd_connector,
+            max_running=settings.max_running,
+            metrics_interval_s=settings.load_interval_s,
+        )
+
+
+def _model_layout(model_dir: Path, launch_args: tuple[str, ...]) -> tuple[KvLayout, int, int]:
+    """(KV layout, vocab size, max positions) from the model's config.json.
+
+    The dtype follows ``--dtype`` when the launch arguments set it; it only feeds the
+    conductor's transfer-cost estimate (vLLM's KV never leaves vLLM here).
+    """
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config", config)
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    dtype = _DTYPES.get(str(text.get("torch_dtype", "bfloat16")), "bfloat16")
+    if "--dtype" in launch_args:
+        i = launch_args.index("--dtype")
+        if i + 1 < len(launch_args):
+            dtype = _DTYPES.get(launch_args[i + 1], dtype)
+    layout = KvLayout(
+        num_layers=int(text["num_hidden_layers"]),
+        num_kv_heads=int(text.get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    return layout, int(text["vocab_size"]), int(text.get("max_position_embeddings", 2048))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+    """Linux: SIGTERM the launched vLLM when the agent dies without cleaning up."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _bind_form(endpoint: str) -> str:
+    """What vLLM must be given to *bind* the endpoint the agent connects to."""
+    if endpoint.startswith("tcp://"):
+        return "tcp://*:" + endpoint.rsplit(":", 1)[1]
+    return endpoint
+
+
+class VllmProcess:
+    """A vLLM OpenAI server the agent launched; owns its temp dir and process group."""
+
+    def __init__(self, config: VllmConfig) -> None:
+        self._config = config
+        self._tmp = Path(tempfile.mkdtemp(prefix="kvc-vllm-"))
+        self.port = config.port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.events_endpoint = config.kv_events_endpoint or f"ipc://{self._tmp}/kv-events"
+        self.replay_endpoint = config.kv_events_replay_endpoint or f"ipc://{self._tmp}/kv-replay"
+        self._proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.returncode
+
+    async def wait(self) -> int:
+        assert self._proc is not None
+        return await self._proc.wait()
+
+    def command(self) -> list[str]:
+        c = self._config
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": _bind_form(self.events_endpoint),
+            "replay_endpoint": _bind_form(self.replay_endpoint),
+            "topic": c.kv_events_topic,
+        }
+        args = [
+            c.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(c.model_dir),
+            "--served-model-name", c.served_model_name,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--block-size", str(c.block_size),
+            # vLLM keeps one block back (its null block): ask for one more.
+            "--num-gpu-blocks-override", str(c.capacity_blocks + 1),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps(events),
+        ]  # fmt: skip
+        if (c.model_dir / "kvc_init.json").is_file() and "--load-format" not in c.launch_args:
+            args += ["--load-format", "dummy"]  # a random-weights model folder (tiny-llama)
+        return [*args, *c.launch_args]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for name, sub in (("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+            env.setdefault(name, str(self._tmp / sub))
+        tmp = self._tmp / "tmp"
+        tmp.mkdir(exist_ok=True)
+        env.setdefault("TMPDIR", str(tmp))
+        for name, value in (
+            ("HF_HUB_OFFLINE", "1"),
+            ("VLLM_NO_USAGE_STATS", "1"),
+            ("DO_NOT_TRACK", "1"),
+            ("PYTHONUNBUFFERED", "1"),
+        ):
+            env.setdefault(name, value)
+        return env
+
+    async def start(self) -> None:
+        command = self.command()
+        log.info("launching vLLM: %s", " ".join(command))
+        self._proc = await asyncio.create_subprocess_exec(
+            *command,
+            env=self.environment(),
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: stopped as one
+            preexec_fn=_die_with_parent,
+        )
+
+    async def stop(self) -> None:
+        proc = self._proc
+        try:
+            if proc is None:
+                return
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(proc.wait(), timeout=_STOP_WAIT_S)
+                except TimeoutError:
+                    log.warning("vLLM ignored SIGTERM for %.0f s; killing it", _STOP_WAIT_S)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    await proc.wait()
+            await self._reap_group(proc.pid)
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    @staticmethod
+    async def _reap_group(pgid: int) -> None:
+        """Give vLLM's engine core and workers a moment to exit, then kill what is left."""
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            await asyncio.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a server-sent-event stream, up to ``[DONE]``."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield data
+
+
+def _metric_values(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return out
+
+
+class VllmEngineAdapter:
+    """Drives one vLLM server; mirrors its KV cache into the agent's pool."""
+
+    def __init__(
+        self,
+        config: VllmConfig,
+        tokenizer: ChatTokenizer,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,  # tests: a stand-in vLLM
+    ) -> None:
+        self._config = config
+        self._transport = transport
+        self._tokenizer = tokenizer
+        layout, vocab, max_len = _model_layout(config.model_dir, config.launch_args)
+        self._info = EngineInfo(
+            model=config.served_model_name,
+            engine="vllm",
+            max_model_len=max_len,
+            vocab_size=vocab,
+            kv_layout=layout,
+            eos_token_ids=tokenizer.eos_token_ids,
+            owns_kv_cache=True,
+        )
+        self._process: VllmProcess | None = None if config.url else VllmProcess(config)
+        self.url = config.url.rstrip("/") if config.url else self._process_url()
+        self._http: httpx.AsyncClient | None = None
+        self._sink: EngineCacheSink | None = None
+        self._subscriber: KvEventSubscriber | None = None
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
+        self._closed = False
+        self._tenants_by_salt: OrderedDict[str, str] = OrderedDict()
+        self.geometry = KvGeometry(config.block_size, config.capacity_blocks)
+        # Load: this agent's own requests, and vLLM's view from /metrics.
+        self._running = 0
+        self._awaiting_first_token = 0
+        self._queued_prefill_tokens = 0
+        self._vllm_running = 0
+        self._vllm_waiting = 0
+        self._vllm_kv_usage = 0.0
+
+    def _process_url(self) -> str:
+        assert self._process is not None
+        return self._process.url
+
+    # ------------------------------------------------------------------ port
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            queued_prefill_tokens=self._queued_prefill_tokens,
+            running_requests=max(self._running - self._awaiting_first_token, self._vllm_running),
+            waiting_requests=max(self._awaiting_first_token, self._vllm_waiting),
+            kv_usage_ratio=self._vllm_kv_usage,
+        )
+
+    async def wait_failed(self) -> str:
+        """Return (with the reason) when a launched vLLM exits by itself; attached: never."""
+        if self._process is None:
+            await asyncio.Event().wait()  # an attached server is not ours to watch
+        assert self._process is not None
+        code = await self._process.wait()
+        if self._closed:
+            await asyncio.Event().wait()  # stopped by aclose: not a failure
+        return f"vLLM exited with code {code}"
+
+    def set_cache_sink(self, sink: EngineCacheSink) -> None:
+        self._sink = sink
+        if self._started:
+            self._start_subscriber()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> KvGeometry:
+        """Launch (or reach) vLLM, wait until it serves, learn its KV geometry."""
+        timeout = httpx.Timeout(10.0, read=self._config.request_timeout_s)
+        self._http = httpx.AsyncClient(
+            base_url=self.url, timeout=timeout, transport=self._transport
+        )
+        if self._process is not None:
+            await self._process.start()
+        try:
+            await self._wait_healthy()
+            await self._discover()
+        except BaseException:
+            await self.aclose()
+            raise
+        self._started = True
+        self._tasks.append(asyncio.create_task(self._poll_metrics(), name="vllm-metrics"))
+        if self._sink is not None:
+            self._start_subscriber()
+        return self.geometry
+
+    async def _wait_healthy(self) -> None:
+        assert self._http is not None
+        deadline = time.monotonic() + self._config.startup_timeout_s
+        while True:
+            if self._process is not None and self._process.returncode is not None:
+                raise EngineError(f"vLLM exited with code {self._process.returncode} at start")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await self._http.get("/health", timeout=2.0)).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"vLLM at {self.url} not healthy after {self._config.startup_timeout_s} s"
+                )
+            await asyncio.sleep(0.5)
+
+    async def _discover(self) -> None:
+        assert self._http is not None
+        models = (await self._http.get("/v1/models")).json().get("data", [])
+        served = {m.get("id"): m for m in models}
+        model = served.get(self._config.served_model_name)
+        if model is None:
+            raise EngineError(
+                f"vLLM at {self.url} serves {sorted(served)}, "
+                f"not {self._config.served_model_name!r}"
+            )
+        max_len = int(model.get("max_model_len") or self._info.max_model_len)
+        self._info = replace(self._info, max_model_len=max_len)
+        metrics = _metric_values((await self._http.get("/metrics")).text)
+        (labels, _), *_ = metrics.get("vllm:cache_config_info") or [({}, 0.0)]
+        block_size = int(labels.get("block_size") or self._config.block_size)
+        gpu_blocks = labels.get("num_gpu_blocks")
+        capacity = int(gpu_blocks) - 1 if gpu_blocks and gpu_blocks.isdigit() else 0
+        if capacity <= 0:
+            raise EngineError(f"vLLM at {self.url} does not report its KV block count")
+        if labels.get("enable_prefix_caching") == "False":
+            log.warning("vLLM at %s runs without prefix caching: nothing to reuse", self.url)
+        self.geometry = KvGeometry(block_size, capacity)
+        log.info(
+            "vLLM at %s: model %s, max_model_len %d, %d KV blocks of %d tokens",
+            self.url, self._config.served_model_name, max_len, capacity, block_size,
+        )  # fmt: skip
+
+    def _start_subscriber(self) -> None:
+        if self._subscriber is not None:
+            return
+        endpoint = self._config.kv_events_endpoint
+        replay = self._config.kv_events_replay_endpoint
+        if self._process is not None:
+            endpoint, replay = self._process.events_endpoint, self._process.replay_endpoint
+        if not endpoint:
+            log.warning("no kv_events_endpoint: vLLM's cache is not mirrored")
+            return
+        decoder = KvEventDecoder(
+            model=self._config.served_model_name,
+            block_size=self.geometry.block_size,
+            tenant_of_salt=self._tenant_of_salt,
+            max_tracked=max(4 * self.geometry.capacity_blocks, 4096),
+        )
+        self._subscriber = KvEventSubscriber(
+            endpoint=endpoint,
+            replay_endpoint=replay,
+            topic=self._config.kv_events_topic,
+            decoder=decoder,
+            sink=lambda: self._sink,
+        )
+        self._tasks.append(
+            asyncio.create_task(self._subscriber.run(self._stop), name="vllm-kv-events")
+        )
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._http is not None:
+            await self._http.aclose()
+        if self._process is not None:
+            await self._process.stop()
+
+    async def _poll_metrics(self) -> None:
+        assert self._http is not None
+        while not self._stop.is_set():
+            try:
+                metrics = _metric_values((await self._http.get("/metrics")).text)
+                self._vllm_running = int(
+                    sum(v for _, v in metrics.get("vllm:num_requests_running", []))
+                )
+                self._vllm_waiting = int(
+                    sum(v for _, v in metrics.get("vllm:num_requests_waiting", []))
+                )
+                usage = [v for _, v in metrics.get("vllm:kv_cache_usage_perc", [])]
+                self._vllm_kv_usage = max(usage, default=0.0)
+            except (httpx.HTTPError, ValueError) as exc:
+                log.debug("vLLM metrics: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=self._config.metrics_interval_s)
+
+    # ------------------------------------------------------------------ tenants
+    def _salt(self, tenant: str) -> str | None:
+        salt = salt_for_tenant(tenant)
+        if salt is not None and salt != tenant:
+            self._tenants_by_salt[salt] = tenant
+            self._tenants_by_salt.move_to_end(salt)
+            while len(self._tenants_by_salt) > 65_536:
+                self._tenants_by_salt.popitem(last=False)
+        return salt
+
+    def _tenant_of_salt(self, salt: str | None) -> str | None:
+        if salt is None:
+            return ""
+        tenant = self._tenants_by_salt.get(salt)
+        if tenant is not None:
+            return tenant
+        if salt.startswith(_HASHED_SALT_PREFIX):
+            return None  # a digest of a tenant this agent has not seen: unknown
+        return salt
+
+    # ------------------------------------------------------------------ requests
+    def _validate(self, prompt_ids: tuple[int, ...], max_tokens: int) -> None:
+        if not prompt_ids:
+            raise PromptRejected("prompt must contain at least one token")
+        vocab = self._info.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise PromptRejected(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        limit = self._info.max_model_len
+        if len(prompt_ids) + max_tokens > limit:
+            raise PromptRejected(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"the model's context length of {limit} tokens"
+            )
+
+    def _body(
+        self,
+        prompt_ids: tuple[int, ...],
+        tenant: str,
+        *,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seed: int | None,
+        stop: tuple[str, ...],
+        ignore_eos: bool,
+        stream: bool,
+        transfer: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self._config.served_model_name,
+            "prompt": list(prompt_ids),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "ignore_eos": ignore_eos,
+            "stream": stream,
+            "return_token_ids": True,
+            # Re-announce reused prefix blocks as BlockStored: the mirror heals by itself.
+            "vllm_xargs": {"kv_cache_report_mode": "full"},
+        }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if stop:
+            body["stop"] = list(stop)
+        if seed is not None:
+            body["seed"] = seed
+        salt = self._salt(tenant)
+        if salt is not None:
+            body["cache_salt"] = salt
+        if transfer is not None:
+            body["kv_transfer_params"] = dict(transfer)
+        return body
+
+    def _require_open(self) -> httpx.AsyncClient:
+        if self._http is None or self._closed:
+            raise EngineError("the vLLM engine is not running")
+        if self._process is not None and self._process.returncode is not None:
+            raise EngineError(f"vLLM exited with code {self._process.returncode}")
+        return self._http
+
+    @staticmethod
+    async def _raise_for_status(response: httpx.Response) -> None:
+        if response.status_code == 200:
+            return
+        await response.aread()
+        try:
+            message = str(response.json().get("error", {}).get("message") or response.text)
+        except ValueError:
+            message = response.text
+        if response.status_code == 400:
+            raise PromptRejected(f"vLLM refused the request: {message}")
+        if response.status_code in (429, 503):
+            raise EngineBusy(f"vLLM is busy: {message}")
+        raise EngineError(f"vLLM answered {response.status_code}: {message}")
+
+    async def prefill(self, job: PrefillJob) -> PrefillOutcome:
+        """The prefill leg of vLLM's P/D protocol; only with ``pd_connector`` set."""
+        if self._config.pd_connector == "none":
+            raise PromptRejected(
+                "this vLLM node prefills inside Generate (role both); a separate Prefill "
+                "needs pd_connector=nixl (vLLM's kv_transfer_params, GPUs only)"
+            )
+        http = self._require_open()
+        self._validate(job.prompt_ids, 1)
+        body = self._body(
+            job.prompt_ids, job.tenant, temperature=0.0, top_p=1.0, max_tokens=1, seed=None,
+            stop=(), ignore_eos=True, stream=False,
+            transfer={
+                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None,
+            },
+        )  # fmt: skip
+        self._queued_prefill_tokens += len(job.prompt_ids)
+        started = time.perf_counter()
+        try:
+            try:
+                response = await http.post(
+                    "/v1/completions", json=body, headers={"X-Request-Id": job.request_id}
+                )
+            except httpx.HTTPError as exc:
+                raise EngineError(f"vLLM request failed: {exc}") from exc
+            await self._raise_for_status(response)
+        finally:
+            self._queued_prefill_tokens -= len(job.prompt_ids)
+        data = response.json()
+        params = data.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise EngineError("vLLM returned no kv_transfer_params: is a KV connector configured?")
+        cached = int(((data.get("usage") or {}).get("prompt_tokens_details") or {}).get(
+            "cached_tokens"
+        ) or 0)  # fmt: skip
+        return PrefillOutcome(
+            kv=None,
+            cached_tokens=cached,
+            computed_tokens=len(job.prompt_ids) - cached,
+            prefill_s=time.perf_counter() - started,
+            engine_transfer_params=params,
+        )
+
+    async def generate(self, job: GenerateJob) -> AsyncIterator[GenerationStep]:
+        """Stream one completion from vLLM; text is detokenized here."""
+        sampling = job.sampling
+        self._validate(job.prompt_ids, sampling.max_tokens)
+        http = self._require_open()
+        if self._running >= self._config.max_running:
+            raise EngineBusy(f"{self._running} generations already running")
+        body = self._body(
+            job.prompt_ids,
+            job.tenant,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            seed=sampling.seed,
+            stop=sampling.stop,
+            ignore_eos=sampling.ignore_eos,
+            stream=True,
+            transfer=job.engine_transfer_params,
+        )
+        self._running += 1
+        self._awaiting_first_token += 1
+        self._queued_prefill_tokens += len(job.prompt_ids)
+        waiting = True
+
+        def first_token() -> None:
+            nonlocal waiting
+            if waiting:
+                waiting = False
+                self._awaiting_first_token -= 1
+                self._queued_prefill_tokens -= len(job.prompt_ids)
+
+        detok = IncrementalDetokenizer(self._tokenizer, prompt_ids=job.prompt_ids)
+        stops = StopStringMatcher(sampling.stop)
+        final: GenerationStep | None = None
+        try:
+            async with http.stream(
+                "POST", "/v1/completions", json=body, headers={"X-Request-Id": job.request_id}
+            ) as response:
+                await self._raise_for_status(response)
+                async for data in _sse_data(response):
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise EngineError(f"vLLM failed the request: {chunk['error']}")
+                    ended_here = False
+                    for choice in chunk.get("choices") or []:
+                        step = self._step(choice, detok, stops)
+                        if step is None:
+                            continue
+                        first_token()
+                        if step.finish_reason is None:
+                            yield step
+                            continue
+                        final = step
+                        # A stop string matched here before vLLM finished: end now.
+                        ended_here = choice.get("finish_reason") is None
+                    usage = chunk.get("usage")
+                    if final is not None and usage:
+                        details = usage.get("prompt_tokens_details") or {}
+                        final = replace(final, cached_tokens=int(details.get("cached_tokens") or 0))
+                        break
+                    if ended_here:
+                        break
+        except httpx.HTTPError as exc:
+            raise EngineError(f"vLLM stream failed: {exc}") from exc
+        finally:
+            first_token()
+            self._running -= 1
+        if final is None:
+            raise EngineError("vLLM ended the stream without a finish reason")
+        yield final
+
+    def _step(
+        self, choice: Mapping[str, Any], detok: IncrementalDetokenizer, stops: StopStringMatcher
+    ) -> GenerationStep | None:
+        ids = tuple(int(t) for t in choice.get("token_ids") or ())
+        finish = choice.get("finish_reason")
+        if not ids and finish is None:
+            return None
+        text = ""
+        for token in ids:
+            check = stops.push(detok.push(token))
+            text += check.emit
+            if check.stopped:
+                return GenerationStep(token_ids=ids, text=text, finish_reason="stop")
+        if finish is None:
+            return GenerationStep(token_ids=ids, text=text)
+        if finish not in ("stop", "length"):
+            raise EngineError(f"vLLM finished the request with {finish!r}")
+        text += stops.push(detok.flush()).emit + stops.flush()
+        return GenerationStep(token_ids=ids, text=text, finish_reason=str(finish))

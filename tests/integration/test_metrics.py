@@ -1,0 +1,184 @@
+"""Metrics recorded where things happen: real agents (gRPC and ``/metrics`` over HTTP on
+loopback) behind the real conductor app, read back from both expositions."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvc.v1 import node_agent_pb2 as pb
+from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from node_agent.server import AgentServer
+from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, chat_body, wait_until
+
+LONG_PROMPT = " ".join(f"word{i}" for i in range(120))  # several 32-token blocks
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return samples(text).get((name, frozenset(labels.items())), 0.0)
+
+
+async def scrape(agent: AgentServer) -> str:
+    assert agent.metrics_server is not None
+    async with httpx.AsyncClient() as client:
+        r = await client.get(f"http://127.0.0.1:{agent.metrics_server.port}/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return r.text
+
+
+async def test_a_disaggregated_request_is_counted_on_both_sides(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    prefill = await start_agent("prefill", metrics_port=free_port())
+    decode = await start_agent("decode", metrics_port=free_port())
+    async with conductor([prefill, decode]) as c:
+        r = await c.client.post("/v1/chat/completions", json=chat_body(LONG_PROMPT))
+        assert r.status_code == 200, r.text
+        await wait_until(lambda: prefill.service.pool.stats().open_txs == 0)
+        p, d = await scrape(prefill), await scrape(decode)
+        assert value(p, "node_agent_tx_total", op="allocate", outcome="ok") == 1
+        assert value(p, "node_agent_tx_total", op="commit", outcome="ok") == 1
+        assert value(p, "node_agent_info", role="prefill", engine="embedded", model="tiny-llama")
+        computed = value(p, "node_agent_prefill_tokens_total", source="computed")
+        assert computed > 32
+        assert value(p, "node_agent_prefill_duration_seconds_count") == 1
+        sent = value(p, "node_agent_kv_transfer_bytes_total", direction="sent", kind="handoff")
+        got = value(d, "node_agent_kv_transfer_bytes_total", direction="received", kind="handoff")
+        assert sent == got > 0
+        assert value(d, "node_agent_kv_transfer_seconds_count", direction="received",
+                     kind="handoff") == 1  # fmt: skip
+        assert value(d, "node_agent_generated_tokens_total") == 12
+        assert value(p, "node_agent_events_published_total", kind="stored") >= 1
+        assert value(p, "node_agent_kv_blocks", state="cached") > 0
+        assert value(p, "node_agent_kv_locked_blocks") == 0
+        metrics = (await c.client.get("/metrics")).text
+        assert value(metrics, "conductor_agent_calls_total", method="TxAllocate", code="OK") == 1
+        assert value(metrics, "conductor_agent_calls_total", method="TxCommit", code="OK") == 1
+        assert value(metrics, "conductor_agent_up", agent=prefill.address) == 1
+        assert value(metrics, "conductor_agent_up", agent=decode.address) == 1
+        assert value(metrics, "conductor_agents_usable", role="prefill") == 1
+        total = value(metrics, "conductor_prompt_cache_tokens_total", source="computed")
+        assert total > 0
+    assert_no_locks(prefill, decode)
+
+
+async def test_tx_failures_and_lease_expiries_are_counted(start_agent: AgentFactory) -> None:
+    agent = await start_agent("both", metrics_port=free_port(), capacity_blocks=4)
+    async with grpc.aio.insecure_channel(agent.address) as channel:
+        stub = pb_grpc.NodeAgentStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as not_found:
+            await stub.TxCommit(pb.TxCommitRequest(tx_id="nobody"))
+        assert not_found.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as full:
+            await stub.TxAllocate(
+                pb.TxAllocateRequest(
+                    tx_id="big", tenant="t", block_keys=list(range(1, 9)), lease_s=30
+                )
+            )
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        await stub.TxAllocate(
+            pb.TxAllocateRequest(tx_id="short", tenant="t", block_keys=[1, 2], lease_s=0.05)
+        )
+    text = await scrape(agent)
+    assert value(text, "node_agent_tx_total", op="commit", outcome="not_found") == 1
+    assert value(text, "node_agent_tx_total", op="allocate", outcome="capacity") == 1
+    assert value(text, "node_agent_tx_total", op="allocate", outcome="ok") == 1
+    # The housekeeping loop expires the lease; the next scrape shows it.
+    async with asyncio.timeout(10):
+        while value(text, "node_agent_lease_expiries_total") < 1:
+            await asyncio.sleep(0.05)
+            text = await scrape(agent)
+    assert value(text, "node_agent_open_transactions") == 0
+    assert_no_locks(agent)
+
+
+async def test_metrics_http_server_answers_only_metrics(start_agent: AgentFactory) -> None:
+    agent = await start_agent("both", metrics_port=free_port())
+    assert agent.metrics_server is not None
+    base = f"http://127.0.0.1:{agent.metrics_server.port}"
+    async with httpx.AsyncClient(base_url=base) as client:
+        head = await client.head("/metrics")
+        assert head.status_code == 200
+        assert head.content == b""
+        assert int(head.headers["content-length"]) > 0
+        om = await client.get(
+            "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+        )
+        assert om.headers["content-type"].startswith("application/openmetrics-text")
+        assert om.text.rstrip().endswith("# EOF")
+        assert (await client.get("/")).status_code == 404
+        assert (await client.post("/metrics")).status_code == 405
+    reader, writer = await asyncio.open_connection("127.0.0.1", agent.metrics_server.port)
+    writer.write(b"garbage\r\n\r\n")
+    await writer.drain()
+    assert (await reader.read()).startswith(b"HTTP/1.1 400 ")
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_no_metrics_server_by_default(start_agent: AgentFactory) -> None:
+    agent = await start_agent("both")
+    assert agent.metrics_server is None
+
+
+async def test_a_prefix_migration_is_counted_on_both_nodes(start_agent: AgentFactory) -> None:
+    from tests.integration.test_block_migration import (
+        P_PROMPT,
+        P_WARM,
+        S_PROMPT,
+        UNREACHABLE,
+        alloc,
+        cache_prompt,
+        keys_of,
+    )
+
+    src = await start_agent("both", metrics_port=free_port(), capacity_blocks=8)
+    dst = await start_agent("both", metrics_port=free_port(), capacity_blocks=8)
+    async with (
+        grpc.aio.insecure_channel(src.address) as src_channel,
+        grpc.aio.insecure_channel(dst.address) as dst_channel,
+    ):
+        s, p = pb_grpc.NodeAgentStub(src_channel), pb_grpc.NodeAgentStub(dst_channel)
+        await cache_prompt(s, S_PROMPT, "s-warm")
+        await cache_prompt(p, P_WARM, "p-warm")
+        keys = keys_of(P_PROMPT)
+        await p.TxAllocate(alloc("T_dst", keys))
+        await s.TxAllocate(alloc("T_src", keys[:3], lock_only=True))
+        pull = pb.PullBlocksRequest(tx_id="T_dst", source_tx_id="T_src", num_blocks=3)
+        pull.source_address = UNREACHABLE
+        with pytest.raises(grpc.aio.AioRpcError):
+            await p.PullBlocks(pull)
+        pull.source_address = src.address
+        pulled = await p.PullBlocks(pull)
+        await s.TxCommit(pb.TxCommitRequest(tx_id="T_src"))
+        await p.TxAbort(pb.TxAbortRequest(tx_id="T_dst"))
+    sent, got = await scrape(src), await scrape(dst)
+    assert value(sent, "node_agent_tx_total", op="lock_only", outcome="ok") == 1
+    nbytes = value(sent, "node_agent_kv_transfer_bytes_total", direction="sent", kind="migration")
+    assert nbytes == pulled.bytes > 0
+    assert value(got, "node_agent_kv_transfer_bytes_total", direction="received",
+                 kind="migration") == nbytes  # fmt: skip
+    assert value(got, "node_agent_kv_transfer_failures_total", kind="migration") == 1
+    assert value(got, "node_agent_kv_transfer_failures_total", kind="handoff") == 0
+    assert_no_locks(src, dst)

@@ -1,0 +1,113 @@
+"""A KV hand-off that breaks fails the request cleanly: nothing half-written on the
+decode node, nothing committed on the prefill node, no lock left once leases end."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from conductor.core.block_keys import compute_block_keys
+from kvc.v1 import node_agent_pb2 as pb
+from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from node_agent.server import ERROR_INFO_KEY, AgentServer
+from tests.conftest import MODEL, AgentFactory, ConductorFactory, assert_no_locks, chat_body
+
+PROMPT = [(7 * i) % 1900 + 20 for i in range(300)]  # 299 tokens of KV ≈ 600 KB: many chunks
+
+
+async def stage(prefill: AgentServer, stub: pb_grpc.NodeAgentAsyncStub, rid: str) -> None:
+    keys = compute_block_keys(PROMPT[:-1], tenant="t", model=MODEL, block_size=32)
+    await stub.TxAllocate(
+        pb.TxAllocateRequest(tx_id=f"tx-{rid}", tenant="t", block_keys=keys, lease_s=30)
+    )
+    await stub.Prefill(
+        pb.PrefillRequest(request_id=rid, tenant="t", tx_id=f"tx-{rid}", prompt_token_ids=PROMPT)
+    )
+
+
+def generate(rid: str, source: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid,
+        tenant="t",
+        prompt_token_ids=PROMPT,
+        sampling=pb.SamplingParams(temperature=0, max_tokens=4),
+        kv_source=pb.KvSource(address=source, request_id=rid, num_tokens=len(PROMPT) - 1),
+    )
+
+
+async def test_prefill_node_gone_before_the_fetch(start_agent: AgentFactory) -> None:
+    prefill = await start_agent("prefill")
+    decode = await start_agent("decode")
+    async with (
+        grpc.aio.insecure_channel(prefill.address) as pch,
+        grpc.aio.insecure_channel(decode.address) as dch,
+    ):
+        await stage(prefill, pb_grpc.NodeAgentStub(pch), "r1")
+        await prefill.stop(grace_s=0.1)  # the prefill node dies with the KV staged
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await pb_grpc.NodeAgentStub(dch).Generate(generate("r1", prefill.address)).read()
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    info = pb.ErrorInfo.FromString(dict(failed.value.trailing_metadata() or ())[ERROR_INFO_KEY])
+    assert info.reason == "transfer"
+    assert decode.engine.load().running_requests == 0
+    assert_no_locks(decode)
+
+
+async def test_transfer_cut_mid_stream(
+    start_agent: AgentFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefill = await start_agent("prefill", transfer_chunk_bytes=4096)
+    decode = await start_agent("decode")
+    original = prefill.service._stream_kv
+
+    async def cut_after_two_chunks(*args: Any) -> AsyncIterator[pb.KvChunk]:
+        sent = 0
+        async for chunk in original(*args):
+            if sent == 2:
+                raise ConnectionResetError("link dropped")
+            sent += 1
+            yield chunk
+
+    monkeypatch.setattr(prefill.service, "_stream_kv", cut_after_two_chunks)
+    async with (
+        grpc.aio.insecure_channel(prefill.address) as pch,
+        grpc.aio.insecure_channel(decode.address) as dch,
+    ):
+        pstub = pb_grpc.NodeAgentStub(pch)
+        await stage(prefill, pstub, "r2")
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await pb_grpc.NodeAgentStub(dch).Generate(generate("r2", prefill.address)).read()
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "KV" in (failed.value.details() or "")
+        # The conductor's side of the failure: abort the prefill Tx; nothing was committed.
+        aborted = await pstub.TxAbort(pb.TxAbortRequest(tx_id="tx-r2"))
+        assert aborted.freed_blocks == (len(PROMPT) - 1) // 32
+    assert prefill.service.pool.stats().cached_blocks == 0
+    assert decode.engine.load().running_requests == 0
+    assert_no_locks(prefill, decode)
+
+
+async def test_conductor_reports_a_broken_handoff_and_leaks_nothing(
+    start_agent: AgentFactory, conductor: ConductorFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefill = await start_agent("prefill")
+    decode = await start_agent("decode")
+
+    async def refuse(*args: Any) -> AsyncIterator[pb.KvChunk]:
+        chunks: tuple[pb.KvChunk, ...] = ()  # an async generator failing before its first chunk
+        for chunk in chunks:
+            yield chunk
+        raise ConnectionResetError("link dropped")
+
+    monkeypatch.setattr(prefill.service, "_stream_kv", refuse)
+    async with conductor([prefill, decode]) as c:
+        resp = await c.client.post("/v1/chat/completions", json=chat_body("hello " * 80))
+        assert resp.status_code == 502
+        assert resp.json()["error"]["code"] == "upstream_error"
+        # The decode node did nothing wrong: it stays usable for the next request.
+        assert c.state.fleet.get(decode.address).usable
+    assert prefill.service.pool.stats().cached_blocks == 0  # the Tx was aborted, not committed
+    assert_no_locks(prefill, decode)

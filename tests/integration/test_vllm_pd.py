@@ -1,0 +1,185 @@
+"""vLLM prefill/decode through ``kv_transfer_params`` (``pd_connector=nixl``), end to end
+from the conductor through two real agents, with stand-in vLLM HTTP servers.
+
+A real NIXL hand-off needs GPUs (docs/engines.md); what is checked here is everything
+this project does around it: the prefill leg (``do_remote_decode``, ``max_tokens=1``,
+no streaming), the engine's transfer parameters carried from the prefill agent through
+the conductor to the decode agent and into the decode request, one ``X-Request-Id`` on
+both legs, the tenant as ``cache_salt`` on both, nothing staged for ``FetchKv``, and
+the Tx on the prefill agent committed. Without the switch a vLLM node refuses a
+separate Prefill.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from kvc.models import DEFAULT_MODEL_DIR
+from kvc.tokenization import ChatTokenizer
+from kvc.v1 import node_agent_pb2 as pb
+from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from node_agent.engines.vllm import VllmConfig, VllmEngineAdapter
+from node_agent.main import start_engine
+from node_agent.server import AgentServer
+from node_agent.settings import AgentSettings, Role
+from tests.conftest import ConductorFactory, assert_no_locks, chat_body, wait_until
+
+MODEL = "tiny-llama"
+TRANSFER = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [1, 2, 3],
+    "remote_engine_id": "prefill-engine-0",
+    "remote_host": "10.0.0.7",
+    "remote_port": 5600,
+    "tp_size": 1,
+}
+METRICS = """\
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",enable_prefix_caching="True",num_gpu_blocks="129"} 1.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny-llama"} 0.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.25
+"""
+
+
+class StandInVllm:
+    """Answers like vLLM 0.32's OpenAI server does for the calls the adapter makes."""
+
+    def __init__(self) -> None:
+        self.completions: list[tuple[str, dict[str, Any]]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200)
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": MODEL, "max_model_len": 2048}]})
+        if path == "/metrics":
+            return httpx.Response(200, text=METRICS)
+        assert path == "/v1/completions", path
+        body = json.loads(request.content)
+        self.completions.append((request.headers.get("x-request-id", ""), body))
+        if not body["stream"]:  # the prefill leg
+            return httpx.Response(
+                200,
+                json={
+                    "choices": [
+                        {"index": 0, "text": "", "token_ids": [42], "finish_reason": "length"}
+                    ],
+                    "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1},
+                    "kv_transfer_params": TRANSFER,
+                },
+            )
+        events: list[dict[str, Any]] = []
+        n = body["max_tokens"]
+        for i in range(n):
+            choice: dict[str, Any] = {"index": 0, "text": "", "token_ids": [300 + i]}
+            choice["finish_reason"] = "length" if i == n - 1 else None
+            events.append({"choices": [choice]})
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+        events.append(
+            {"choices": [], "usage": {**usage, "prompt_tokens_details": {"cached_tokens": 64}}}
+        )
+        sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+
+@pytest.fixture
+async def vllm_agents() -> AsyncIterator[tuple[list[AgentServer], list[StandInVllm]]]:
+    agents: list[AgentServer] = []
+    fakes: list[StandInVllm] = []
+
+    async def start(role: Role, pd_connector: str) -> None:
+        settings = AgentSettings(
+            role=role,
+            port=0,
+            engine="vllm",
+            vllm_url=f"http://vllm-{role}",
+            pd_connector=pd_connector,
+            load_interval_s=0.05,
+        )
+        fake = StandInVllm()
+        engine = VllmEngineAdapter(
+            VllmConfig.from_settings(settings),
+            ChatTokenizer.from_dir(DEFAULT_MODEL_DIR),
+            transport=httpx.MockTransport(fake),
+        )
+        settings = await start_engine(engine, settings)
+        server = AgentServer(settings, engine)
+        await server.start()
+        agents.append(server)
+        fakes.append(fake)
+
+    await start("prefill", "nixl")
+    await start("decode", "nixl")
+    await start("both", "none")
+    yield agents, fakes
+    for server in agents:
+        await server.stop(grace_s=0.5)
+
+
+def _kv_usage_is(agent: AgentServer, ratio: float) -> bool:
+    return agent.service.load_update().kv_usage_ratio == ratio
+
+
+async def test_pool_takes_vllms_geometry(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]],
+) -> None:
+    agents, _ = vllm_agents
+    for agent in agents:
+        info = agent.service.node_info
+        assert (info.engine, info.block_size, info.capacity_blocks) == ("vllm", 32, 128)
+        assert agent.service.pool.capacity_blocks == 128  # vLLM keeps one null block
+        # vLLM's own KV usage (polled from /metrics) reaches the load updates.
+        await wait_until(partial(_kv_usage_is, agent, 0.25))
+
+
+async def test_disaggregated_request_carries_kv_transfer_params(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]], conductor: ConductorFactory
+) -> None:
+    (prefill, decode, _), (p_vllm, d_vllm, _) = vllm_agents
+    async with conductor([prefill, decode], api_keys=["k1"]) as c:
+        prompt = " ".join(f"word{i}" for i in range(120))
+        r = await c.client.post(
+            "/v1/chat/completions",
+            json=chat_body(prompt, max_tokens=5),
+            headers={"Authorization": "Bearer k1"},
+        )
+        assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5
+    (p_id, p_body), (d_id, d_body) = p_vllm.completions[-1], d_vllm.completions[-1]
+    assert p_body["kv_transfer_params"]["do_remote_decode"] is True
+    assert (p_body["max_tokens"], p_body["stream"]) == (1, False)
+    assert d_body["kv_transfer_params"] == TRANSFER
+    assert d_body["stream"] is True
+    assert p_id == d_id != ""
+    assert p_body["prompt"] == d_body["prompt"]
+    assert p_body["cache_salt"] == d_body["cache_salt"]
+    assert prefill.service._staged == {}  # nothing waits for a FetchKv
+    assert_no_locks(prefill, decode)
+    assert prefill.service.pool.stats().cached_blocks > 0  # the Tx was committed
+
+
+async def test_without_the_switch_a_vllm_node_refuses_prefill(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]],
+) -> None:
+    *_, both = vllm_agents[0]
+    async with grpc.aio.insecure_channel(both.address) as channel:
+        stub = pb_grpc.NodeAgentStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Prefill(
+                pb.PrefillRequest(request_id="r1", tenant="t", prompt_token_ids=[5, 6, 7])
+            )
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "pd_connector" in (exc.value.details() or "")

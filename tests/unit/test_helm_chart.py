@@ -1,0 +1,324 @@
+"""The Helm chart (deploy/helm/kv-conductor), rendered and checked without a cluster.
+
+Rendering uses Helm's own Go SDK (the ``helm-python-sdk`` wheel: Helm v4's engine,
+no helm binary), for the default values (embedded engine) and values-vllm.yaml (a
+vLLM engine container beside each agent). The rendered objects are then checked:
+
+* ``helm lint`` (strict) is clean;
+* every built-in object validates against the official Kubernetes JSON schema
+  (``kubernetes-validate``, strict: unknown fields are errors);
+* every kvc command line (conductor and agent args, ``kvc probe`` probes) parses and
+  validates against the real CLI and settings;
+* the pieces fit: the conductors' static agent list names exactly the StatefulSet
+  pods on their headless Services, each agent advertises its own DNS name, the HPA and
+  PDBs select the right pods, the ServiceMonitor reaches both metrics ports with the
+  job names the alert rules expect, the PrometheusRule carries deploy/prometheus/alerts.yml;
+* checkov finds nothing beyond the two checks skipped below, with the reason.
+
+What this cannot check (no cluster, no GPU, no image registry here): that the images
+pull and start, that probes pass at run time, DNS and NetworkPolicy enforcement, GPU
+scheduling, the ServiceMonitor and PrometheusRule against the Prometheus Operator's
+CRD schemas (only their shape is checked), and the vLLM image's own flags.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvc.cli import build_parser
+from kvc.models import DEFAULT_MODEL_DIR
+from tests.tooling import require_tool, run_tool
+from tests.unit.test_deploy_files import flag, validate_command
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy/helm/kv-conductor"
+RELEASE, NAMESPACE = "kvc", "serving"
+KUBE_VERSION = "1.30"
+PROFILES = {"default": None, "vllm": CHART / "values-vllm.yaml"}
+CRDS = {"ServiceMonitor", "PrometheusRule"}
+# checkov checks left out, and why.
+CHECKOV_SKIPS = {
+    "CKV_K8S_15": "pull policy IfNotPresent with immutable version tags; set "
+    "image.pullPolicy=Always for mutable tags",
+    "CKV_K8S_43": "digests are the operator's choice: image.tag accepts 'v1.2.3@sha256:…'",
+}
+
+Manifest = dict[str, Any]
+
+
+def render(values_file: Path | None) -> dict[str, str]:
+    values = yaml.safe_load(values_file.read_text()) if values_file else {}
+    with helm.Chart.load(str(CHART)) as chart:
+        rendered: dict[str, str] = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return rendered
+
+
+@pytest.fixture(scope="module", params=sorted(PROFILES))
+def profile(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture(scope="module")
+def manifests(profile: str) -> list[Manifest]:
+    docs: list[Manifest] = []
+    for path, text in render(PROFILES[profile]).items():
+        if path.endswith(".yaml"):
+            docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def of_kind(docs: list[Manifest], kind: str) -> list[Manifest]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def containers(docs: list[Manifest]) -> Iterator[tuple[Manifest, Manifest]]:
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                yield d, c
+
+
+def kvc_args(container: Manifest) -> list[str]:
+    return [str(a) for a in container["args"]]
+
+
+def validate_kvc(args: list[str]) -> None:
+    """``validate_command``; a model folder that exists only on the cluster's volume is
+    replaced by the packaged one (the settings check that the folder exists)."""
+    model = flag(args, "--model")
+    if model is not None and not Path(model).is_dir():
+        args = list(args)
+        args[args.index("--model") + 1] = str(DEFAULT_MODEL_DIR)
+    validate_command(args)
+
+
+def test_helm_lint_is_clean() -> None:
+    for values_file in PROFILES.values():
+        values = yaml.safe_load(values_file.read_text()) if values_file else None
+        report = helm.lint(str(CHART), values, strict=True, namespace=NAMESPACE)
+        problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+        assert not problems, problems
+
+
+def test_chart_renders_every_object(manifests: list[Manifest]) -> None:
+    kinds = sorted(d["kind"] for d in manifests)
+    for kind, count in [
+        ("Deployment", 1),
+        ("HorizontalPodAutoscaler", 1),
+        ("StatefulSet", 2),
+        ("Service", 3),
+        ("PodDisruptionBudget", 3),
+        ("ServiceMonitor", 1),
+        ("PrometheusRule", 1),
+        ("NetworkPolicy", 2),
+        ("ServiceAccount", 1),
+    ]:
+        assert kinds.count(kind) == count, (kind, kinds)
+    for d in manifests:
+        assert d["metadata"]["namespace"] == NAMESPACE, d["metadata"]["name"]
+
+
+def test_objects_match_the_kubernetes_schemas(manifests: list[Manifest]) -> None:
+    for d in manifests:
+        if d["kind"] in CRDS:
+            continue
+        kubernetes_validate.validate(d, KUBE_VERSION, strict=True)
+
+
+def test_conductor_command_and_probes_are_valid(manifests: list[Manifest]) -> None:
+    (deployment,) = of_kind(manifests, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = kvc_args(container)
+    assert args[0] == "conductor"
+    validate_kvc(args)
+    port = int(flag(args, "--port") or 0)
+    assert container["ports"][0]["containerPort"] == port
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        command = container[probe]["exec"]["command"]
+        assert command[:2] == ["kvc", "probe"], probe
+        build_parser().parse_args(command[1:])
+        assert command[2].startswith(f"http://127.0.0.1:{port}/"), command
+    assert container["readinessProbe"]["exec"]["command"][2].endswith("/ready")
+
+
+def test_agent_commands_and_probes_are_valid(manifests: list[Manifest]) -> None:
+    agents = [(sts, c) for sts, c in containers(manifests) if c["name"] == "agent"]
+    assert len(agents) == 2
+    roles = set()
+    for sts, container in agents:
+        args = kvc_args(container)
+        assert args[0] == "agent"
+        roles.add(flag(args, "--role"))
+        grpc_port = int(flag(args, "--port") or 0)
+        metrics_port = int(flag(args, "--metrics-port") or 0)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports == {"grpc": grpc_port, "metrics": metrics_port}
+        # Each pod advertises its own stable DNS name on the pool's headless Service.
+        service = sts["spec"]["serviceName"]
+        assert flag(args, "--advertise-address") == (
+            f"$(POD_NAME).{service}.{NAMESPACE}.svc:{grpc_port}"
+        )
+        assert flag(args, "--node-id") == "$(POD_NAME)"
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        for probe in ("startupProbe", "readinessProbe"):
+            command = container[probe]["exec"]["command"]
+            assert command == ["kvc", "probe", f"grpc://127.0.0.1:{grpc_port}"], probe
+            build_parser().parse_args(command[1:])
+        # A draining agent is NOT_SERVING but alive: liveness only checks the port.
+        assert container["livenessProbe"]["tcpSocket"]["port"] == "grpc"
+        validate_kvc(args)
+    assert roles == {"prefill", "decode"}
+
+
+def test_vllm_profile_runs_the_engine_beside_the_agent(manifests: list[Manifest]) -> None:
+    for sts in of_kind(manifests, "StatefulSet"):
+        pod = sts["spec"]["template"]["spec"]
+        by_name = {c["name"]: c for c in pod["containers"]}
+        agent = kvc_args(by_name["agent"])
+        if "engine" not in by_name:
+            assert list(by_name) == ["agent"]
+            assert flag(agent, "--engine") == "embedded"
+            continue
+        assert list(by_name) == ["agent", "engine"]
+        engine = by_name["engine"]
+        assert engine["image"].startswith("vllm/vllm-openai:")
+        args = [str(a) for a in engine["args"]]
+        # The agent attaches to this engine over the pod's loopback only.
+        assert flag(args, "--host") == "127.0.0.1"
+        assert flag(agent, "--engine") == "vllm"
+        assert flag(agent, "--vllm-url") == f"http://127.0.0.1:{flag(args, '--port')}"
+        # One ledger: the agent's pool is the engine's cache (vLLM keeps a null block).
+        assert flag(agent, "--block-size") == flag(args, "--block-size")
+        assert int(flag(args, "--num-gpu-blocks-override") or 0) == (
+            int(flag(agent, "--capacity-blocks") or 0) + 1
+        )
+        assert "--enable-prefix-caching" in args
+        events = json.loads(flag(args, "--kv-events-config") or "{}")
+        assert events["enable_kv_cache_events"] is True
+        for setting, key in [
+            ("--kv-events-endpoint", "endpoint"),
+            ("--kv-events-replay-endpoint", "replay_endpoint"),
+        ]:  # vLLM binds tcp://*:P, the agent connects to tcp://127.0.0.1:P
+            port = events[key].removeprefix("tcp://*:")
+            assert flag(agent, setting) == f"tcp://127.0.0.1:{port}"
+        if flag(agent, "--pd-connector") == "nixl":
+            transfer = json.loads(flag(args, "--kv-transfer-config") or "{}")
+            assert transfer["kv_connector"] == "NixlConnector"
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert "/dev/shm" in {m["mountPath"] for m in engine["volumeMounts"]}
+
+
+def test_conductors_reach_every_agent_pod(manifests: list[Manifest]) -> None:
+    (deployment,) = of_kind(manifests, "Deployment")
+    args = kvc_args(deployment["spec"]["template"]["spec"]["containers"][0])
+    expected = set()
+    for sts in of_kind(manifests, "StatefulSet"):
+        service = sts["spec"]["serviceName"]
+        (svc,) = [s for s in of_kind(manifests, "Service") if s["metadata"]["name"] == service]
+        assert svc["spec"]["clusterIP"] == "None"  # headless: one DNS name per pod
+        pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= pod_labels.items()
+        port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
+        for i in range(sts["spec"]["replicas"]):
+            expected.add(f"{sts['metadata']['name']}-{i}.{service}.{NAMESPACE}.svc:{port}")
+    static = flag(args, "--agents")
+    if static is None:  # discovery through the Redis registry the agents write to
+        redis_url = flag(args, "--redis-url")
+        assert redis_url
+        for _sts, c in containers(of_kind(manifests, "StatefulSet")):
+            if c["name"] == "agent":
+                assert flag(kvc_args(c), "--redis-url") == redis_url
+    else:
+        assert set(static.split(",")) == expected
+
+
+def test_hpa_and_disruption_budgets_select_the_right_pods(manifests: list[Manifest]) -> None:
+    (deployment,) = of_kind(manifests, "Deployment")
+    (hpa,) = of_kind(manifests, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deployment["metadata"]["name"],
+    }
+    assert "replicas" not in deployment["spec"]  # the HPA owns the replica count
+    assert hpa["spec"]["minReplicas"] >= 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    workloads = [deployment, *of_kind(manifests, "StatefulSet")]
+    for pdb in of_kind(manifests, "PodDisruptionBudget"):
+        selector = pdb["spec"]["selector"]["matchLabels"].items()
+        matched = [w for w in workloads if selector <= w["spec"]["template"]["metadata"][
+            "labels"].items()]  # fmt: skip
+        assert len(matched) == 1, pdb["metadata"]["name"]
+
+
+def test_service_monitor_scrapes_conductors_and_agents(manifests: list[Manifest]) -> None:
+    (monitor,) = of_kind(manifests, "ServiceMonitor")
+    spec = monitor["spec"]
+    job_label = spec["jobLabel"]
+    selected = [
+        s
+        for s in of_kind(manifests, "Service")
+        if spec["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+        and s["metadata"]["labels"].get(job_label)
+        in spec["selector"]["matchExpressions"][0]["values"]
+    ]
+    jobs = {s["metadata"]["labels"][job_label] for s in selected}
+    assert jobs == {"kvc-conductor", "kvc-agent"}  # the job names alerts.yml uses
+    endpoint_ports = {e["port"] for e in spec["endpoints"]}
+    for service in selected:
+        names = {p["name"] for p in service["spec"]["ports"]}
+        assert names & endpoint_ports, service["metadata"]["name"]
+    assert all(e["path"] == "/metrics" for e in spec["endpoints"])
+    assert spec["namespaceSelector"]["matchNames"] == [NAMESPACE]
+
+
+def test_prometheus_rule_carries_the_alert_rules(manifests: list[Manifest]) -> None:
+    source = (ROOT / "deploy/prometheus/alerts.yml").read_text()
+    assert (CHART / "files/alerts.yml").read_text() == source, (
+        "deploy/helm/kv-conductor/files/alerts.yml must be a copy of deploy/prometheus/alerts.yml"
+    )
+    (rule,) = of_kind(manifests, "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(source)["groups"]
+
+
+def test_pods_run_locked_down(manifests: list[Manifest]) -> None:
+    for workload, container in containers(manifests):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        sc = container["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert "limits" in container["resources"]
+        if container["name"] != "engine":  # the vLLM image runs as root
+            assert sc["readOnlyRootFilesystem"] is True
+            non_root = sc.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot"))
+            assert non_root is True, container["name"]
+
+
+def test_rendered_chart_passes_checkov(tmp_path: Path) -> None:
+    checkov = require_tool("checkov")
+    for profile, values_file in PROFILES.items():
+        for path, text in render(values_file).items():
+            if path.endswith(".yaml") and text.strip():
+                (tmp_path / f"{profile}-{Path(path).name}").write_text(text)
+    output = run_tool(
+        [checkov, "--quiet", "--compact", "--skip-download", "--framework", "kubernetes",
+         "--skip-check", ",".join(sorted(CHECKOV_SKIPS)), "-d", str(tmp_path)],
+        timeout_s=300,
+    )  # fmt: skip
+    assert "Failed checks: 0" in output, output
+
+
+def test_an_engine_container_needs_the_vllm_adapter() -> None:
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmError, match="vllm"):
+        chart.render({"engine": {"enabled": True}}, name=RELEASE, namespace=NAMESPACE)
