@@ -3,24 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+from kvc.sim.replay import machine
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -247,6 +248,10 @@ class Dispatcher:
         self._request_timeout_s = request_timeout_s
         self._clock = clock
         self._observe_decision_s = observe_decision_s
+        # Keys of this conductor's open prefill Txs per node: prefixes being computed
+        # right now, which kv_adaptive counts as that node's prefix (a FIFO prefill queued
+        # behind them reuses them). Entries live only while their Tx is open.
+        self._inflight_keys: dict[str, Counter[BlockKey]] = {}
         self._cleanup: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ helpers
@@ -299,11 +304,34 @@ class Dispatcher:
                     capacity_blocks=info.capacity_blocks,
                     free_blocks=load.free_blocks if load else info.capacity_blocks,
                     kv_bytes_per_token=info.kv_layout.bytes_per_token,
+                    # Engines that own their KV (vLLM) cannot lend or receive pool blocks.
+                    kv_migration=info.engine == "embedded",
                     queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
                     running_requests=load.running_requests if load else 0,
                 )
             )
         return states
+
+    def _track(self, node: str, keys: list[BlockKey], delta: int) -> None:
+        counts = self._inflight_keys.setdefault(node, Counter())
+        counts.update(dict.fromkeys(keys, delta))
+        for key in [k for k in keys if counts[k] <= 0]:
+            del counts[key]
+        if not counts:
+            del self._inflight_keys[node]
+
+    def pending_blocks(self, keys: list[BlockKey]) -> dict[NodeId, int]:
+        """Per node, the leading blocks of ``keys`` that an open prefill Tx is computing."""
+        out: dict[NodeId, int] = {}
+        for node, counts in self._inflight_keys.items():
+            n = 0
+            for key in keys:
+                if key not in counts:
+                    break
+                n += 1
+            if n:
+                out[NodeId(node)] = n
+        return out
 
     # ------------------------------------------------------------------ entry point
     async def start(self, req: GenerationRequest) -> GenerationStream:
@@ -324,6 +352,7 @@ class Dispatcher:
             prefix_blocks=prefix,
             max_new_tokens=req.sampling.max_tokens,
             slo=req.slo,
+            pending_blocks=self.pending_blocks(keys),
         )
         excluded: set[str] = set()
         last: AgentCallError | None = None
@@ -430,6 +459,7 @@ class Dispatcher:
             agent.inflight += 1
         call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] | None = None
         tx_open = False
+        tracked = False  # keys counted in _inflight_keys
         address = prefill.address
         prompt_len = len(req.prompt_ids)
         released = False
@@ -455,6 +485,8 @@ class Dispatcher:
                     timeout=self._rpc_timeout_s,
                 )
                 tx_open = True
+                self._track(prefill.address, keys, +1)
+                tracked = True
                 reused_blocks = alloc.reused_blocks
                 if placement.migration is not None:
                     migrated = await self._migrate(
@@ -525,6 +557,8 @@ class Dispatcher:
             # Mooncake §5.3: commit when the first decode token arrives.
             address = prefill.address
             if tx_open:
+                self._track(prefill.address, keys, -1)
+                tracked = False
                 await prefill.stub.TxCommit(
                     pb.TxCommitRequest(tx_id=tx_id), timeout=self._rpc_timeout_s
                 )
@@ -532,6 +566,8 @@ class Dispatcher:
         except BaseException as exc:
             if call is not None:
                 call.cancel()
+            if tracked:
+                self._track(prefill.address, keys, -1)
             if tx_open:
                 await self._shielded(self._abort_tx(prefill, tx_id))
             release_books()

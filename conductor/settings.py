@@ -67,8 +67,12 @@ class ConductorSettings(BaseSettings):
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one generation")
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of one unary agent call")
     agent_poll_interval_s: float = Field(2.0, gt=0, description="Agent health/info poll period")
-    policy: Literal["round_robin", "least_loaded", "local_prefix", "kv_centric"] = Field(
-        "kv_centric", description="Scheduling policy (kv_centric = Mooncake Algorithm 1)"
+    policy: Literal["round_robin", "least_loaded", "local_prefix", "kv_centric", "kv_adaptive"] = (
+        Field(
+            "kv_centric",
+            description="Scheduling policy (kv_centric = Mooncake Algorithm 1; kv_adaptive "
+            "also counts in-flight prefixes and pulls only at break-even)",
+        )
     )
     admission: Literal["none", "early", "predictive"] = Field(
         "predictive", description="SLO admission: none | early | predictive (decode load forecast)"

@@ -831,6 +831,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 )
             else:
                 self._require_role("decode", "both")
+            engine_started = time.perf_counter()
             steps = self._engine.generate(
                 GenerateJob(
                     request_id=request.request_id,
@@ -848,6 +849,9 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 self.metrics.generated_tokens.inc(len(step.token_ids))
                 msg = pb.GenerateResponse(token_ids=list(step.token_ids), text=step.text)
                 if first:
+                    if self._engine.info.owns_kv_cache and not timings.prefill_s:
+                        # The engine prefilled inside generate: its time to first token.
+                        timings.prefill_s = time.perf_counter() - engine_started
                     msg.timings.CopyFrom(timings)
                     first = False
                 if step.finish_reason is not None:

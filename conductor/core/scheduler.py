@@ -116,6 +116,7 @@ class NodeState:
     free_blocks: int
     kv_bytes_per_token: int
     queued_prefill_tokens: int = 0  # as the agent last reported it
+    kv_migration: bool = True  # can lend/receive prefix blocks (not engines owning their KV)
     running_requests: int = 0  # as the agent last reported it
 
     @property
@@ -305,6 +306,8 @@ class Scheduler:
             if (
                 migrate
                 and holder.node_id != node.node_id
+                and node.kv_migration
+                and holder.kv_migration
                 and best_len - local >= self.config.min_migration_blocks
                 and (break_even or ratio > threshold)
             ):

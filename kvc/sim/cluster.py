@@ -26,6 +26,11 @@ What it runs (the live ``conductor/dispatch.py`` flow, with RPCs replaced by cal
        ``index_event_delay_s`` (0: at once). A gap or bound overflow → resync from a
        snapshot (``reset_node``), like the live shadow.
 
+    For ``kv_adaptive`` the cluster also keeps, per node, the blocks its queued prefills
+    are computing (from each ``TxAllocate``'s ``reused_blocks``, dropped at commit) and
+    passes them as ``ScheduleRequest.pending_blocks`` — the conductor-side view that
+    policy reads.
+
     The scheduler never sees the truth: it sees ``NodeState`` (queued prompt tokens,
     free KV blocks, running requests, as an agent reports them), the shadow index, and
     the durations its hooks are told.
@@ -247,6 +252,8 @@ class Cluster:
             virtual_s=self.loop.now_s,
             events=self.loop.events_run,
             wall_s=time.perf_counter() - started,
+            prefill_busy_s=sum(p.busy_s for p in self.prefill.values()),
+            prefill_instances=len(self.prefill),
         )
 
     def keys_of(self, req: TraceRequest) -> tuple[BlockKey, ...]:
@@ -340,9 +347,7 @@ class Cluster:
         self._in_flight += 1
         self._place(flight, set(), attempt=0)
 
-    def _pending(
-        self, keys: tuple[BlockKey, ...], prefix: dict[NodeId, int]
-    ) -> dict[NodeId, int]:
+    def _pending(self, keys: tuple[BlockKey, ...], prefix: dict[NodeId, int]) -> dict[NodeId, int]:
         """Per node: leading blocks cached there or being computed there right now."""
         out: dict[NodeId, int] = {}
         for node, inflight in self._inflight.items():

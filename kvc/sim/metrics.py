@@ -15,7 +15,8 @@ What it computes (definitions follow the paper, §7.1)
       served with TTFT <= the TTFT SLO and TBT <= the TBT SLO; ``effective_capacity_by_tbt``
       the same for each TBT threshold (the paper's 100/200/300 ms).
 
-Percentiles are nearest-rank on the sorted sample. Complexity O(R log R) for R requests.
+Knobs: the TTFT/TBT SLOs and TBT thresholds passed to ``summarize``. Percentiles are
+nearest-rank on the sorted sample. Complexity O(R log R) for R requests.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class SimResult:
     virtual_s: float
     events: int
     wall_s: float
+    prefill_busy_s: float = 0.0  # GPU seconds the prefill nodes spent computing
+    prefill_instances: int = 0
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -121,6 +124,7 @@ class Summary:
     effective_capacity_by_tbt: dict[str, float]
     migrations: int
     migrated_tokens: int
+    prefill_utilization: float  # busy / (prefill nodes x virtual time)
     virtual_s: float
     events: int
     sim_wall_s: float
@@ -169,6 +173,11 @@ def summarize(
         effective_capacity_by_tbt={f"{t:g}": effective(t) for t in tbt_thresholds_s},
         migrations=result.migrations,
         migrated_tokens=sum(r.migrated_tokens for r in records),
+        prefill_utilization=(
+            result.prefill_busy_s / (result.prefill_instances * result.virtual_s)
+            if result.prefill_instances and result.virtual_s > 0
+            else math.nan
+        ),
         virtual_s=result.virtual_s,
         events=result.events,
         sim_wall_s=result.wall_s,

@@ -3,8 +3,8 @@
 matplotlib is imported inside ``write_plots`` (Agg backend), so the simulator imports and
 runs without it; ``write_plots`` returns the files it wrote ([] when matplotlib is absent).
 
-Inputs are plain numbers (``PlotRun``), not simulator objects. Complexity O(R log R) for
-the CDFs of R requests per run.
+Inputs are plain numbers (``PlotRun``), not simulator objects. Knobs: none (fixed sizes,
+110 dpi; TTFT on a symlog axis). Complexity O(R log R) for the CDFs of R requests per run.
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ __all__ = [
     "bundled_profiles",
     "deep_merge",
     "load_profile",
+    "read_config_json",
 ]
 
 _STRICT = ConfigDict(extra="forbid")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any, ClassVar
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
@@ -149,8 +150,6 @@ def _cluster_fields(config: ClusterConfig) -> dict[str, Any]:
 
 
 def bundled_scenarios() -> list[str]:
-    from importlib import resources
-
     folder = resources.files("kvc.sim") / "scenarios"
     return sorted(
         p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json")

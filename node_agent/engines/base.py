@@ -162,3 +162,19 @@ def split_prefix(prompt_ids: Sequence[int]) -> tuple[Sequence[int], int]:
     if not prompt_ids:
         raise PromptRejected("prompt must contain at least one token")
     return prompt_ids[:-1], prompt_ids[-1]
+
+
+def validate_prompt(info: EngineInfo, prompt_ids: Sequence[int], max_tokens: int = 0) -> None:
+    """Reject a prompt this engine cannot take: empty, out-of-vocabulary ids, too long."""
+    if not prompt_ids:
+        raise PromptRejected("prompt must contain at least one token")
+    vocab = info.vocab_size
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise PromptRejected(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    limit = info.max_model_len
+    if len(prompt_ids) + max_tokens > limit:
+        raise PromptRejected(
+            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+            f"the model's context length of {limit} tokens"
+        )

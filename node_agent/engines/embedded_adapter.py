@@ -33,6 +33,7 @@ from node_agent.engines.base import (
     PrefillOutcome,
     PromptRejected,
     split_prefix,
+    validate_prompt,
 )
 from node_agent.engines.embedded import EmbeddedModel, KvCache, Sampler, SamplingParams
 from node_agent.stopping import StopStringMatcher
@@ -88,18 +89,7 @@ class EmbeddedEngineAdapter:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def validate_prompt(self, prompt_ids: tuple[int, ...], max_tokens: int = 0) -> None:
-        if not prompt_ids:
-            raise PromptRejected("prompt must contain at least one token")
-        vocab = self._info.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise PromptRejected(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        limit = self._info.max_model_len
-        if len(prompt_ids) + max_tokens > limit:
-            raise PromptRejected(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                f"the model's context length of {limit} tokens"
-            )
+        validate_prompt(self._info, prompt_ids, max_tokens)
 
     async def prefill(self, job: PrefillJob) -> PrefillOutcome:
         """KV of ``prompt[:-1]``: reuse the leading cached blocks, compute the rest."""

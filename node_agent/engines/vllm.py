@@ -64,6 +64,7 @@ from node_agent.engines.base import (
     PrefillJob,
     PrefillOutcome,
     PromptRejected,
+    validate_prompt,
 )
 from node_agent.engines.embedded import KvLayout
 from node_agent.engines.vllm_events import KvEventDecoder, KvEventSubscriber
@@ -533,18 +534,7 @@ class VllmEngineAdapter:
 
     # ------------------------------------------------------------------ requests
     def _validate(self, prompt_ids: tuple[int, ...], max_tokens: int) -> None:
-        if not prompt_ids:
-            raise PromptRejected("prompt must contain at least one token")
-        vocab = self._info.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise PromptRejected(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        limit = self._info.max_model_len
-        if len(prompt_ids) + max_tokens > limit:
-            raise PromptRejected(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                f"the model's context length of {limit} tokens"
-            )
+        validate_prompt(self._info, prompt_ids, max_tokens)
 
     def _body(
         self,

@@ -166,3 +166,32 @@ async def test_shadow_resyncs_after_agent_restart(
         a.service.pool.clear()  # an engine reset: AllBlocksCleared
         await a.service.housekeeping_once()
         await wait_until(lambda: c.state.index.node_key_count(NodeId(a.address)) == 0)
+
+
+async def test_inflight_prefixes_are_tracked_and_released(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """kv_adaptive counts blocks an open prefill is computing; the count ends with the Tx."""
+    from conductor.core.block_keys import BlockKey
+
+    a = await start_agent("both")
+    async with conductor([a], policy="kv_adaptive") as c:
+        dispatcher = c.state.dispatcher
+        keys = [BlockKey(k) for k in (11, 12, 13)]
+        dispatcher._track(a.address, keys, +1)
+        dispatcher._track(a.address, keys[:2], +1)
+        assert dispatcher.pending_blocks([*keys, BlockKey(99)]) == {NodeId(a.address): 3}
+        dispatcher._track(a.address, keys, -1)
+        assert dispatcher.pending_blocks(keys) == {NodeId(a.address): 2}
+        dispatcher._track(a.address, keys[:2], -1)
+        assert dispatcher.pending_blocks(keys) == {}
+        responses = await asyncio.gather(
+            *(
+                c.client.post("/v1/chat/completions", json=conversation(SYSTEM_X, f"q{i}"))
+                for i in range(3)
+            )
+        )
+        assert all(r.status_code == 200 for r in responses)
+        assert dispatcher.pending_blocks(keys) == {}
+        assert dispatcher._inflight_keys == {}  # every Tx closed: nothing left counted
+    assert_no_locks(a)

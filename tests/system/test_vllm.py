@@ -40,6 +40,7 @@ pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+ADMIN_KEY = "vllm-test-admin"
 MODEL = "tiny-llama"
 TENANT = "default"  # the conductor's tenant for unauthenticated requests
 BLOCK_SIZE = 32
@@ -189,6 +190,7 @@ class Fleet:
             [
                 sys.executable, "-m", "kvc.cli", "conductor", "--port", str(self.http_port),
                 "--agents", agents, "--drain-delay-s", "0", "--agent-poll-interval-s", "0.5",
+                "--admin-keys", ADMIN_KEY,
             ],
         )  # fmt: skip
 
@@ -211,6 +213,17 @@ class Fleet:
                 pass
             time.sleep(0.5)
         raise AssertionError("agents not usable:\n" + self.log("conductor").read_text()[-3000:])
+
+    def conductor_keys(self, port: int) -> int:
+        """How many block keys the conductor's shadow index holds for an agent."""
+        r = httpx.get(
+            f"{self.base}/admin/index",
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+            timeout=10,
+        )
+        r.raise_for_status()
+        node: dict[str, int] = r.json()["per_node"].get(f"127.0.0.1:{port}", {"keys": 0})
+        return node["keys"]
 
     def snapshot(self, port: int) -> set[int]:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -301,9 +314,13 @@ def test_a_repeated_prefix_goes_to_the_node_that_holds_it(fleet: Fleet) -> None:
     mirrored = _messages("tides", "When is high tide?")
     ids, keys = _keys(mirrored)
     assert len(keys) >= 15, "the prefix must span many blocks"
+    shadow_before = fleet.conductor_keys(fleet.agent_a_port)
     _warm_directly(fleet.vllm_a, ids)
     _wait_for(lambda: set(keys) <= fleet.snapshot(fleet.agent_a_port), "agent A's mirror")
-    time.sleep(0.5)  # the conductor follows the agent's event stream
+    _wait_for(  # ... and the conductor's shadow, which follows the agent's event stream
+        lambda: fleet.conductor_keys(fleet.agent_a_port) >= shadow_before + len(keys),
+        "the conductor's shadow of agent A",
+    )
     a0, b0 = _counters(fleet.vllm_a), _counters(fleet.vllm_b)
     for _ in range(3):
         reply = _chat(fleet, mirrored)
@@ -349,7 +366,11 @@ def test_b_mirror_survives_a_subscriber_restart(fleet: Fleet) -> None:
     fleet.start_agent_a()  # a new subscriber: it replays vLLM's buffer from seq 0
     fleet.wait_agents_usable(fleet.agent_a_port)
     _wait_for(lambda: set(keys) <= fleet.snapshot(fleet.agent_a_port), "replayed mirror")
-    time.sleep(6.0)  # the conductor's shadow re-snapshots the restarted agent (backoff ≤ 5 s)
+    mirrored_now = len(fleet.snapshot(fleet.agent_a_port))
+    _wait_for(  # the conductor's shadow re-snapshots the restarted agent (backoff ≤ 5 s)
+        lambda: fleet.conductor_keys(fleet.agent_a_port) >= mirrored_now,
+        "the conductor's shadow of the restarted agent A",
+    )
     a0, b0 = _counters(fleet.vllm_a), _counters(fleet.vllm_b)
     reply = _chat(fleet, later)
     a1, b1 = _counters(fleet.vllm_a), _counters(fleet.vllm_b)

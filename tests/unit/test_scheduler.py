@@ -293,3 +293,25 @@ def test_finished_requests_leave_the_books() -> None:
     s.on_finished("done", p.prefill, p.decode)
     assert s.active_decodes(NodeId("d1")) == (0, 0)
     assert s.queue_s(node(p.prefill)) == 0.0
+
+
+def test_no_migration_involving_nodes_that_own_their_kv() -> None:
+    """vLLM nodes keep KV inside the engine: Algorithm 1 must not plan a pull to or from them."""
+    s = Scheduler(config())
+    busy_holder = node("p2", queued_prefill_tokens=5000, kv_migration=False)
+    p = placed(
+        s.schedule(request({"p2": 30}), [node("p1"), busy_holder, node("d1", "decode")], NOW)
+    )
+    assert p.migration is None
+    p = placed(
+        s.schedule(
+            request({"p2": 30}),
+            [
+                node("p1", kv_migration=False),
+                node("p2", queued_prefill_tokens=5000),
+                node("d1", "decode"),
+            ],
+            NOW,
+        )
+    )
+    assert p.migration is None
