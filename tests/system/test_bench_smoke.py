@@ -37,3 +37,19 @@ def test_scheduler_decision_bench_writes_table_json_and_plot(tmp_path: Path) -> 
     }  # fmt: skip
     assert all(r["p99_ms"] > 0 for r in data["rows"])
     assert (tmp_path / "scheduler_decision.png").stat().st_size > 1000
+
+
+def test_kv_transfer_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
+    from bench import kv_transfer
+
+    code = kv_transfer.main(
+        ["--out", str(tmp_path), "--repeats", "2", "--transfer-tokens", "64",
+         "--ttft-tokens", "200"]
+    )  # fmt: skip
+    assert code == 0
+    data = json.loads((tmp_path / "kv_transfer.json").read_text())
+    assert data["transfers"][0]["bytes"] == 64 * 2048  # 2 blocks of 32 tokens, 2 KiB/token
+    assert data["transfers"][0]["gbps_median"] > 0
+    assert data["raw_tcp_gbps"] > 0
+    assert data["ttft"]["warm"]["p50_ms"] > 0
+    assert (tmp_path / "kv_transfer.png").stat().st_size > 1000
