@@ -201,8 +201,7 @@ def ttft_cached_vs_cold(prompt_tokens: int, repeats: int) -> dict[str, Any]:
         prefix_tokens = int(prompt_tokens * 0.9)
         suffix_tokens = prompt_tokens - prefix_tokens
         shared = text_of(prefix_tokens, 1)
-        ttft(shared, "warm up")  # caches the shared prefix on the node
-        time.sleep(0.5)  # the conductor's shadow learns it from the event stream
+        ttft(shared, "warm up")  # caches the shared prefix on the only node
         warm, cold = [], []
         for i in range(repeats):
             question = text_of(suffix_tokens, 1000 + i)

@@ -281,8 +281,10 @@ def test_rolling_update_old_and_new_conductor_side_by_side(tmp_path: Path) -> No
         assert first_chunk.wait(60)
         old = sysm.procs[2]
         old.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        assert httpx.get(f"{sysm.base}/ready", timeout=5).status_code == 503
+        deadline = time.monotonic() + 2.0  # well inside the 3 s drain delay
+        while httpx.get(f"{sysm.base}/ready", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "the draining conductor still reports ready"
+            time.sleep(0.05)
         for _ in range(3):  # the new conductor serves throughout the rollout
             r = httpx.post(
                 f"{new_base}/v1/chat/completions",
