@@ -21,10 +21,10 @@ import torch
 from conductor.core.block_keys import BlockKey, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
-from node_agent.blocks.pool import BlockState
+from node_agent.blocks.pool import BlockPoolError, BlockState
 from node_agent.engines.embedded import KvCache
 from node_agent.server import AgentServer
-from tests.conftest import MODEL, AgentFactory, assert_no_locks
+from tests.conftest import MODEL, AgentFactory, assert_no_locks, wait_until
 
 BS = 32
 TENANT = "t"
@@ -35,6 +35,14 @@ SHARED = [10 + (7 * i + 3) % 1500 for i in range(3 * BS)]
 S_PROMPT = [*SHARED, *range(100, 120)]  # S caches the 3 shared blocks
 P_WARM = [*SHARED[:BS], *range(50, 60)]  # P caches only the first shared block
 P_PROMPT = [*SHARED, *range(900, 945)]  # 141 tokens: 4 keys, 3 shared with S
+
+
+def tx_open(agent: AgentServer, tx_id: str) -> bool:
+    try:
+        agent.service.pool.get_tx(tx_id)
+    except BlockPoolError:
+        return False
+    return True
 
 
 def keys_of(prompt: list[int]) -> list[int]:
@@ -319,7 +327,7 @@ async def test_pull_after_the_destination_lease_expired_is_refused(
 
     # Expired before the pull.
     await p.TxAllocate(alloc("T_dst", keys, lease_s=0.2))
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: not tx_open(dst, "T_dst"))  # the agent expires it by itself
     await expect_code(p.PullBlocks(request), grpc.StatusCode.FAILED_PRECONDITION)
     assert_no_locks(dst)
 
@@ -329,7 +337,7 @@ async def test_pull_after_the_destination_lease_expired_is_refused(
 
     async def slow_receive(*args: Any, **kwargs: Any) -> Any:
         result = await receive(*args, **kwargs)
-        await asyncio.sleep(0.7)  # the lease (0.6 s) runs out meanwhile
+        await wait_until(lambda: not tx_open(dst, "T_dst2"))  # the lease runs out meanwhile
         return result
 
     monkeypatch.setattr(service, "_receive_kv", slow_receive)

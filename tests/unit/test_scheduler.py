@@ -20,6 +20,7 @@ from conductor.core.scheduler import (
     ScheduleRequest,
     Slo,
 )
+from tests.scheduling_helpers import make_node
 
 # Round numbers so expectations are easy to read: a prefill costs 1 ms per uncached
 # token; a decode step costs 10 ms + 10 ms per request in the batch; transfers are 1 GB/s.
@@ -42,16 +43,7 @@ def config(**kw: object) -> SchedulerConfig:
 
 
 def node(name: str, role: str = "prefill", **kw: object) -> NodeState:
-    base = NodeState(
-        node_id=NodeId(name),
-        role=role,  # type: ignore[arg-type]
-        healthy=True,
-        block_size=BS,
-        capacity_blocks=10_000,
-        free_blocks=10_000,
-        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
-    )
-    return replace(base, **kw)  # type: ignore[arg-type]
+    return make_node(name, role, block_size=BS, kv_bytes_per_token=KV_BYTES_PER_TOKEN, **kw)
 
 
 def request(

@@ -23,6 +23,7 @@ from conductor.core.scheduler import (
     ScheduleRequest,
     Slo,
 )
+from tests.scheduling_helpers import make_node
 
 BS = 32
 NOW = 10.0
@@ -41,16 +42,7 @@ def config(**kw: object) -> SchedulerConfig:
 
 
 def node(name: str, role: str = "prefill", **kw: object) -> NodeState:
-    base = NodeState(
-        node_id=NodeId(name),
-        role=role,  # type: ignore[arg-type]
-        healthy=True,
-        block_size=BS,
-        capacity_blocks=10_000,
-        free_blocks=10_000,
-        kv_bytes_per_token=1000,
-    )
-    return replace(base, **kw)  # type: ignore[arg-type]
+    return make_node(name, role, block_size=BS, kv_bytes_per_token=1000, **kw)
 
 
 def request(
