@@ -20,6 +20,7 @@ from the recorded seed, bit-identical in every process.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -260,6 +261,9 @@ class EmbeddedModel:
     def __init__(self, model: Any, *, name: str, device: torch.device) -> None:
         self._model = model
         self._config = model.config
+        # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns).
+        forward_params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         text_config = self._config.get_text_config()
         self._device = device
         self.name: str = name
@@ -372,12 +376,14 @@ class EmbeddedModel:
             output = self._model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{self._cache_kwarg: cache},
             )
             logits = output.logits[0, -1].to(device="cpu", dtype=torch.float32)
-            updated = KvCache.from_model_cache(output.past_key_values)
+            # The model extends ``cache`` in place (the output's field is named
+            # ``past_key_values`` before transformers 5.24 and ``cache`` from then on).
+            updated = KvCache.from_model_cache(cache)
         return logits, updated
 
 
