@@ -14,6 +14,11 @@ into its own blocks that have no content yet. Both directions share one sender
 
 Background work (lease expiry, staged-KV expiry, load updates) runs as a task the
 ``AgentServer`` owns and cancels on stop. Error mapping lives in ``_grpc_error``.
+
+Start-up calibration (``node_agent/calibration.py``, ``calibrate=True``) runs in
+``AgentServer.start`` after the port is bound and before the server serves, bounded by
+``calibration_budget_s``: it never competes with real requests, and ``GetInfo`` reports
+the fit from the first call on.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 import zlib
@@ -54,6 +60,7 @@ from node_agent.blocks.pool import (
     TxMode,
     TxNotFound,
 )
+from node_agent.calibration import Calibration, calibrate, host_lock
 from node_agent.engines.base import (
     CacheCleared,
     CacheMirroringEngine,
@@ -82,6 +89,7 @@ _ROLES = {
 }
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 _MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+_CALIBRATION_CACHE_SHARE = 0.125  # of an engine-owned cache's tokens
 
 Context = grpc.aio.ServicerContext[object, object]
 KvStream = grpc.aio.UnaryStreamCall[Any, pb.KvChunk]  # any request type
@@ -118,6 +126,20 @@ def layout_to_pb(layout: KvLayout) -> pb.KvLayout:
         head_dim=layout.head_dim,
         dtype=layout.dtype,
         bytes_per_token=layout.bytes_per_token,
+    )
+
+
+def calibration_to_pb(cal: Calibration) -> pb.EngineCalibration:
+    return pb.EngineCalibration(
+        prefill_fixed_s=cal.prefill.fixed_s,
+        prefill_per_token_s=cal.prefill.per_token_s,
+        prefill_per_token_context_s=cal.prefill.per_token_context_s,
+        decode_fixed_s=cal.decode.fixed_s,
+        decode_per_request_s=cal.decode.per_request_s,
+        decode_per_context_token_s=cal.decode.per_context_token_s,
+        prefill_samples=cal.prefill_samples,
+        decode_samples=cal.decode_samples,
+        duration_s=cal.duration_s,
     )
 
 
@@ -210,8 +232,46 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             kv_layout=layout_to_pb(info.kv_layout),
             advertise_address=s.resolved_advertise_address(port),
             version=_version(),
+            max_running_requests=s.max_running,
         )
         self.metrics.set_info(role=s.role, engine=info.engine, model=info.model)
+
+    async def calibrate(self, budget_s: float) -> Calibration | None:
+        """Measure the engine (before serving) and put the fit into ``NodeInfo``.
+
+        An engine with its own prefix cache (vLLM) keeps calibration's blocks (under a
+        salt no tenant has) until it evicts them: calibration may send at most
+        ``_CALIBRATION_CACHE_SHARE`` of the cache's tokens, so little of a warm cache
+        is displaced. Calibration is an optional extra: whatever goes wrong, the agent
+        serves without.
+        """
+        s = self._settings
+        info = self._engine.info
+        started = time.monotonic()
+        turn: contextlib.AbstractAsyncContextManager[bool]
+        cache_tokens: int | None = None
+        if info.owns_kv_cache:  # vLLM computes in its own server; its cache is bounded
+            cache_tokens = int(s.capacity_blocks * s.block_size * _CALIBRATION_CACHE_SHARE)
+            turn = contextlib.nullcontext(True)
+        else:  # computes in this process: take turns with this host's other agents
+            turn = host_lock(f"calibration-{info.device}", budget_s)
+        try:
+            async with turn as held:
+                if not held:
+                    log.warning(
+                        "calibration skipped: other agents of this host took %.1f s", budget_s
+                    )
+                    return None
+                left_s = budget_s - (time.monotonic() - started)
+                result = await calibrate(self._engine, left_s, cache_tokens=cache_tokens)
+        except Exception:
+            log.warning("engine calibration failed; serving without", exc_info=True)
+            return None
+        if result is None:
+            self.node_info.ClearField("calibration")
+        else:
+            self.node_info.calibration.CopyFrom(calibration_to_pb(result))
+        return result
 
     async def close(self) -> None:
         self._stopping = True
@@ -246,6 +306,22 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             await asyncio.sleep(self._settings.load_interval_s)
 
     # ----------------------------------------------------------------- events
+    def allocatable_blocks(self) -> int:
+        """Blocks an allocation could obtain now: free plus evictable (cached, unlocked).
+
+        An engine that owns its cache (vLLM) and reports its KV usage bounds it too:
+        its usage counts the blocks its running requests hold, which the mirror only
+        learns of once they are cached. (vLLM counts its evictable cached blocks as
+        free, so a warm but idle vLLM reports ~0 usage and does not lower this.)
+        """
+        stats = self.pool.stats()
+        obtainable = stats.free_blocks + stats.evictable_blocks
+        usage = self._engine.load().kv_usage_ratio
+        if usage > 0.0:
+            engine_free = math.floor((1.0 - min(usage, 1.0)) * stats.capacity_blocks)
+            obtainable = min(obtainable, max(engine_free, stats.free_blocks))
+        return obtainable
+
     def load_update(self) -> pb.LoadUpdate:
         load = self._engine.load()
         stats = self.pool.stats()
@@ -255,6 +331,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             running_requests=load.running_requests,
             waiting_requests=load.waiting_requests,
             free_blocks=stats.free_blocks,
+            allocatable_blocks=self.allocatable_blocks(),
             kv_usage_ratio=max(
                 1.0 - stats.free_blocks / stats.capacity_blocks, load.kv_usage_ratio
             ),
@@ -362,6 +439,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             new_blocks=result.new_blocks,
             lease_remaining_s=max(0.0, result.lease_deadline - self._clock()),
             free_blocks=self.pool.stats().free_blocks,
+            allocatable_blocks=self.allocatable_blocks(),
         )
 
     async def TxCommit(self, request: pb.TxCommitRequest, context: Context) -> pb.TxCommitResponse:
@@ -927,6 +1005,8 @@ class AgentServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = self._server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
         self.service.bind(self.port)
+        if self.settings.calibrate:  # before serving: never next to a real request
+            await self.service.calibrate(self.settings.calibration_budget_s)
         await self._server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -60,6 +60,15 @@ class AgentSettings(BaseSettings):
     transfer_chunk_bytes: int = Field(
         1024 * 1024, ge=4096, le=3 * 1024 * 1024, description="KV transfer chunk size"
     )
+    calibrate: bool = Field(
+        True, description="Measure the engine at start and report the fit to conductors"
+    )
+    calibration_budget_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="Hard bound on the start-up calibration; it fits what was measured by then",
+    )
 
     # engine=vllm (docs/engines.md): the agent launches vLLM with vllm_python, or attaches
     # to vllm_url; either way it talks HTTP (generation, /metrics) and ZMQ (KV events).

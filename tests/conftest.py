@@ -42,6 +42,7 @@ async def start_agent() -> AsyncIterator[AgentFactory]:
     started: list[AgentServer] = []
 
     async def start(role: Role = "both", **overrides: Any) -> AgentServer:
+        overrides.setdefault("calibrate", False)  # tests/*/test_agent_calibration.py
         settings = AgentSettings(role=role, port=0, load_interval_s=0.05, **overrides)
         server = AgentServer(settings, build_engine(settings))
         await server.start()

@@ -42,28 +42,35 @@ Decode (``DecodePrior``, ``DecodeTimeModel``)
     ``ctx`` = KV tokens of the whole batch: weights are read once per step (``fixed_s``),
     per-sequence work grows with the batch, and attention reads every cached KV token.
 
-Fitting (one implementation, ``_ShrunkLeastSquares``, for both models)
-    Three non-negative coefficients on features ``x = [1, f1, f2]`` (prefill:
-    ``[1, u, u*(n + p)]``; decode: ``[1, batch, ctx]``). Features are first divided by
-    their RMS over the samples (``s_j``; 1 when all zero), so the 3x3 normal matrix
-    ``G = Z'Z`` of the scaled features ``Z`` has ``n`` (sample count) on its diagonal and
-    is well conditioned whatever the units (tokens vs tokens^2 differ by ~1e5). In those
-    coordinates ``g`` (``g_j = beta_j * s_j``: seconds at a typical feature size) minimises::
+Learning (``_LogRatioCorrection``, one implementation for both models)
+    The prior gives the *shape* (physics: how time grows with tokens, batch and
+    context); observations give the *scale*, learned as a log factor so an estimate can
+    never run away from the data. ``estimate(x) = prior(x) * exp(c(t))`` with
+    ``t = log2(prior(x) / 1 us)``, the work size in doublings:
 
-        |y - Z g|^2  +  (w/n) |Z (g - g0)|^2  +  0.01 w |g - g0|^2,   g >= 0
+    * a global factor ``g``: the median of the last ``window`` (64) observed log ratios
+      ``log(actual / prior)``, shrunk toward 0 by ``prior_weight`` pseudo-observations
+      (``g * N / (N + w)``). A median, not a mean: cold starts and stalls (the first
+      prefill on a cold engine is often 10-20x slow) move it by one rank, not by
+      their size;
+    * a per-size shape: each bucket ``round(t)`` keeps the median of its last
+      ``bucket_window`` (9) log ratios, pulled toward ``g`` by 2 pseudo-observations
+      and aged with ``half_life`` (512 observations of the model) so old regimes fade;
+      between buckets with data ``c`` is interpolated; beyond the data it fades to
+      ``g`` within two doublings — one slow short prompt never decides the estimate
+      of a long one (the lock-up: one cold 14-token prefill of 0.8 s made a linear
+      least-squares fit predict 288 s for 1,377 tokens; here it predicts 0.59 s);
+    * monotone by construction: ``log estimate = t*ln2 + c(t)`` is replaced by its
+      running maximum over the knots below ``t``, so more uncached tokens, a larger
+      batch or more context never predict less time (the prior's coefficients are
+      non-negative, so ``t`` grows with each of them).
 
-    with ``g0`` the prior and ``w = prior_weight``. The middle term is ``w`` pseudo-
-    observations shaped like the data (a Zellner g-prior): in every direction the data
-    pins down, the fit is exactly ``(n * least_squares + w * prior) / (n + w)``, so the
-    prior fades as ``w / (n + w)`` (3% at 256 samples with w = 8). The small last term
-    keeps directions the data cannot see (too few samples, collinear features) on the
-    prior and the system positive definite. The 3x3 system is solved by Cholesky, and
-    ``g >= 0`` exactly by enumerating the 8 active sets of the 3-variable QP: non-negative
-    coefficients make every estimate >= 0 and monotone non-decreasing in uncached tokens
-    (``u*(n + p) = n^2 - p^2`` grows as ``p`` shrinks), batch and context. Samples live in a
-    ring of ``max_samples`` (older ones fall off, so the fit follows drift); the fit is
-    redone lazily on the first ``estimate`` after new samples. With no samples the prior
-    is returned exactly; a fit that overflows falls back to the prior.
+    ``has_evidence(x)``: the prior was measured on the node (start-up calibration,
+    ``prior_measured``) or at least 2 observations lie within 4x of ``x``'s prior
+    time. Admission rejects only on estimates with evidence (``scheduler.py``).
+    ``set_prior`` replaces the prior (a node's calibration arrives) and restarts the
+    learned factors. Start-up calibration fits a prior by non-negative least squares
+    in relative error (``fit_prefill_prior``, ``fit_decode_prior``).
 
 Transfer (``TransferModel``)
     ``T(src, dst, nbytes) = latency_s + nbytes * seconds_per_byte`` per ordered pair. One
@@ -86,15 +93,19 @@ Transfer (``TransferModel``)
     recently observed dropped first).
 
 Complexity
-    prefill/decode ``estimate`` O(1), plus one O(max_samples) refit on the first call
-    after new samples; ``observe`` O(1). Transfer ``observe`` O(1) (it refits the pair's
-    2x2 system), ``estimate`` O(1). Memory O(max_samples) per model, O(max_pairs).
+    prefill/decode ``observe`` O(1); ``estimate`` O(log buckets) (at most ~120
+    buckets), plus one O(window log window + buckets * bucket_window) refresh on the
+    first call after new observations. Transfer ``observe`` O(1) (it refits the pair's
+    2x2 system), ``estimate`` O(1). Memory O(window + buckets * bucket_window) per
+    model, O(max_pairs).
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
 from typing import Final
@@ -107,11 +118,12 @@ __all__ = [
     "PrefillPrior",
     "PrefillTimeModel",
     "TransferModel",
+    "fit_decode_prior",
+    "fit_prefill_prior",
 ]
 
 _Vec3 = tuple[float, float, float]
 _N_COEF: Final = 3
-_RIDGE_FRACTION: Final = 0.01  # share of the prior weight spread as a plain ridge
 _TRANSFER_RIDGE_FLOOR: Final = 1e-6  # relative to the EW sample weight
 _MAX_BANDWIDTH_OVER_DEFAULT: Final = 100.0  # a fit never claims a link 100x the default
 
@@ -222,86 +234,6 @@ def _solve_spd(matrix: list[list[float]], rhs: list[float]) -> list[float] | Non
     return solution
 
 
-class _ShrunkLeastSquares:
-    """Non-negative ridge regression of y on 3 features, shrunk toward a prior.
-
-    See "Fitting" in the module docstring. Keeps a bounded ring of samples and refits
-    lazily; ``coefficients`` are in the features' original units.
-    """
-
-    __slots__ = ("_coefficients", "_dirty", "_prior", "_prior_weight", "_samples")
-
-    def __init__(self, prior: _Vec3, prior_weight: float, max_samples: int) -> None:
-        if not (math.isfinite(prior_weight) and prior_weight > 0):
-            raise ValueError(f"prior_weight must be finite and > 0, got {prior_weight!r}")
-        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples <= 0:
-            raise ValueError(f"max_samples must be a positive int, got {max_samples!r}")
-        self._prior = prior
-        self._prior_weight = float(prior_weight)
-        self._samples: deque[tuple[float, float, float]] = deque(maxlen=max_samples)
-        self._coefficients = prior
-        self._dirty = False
-
-    @property
-    def sample_count(self) -> int:
-        return len(self._samples)
-
-    def add(self, f1: float, f2: float, y: float) -> None:
-        self._samples.append((f1, f2, y))
-        self._dirty = True
-
-    @property
-    def coefficients(self) -> _Vec3:
-        if self._dirty:
-            self._coefficients = self._fit()
-            self._dirty = False
-        return self._coefficients
-
-    def _fit(self) -> _Vec3:
-        samples = self._samples
-        count = len(samples)
-        if count == 0:
-            return self._prior
-        # Per-feature RMS scales: the scaled normal matrix has ``count`` on its diagonal.
-        scales = [1.0, 1.0, 1.0]
-        for j in (1, 2):
-            mean_sq = math.fsum(s[j - 1] * s[j - 1] for s in samples) / count
-            if mean_sq > 0 and math.isfinite(mean_sq):
-                scales[j] = math.sqrt(mean_sq)
-        gram = [[0.0] * _N_COEF for _ in range(_N_COEF)]
-        moment = [0.0] * _N_COEF
-        for f1, f2, y in samples:
-            z = (1.0, f1 / scales[1], f2 / scales[2])
-            for i in range(_N_COEF):
-                moment[i] += z[i] * y
-                row = gram[i]
-                for j in range(i + 1):
-                    row[j] += z[i] * z[j]
-        for i in range(_N_COEF):
-            for j in range(i):
-                gram[j][i] = gram[i][j]
-        # Prior = ``w`` pseudo-observations shaped like the data (g-prior: in every
-        # direction the data pins down, fit = (n*data + w*prior)/(n + w)), plus a small
-        # ridge so directions the data cannot see (collinear or too few samples) stay on
-        # the prior and the system stays positive definite.
-        prior_scaled = [self._prior[j] * scales[j] for j in range(_N_COEF)]
-        shaped = self._prior_weight / count
-        ridge = _RIDGE_FRACTION * self._prior_weight
-        prior_pull = [
-            sum(gram[i][j] * prior_scaled[j] for j in range(_N_COEF)) for i in range(_N_COEF)
-        ]
-        for i in range(_N_COEF):
-            moment[i] += shaped * prior_pull[i] + ridge * prior_scaled[i]
-            for j in range(_N_COEF):
-                gram[i][j] *= 1.0 + shaped
-            gram[i][i] += ridge
-        gamma = _nonnegative_quadratic_min(gram, moment)
-        fitted = (gamma[0] / scales[0], gamma[1] / scales[1], gamma[2] / scales[2])
-        if not all(math.isfinite(c) and c >= 0 for c in fitted):  # overflowed: keep the prior
-            return self._prior
-        return fitted
-
-
 def _nonnegative_quadratic_min(gram: list[list[float]], moment: list[float]) -> list[float]:
     """argmin over g >= 0 of g'Ag - 2b'g for SPD ``A`` (3x3), by active-set enumeration.
 
@@ -330,102 +262,465 @@ def _nonnegative_quadratic_min(gram: list[list[float]], moment: list[float]) -> 
     return best
 
 
+# ------------------------------------------------------------------ calibration
+
+_CALIBRATION_RIDGE: Final = 1e-9  # relative to the sample count, keeps G positive definite
+_CALIBRATION_WEIGHT_FLOOR: Final = 1e-3  # of the largest duration (relative weights)
+
+
+def _fit_nonnegative(rows: Sequence[tuple[float, float, float]]) -> _Vec3:
+    """Non-negative least squares of ``y`` on ``[1, f1, f2]`` in *relative* error.
+
+    ``rows`` are ``(f1, f2, y)``. Each row is weighted by ``1 / max(y, 1e-3 * max y)``
+    so a 2 ms prompt counts as much as a 2 s one (timings are noisy in proportion to
+    their size); features are divided by their weighted RMS so the 3x3 normal matrix is
+    well conditioned (tokens vs tokens^2); a 1e-9 ridge keeps it positive definite when
+    a feature never varies (its coefficient then goes to 0). Exact on noiseless data.
+    """
+    y_max = max(y for _, _, y in rows)
+    floor = max(y_max * _CALIBRATION_WEIGHT_FLOOR, 1e-300)
+    weighted = [(1.0 / max(y, floor), f1, f2, y) for f1, f2, y in rows]
+    count = len(weighted)
+    scales = [1.0, 1.0, 1.0]
+    for j in (1, 2):
+        mean_sq = math.fsum((row[0] * row[j]) ** 2 for row in weighted) / count
+        if mean_sq > 0 and math.isfinite(mean_sq):
+            scales[j] = math.sqrt(mean_sq)
+    mean_sq = math.fsum(row[0] ** 2 for row in weighted) / count
+    scales[0] = math.sqrt(mean_sq)
+    gram = [[0.0] * _N_COEF for _ in range(_N_COEF)]
+    moment = [0.0] * _N_COEF
+    for w, f1, f2, y in weighted:
+        z = (w / scales[0], w * f1 / scales[1], w * f2 / scales[2])
+        for i in range(_N_COEF):
+            moment[i] += z[i] * w * y
+            for j in range(_N_COEF):
+                gram[i][j] += z[i] * z[j]
+    scale_diag = max(gram[i][i] for i in range(_N_COEF))
+    for i in range(_N_COEF):
+        gram[i][i] += _CALIBRATION_RIDGE * scale_diag
+    gamma = _nonnegative_quadratic_min(gram, moment)
+    fitted = (gamma[0] / scales[0], gamma[1] / scales[1], gamma[2] / scales[2])
+    if not all(math.isfinite(c) and c >= 0 for c in fitted):
+        raise ValueError("calibration fit overflowed; samples are out of range")
+    return fitted
+
+
+def _valid_duration(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def fit_prefill_prior(samples: Sequence[tuple[int, int, float]]) -> PrefillPrior:
+    """A ``PrefillPrior`` fitted to measured ``(total_tokens, cached_tokens, duration_s)``.
+
+    Start-up calibration: non-negative least squares (relative error) of the duration
+    on the prior's physical features ``[1, u, u*(n + p)]`` (module docstring). Samples
+    with a non-finite or non-positive duration are skipped; raises ``ValueError`` when
+    none is left or a token count is invalid. Recovers the coefficients exactly from
+    noiseless samples of at least three distinct shapes.
+    """
+    rows: list[tuple[float, float, float]] = []
+    for total_tokens, cached_tokens, duration_s in samples:
+        f1, f2 = _prefill_features(total_tokens, cached_tokens)
+        if _valid_duration(duration_s):
+            rows.append((f1, f2, float(duration_s)))
+    if not rows:
+        raise ValueError("fit_prefill_prior needs at least one sample with a duration > 0")
+    return PrefillPrior(*_fit_nonnegative(rows))
+
+
+def fit_decode_prior(samples: Sequence[tuple[float, float, float]]) -> DecodePrior:
+    """A ``DecodePrior`` fitted to measured ``(batch_requests, context_tokens, tbt_s)``.
+
+    Non-negative least squares (relative error) of the step time on ``[1, batch, ctx]``.
+    Samples with a non-finite or non-positive time are skipped; raises ``ValueError``
+    when none is left or a count is negative or non-finite.
+    """
+    rows: list[tuple[float, float, float]] = []
+    for batch_requests, context_tokens, tbt_s in samples:
+        batch, context = _decode_features(batch_requests, context_tokens)
+        if _valid_duration(tbt_s):
+            rows.append((batch, context, float(tbt_s)))
+    if not rows:
+        raise ValueError("fit_decode_prior needs at least one sample with a tbt_s > 0")
+    return DecodePrior(*_fit_nonnegative(rows))
+
+
+def _prefill_features(total_tokens: int, cached_tokens: int) -> tuple[float, float]:
+    """``(u, u*(n + p))`` with ``u`` uncached tokens; more cached than total: all cached."""
+    _check_count("total_tokens", total_tokens)
+    _check_count("cached_tokens", cached_tokens)
+    cached = min(cached_tokens, total_tokens)
+    uncached = total_tokens - cached
+    return float(uncached), float(uncached) * float(total_tokens + cached)
+
+
+def _decode_features(batch_requests: float, context_tokens: float) -> tuple[float, float]:
+    _check_amount("batch_requests", batch_requests)
+    _check_amount("context_tokens", context_tokens)
+    return float(batch_requests), float(context_tokens)
+
+
+def _check_amount(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+
+
+# ------------------------------------------------------------ learned correction
+
+_LOG2: Final = math.log(2.0)
+_POSITION_UNIT_S: Final = 1e-6  # bucket 0 is a prior estimate of 1 us; bucket k is 2^k us
+_MIN_BUCKET: Final = -40
+_MAX_BUCKET: Final = 80
+_BUCKET_PRIOR_WEIGHT: Final = 2.0  # pseudo-observations pulling a bucket to the global
+_EVIDENCE_RADIUS: Final = 2  # buckets (4x either way) whose data counts as evidence
+_EVIDENCE_MIN_OBSERVATIONS: Final = 2  # one (possibly cold-start) sample is not evidence
+_EDGE_FADE_BUCKETS: Final = 2.0  # beyond the data, the local shape fades to the global
+_MAX_LOG_ESTIMATE: Final = 700.0  # exp() stays finite
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[mid]
+    return 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+@dataclass(slots=True)
+class _Bucket:
+    log_ratios: deque[float]
+    last_seen: int  # the correction's observation count when this bucket last got one
+
+
+class _LogRatioCorrection:
+    """``log(actual / prior)`` learned as a function of the prior's own estimate.
+
+    See "Learning" in the module docstring. Positions are ``t = log2(prior_s / 1 us)``;
+    a bucket is an integer ``t``. Knots (buckets with data) are rebuilt lazily after
+    new observations; ``log_estimate`` is O(log buckets).
+    """
+
+    __slots__ = (
+        "_bucket_window",
+        "_buckets",
+        "_dirty",
+        "_global",
+        "_global_correction",
+        "_half_life",
+        "_knot_c",
+        "_knot_h_max",
+        "_knot_t",
+        "_prior_weight",
+        "_seen",
+    )
+
+    def __init__(
+        self, prior_weight: float, window: int, bucket_window: int, half_life: float
+    ) -> None:
+        if not (math.isfinite(prior_weight) and prior_weight > 0):
+            raise ValueError(f"prior_weight must be finite and > 0, got {prior_weight!r}")
+        for name, value in (("window", window), ("bucket_window", bucket_window)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not (math.isfinite(half_life) and half_life > 0):
+            raise ValueError(f"half_life must be finite and > 0, got {half_life!r}")
+        self._prior_weight = float(prior_weight)
+        self._bucket_window = bucket_window
+        self._half_life = float(half_life)
+        self._global: deque[float] = deque(maxlen=window)
+        self._buckets: dict[int, _Bucket] = {}
+        self._seen = 0
+        self._dirty = False
+        self._global_correction = 0.0
+        self._knot_t: list[float] = []
+        self._knot_c: list[float] = []
+        self._knot_h_max: list[float] = []
+
+    @property
+    def seen(self) -> int:
+        return self._seen
+
+    @property
+    def global_correction(self) -> float:
+        """The size-independent log factor (0 before any observation)."""
+        self._refresh()
+        return self._global_correction
+
+    @staticmethod
+    def position(prior_s: float) -> float:
+        return math.log2(prior_s / _POSITION_UNIT_S)
+
+    @staticmethod
+    def _bucket_of(position: float) -> int:
+        return min(_MAX_BUCKET, max(_MIN_BUCKET, round(position)))
+
+    def observe(self, prior_s: float, actual_s: float) -> None:
+        if not (0 < prior_s < math.inf and 0 < actual_s < math.inf):
+            return
+        log_ratio = math.log(actual_s) - math.log(prior_s)
+        self._seen += 1
+        self._global.append(log_ratio)
+        key = self._bucket_of(self.position(prior_s))
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket(deque(maxlen=self._bucket_window), 0)
+        bucket.log_ratios.append(log_ratio)
+        bucket.last_seen = self._seen
+        self._dirty = True
+
+    def _weight(self, bucket: _Bucket) -> float:
+        age = self._seen - bucket.last_seen
+        return len(bucket.log_ratios) * math.pow(0.5, age / self._half_life)
+
+    def _refresh(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        count = len(self._global)
+        g = 0.0
+        if count:
+            g = _median(self._global) * count / (count + self._prior_weight)
+        self._global_correction = g
+        self._knot_t, self._knot_c, self._knot_h_max = [], [], []
+        h_max = -math.inf
+        for key in sorted(self._buckets):
+            bucket = self._buckets[key]
+            weight = self._weight(bucket)
+            c = g + weight / (weight + _BUCKET_PRIOR_WEIGHT) * (_median(bucket.log_ratios) - g)
+            h_max = max(h_max, key * _LOG2 + c)
+            self._knot_t.append(float(key))
+            self._knot_c.append(c)
+            self._knot_h_max.append(h_max)
+
+    def _shape(self, position: float) -> tuple[float, int]:
+        """The log correction at ``position`` and the index of the last knot <= it."""
+        knots = self._knot_t
+        if not knots:
+            return self._global_correction, -1
+        right = bisect_right(knots, position)
+        if right == 0:  # below the data: fade from the first knot to the global, slowly
+            # enough that ``log estimate`` keeps rising (|dc/dt| <= ln2 / 2).
+            span = max(
+                _EDGE_FADE_BUCKETS, abs(self._global_correction - self._knot_c[0]) / (0.5 * _LOG2)
+            )
+            fade = min(1.0, (knots[0] - position) / span)
+            c = self._knot_c[0] + fade * (self._global_correction - self._knot_c[0])
+            return c, -1
+        if right == len(knots):  # above the data
+            fade = min(1.0, (position - knots[-1]) / _EDGE_FADE_BUCKETS)
+            c = self._knot_c[-1] + fade * (self._global_correction - self._knot_c[-1])
+            return c, right - 1
+        t0, t1 = knots[right - 1], knots[right]
+        share = (position - t0) / (t1 - t0)
+        c0, c1 = self._knot_c[right - 1], self._knot_c[right]
+        return c0 + share * (c1 - c0), right - 1
+
+    def log_estimate(self, prior_s: float) -> float:
+        """``log(estimate / 1 us)``, non-decreasing in ``prior_s`` (> 0)."""
+        self._refresh()
+        position = self.position(prior_s)
+        c, last_knot = self._shape(position)
+        h = position * _LOG2 + c
+        if last_knot >= 0:
+            h = max(h, self._knot_h_max[last_knot])
+        return h
+
+    def estimate(self, prior_s: float) -> float:
+        if not prior_s > 0:
+            return 0.0
+        if self._seen == 0:
+            return prior_s
+        h = self.log_estimate(prior_s)
+        if not math.isfinite(h):  # prior_s itself infinite
+            return prior_s
+        return _POSITION_UNIT_S * math.exp(min(h, _MAX_LOG_ESTIMATE))
+
+    def has_data_near(self, prior_s: float) -> bool:
+        if not prior_s > 0 or not self._buckets:
+            return False
+        key = self._bucket_of(self.position(prior_s))
+        near = 0
+        for k in range(key - _EVIDENCE_RADIUS, key + _EVIDENCE_RADIUS + 1):
+            bucket = self._buckets.get(k)
+            if bucket is not None:
+                near += len(bucket.log_ratios)
+        return near >= _EVIDENCE_MIN_OBSERVATIONS
+
+
+class _CorrectedModel:
+    """Shared parts of the prefill and decode models: a prior times a learned factor."""
+
+    __slots__ = ("_bucket_window", "_correction", "_half_life", "_prior_measured",
+                 "_prior_weight", "_window")  # fmt: skip
+
+    def __init__(
+        self,
+        *,
+        prior_measured: bool,
+        prior_weight: float,
+        window: int,
+        bucket_window: int,
+        half_life: float,
+    ) -> None:
+        self._prior_measured = bool(prior_measured)
+        self._prior_weight = prior_weight
+        self._window = window
+        self._bucket_window = bucket_window
+        self._half_life = half_life
+        self._correction = self._fresh_correction()
+
+    def _fresh_correction(self) -> _LogRatioCorrection:
+        return _LogRatioCorrection(
+            self._prior_weight, self._window, self._bucket_window, self._half_life
+        )
+
+    @property
+    def prior_measured(self) -> bool:
+        """The prior was measured on this node's engine (start-up calibration)."""
+        return self._prior_measured
+
+    @property
+    def sample_count(self) -> int:
+        """Observations learned from since the prior was (re)set."""
+        return self._correction.seen
+
+    def _has_evidence(self, prior_s: float) -> bool:
+        return self._prior_measured or self._correction.has_data_near(prior_s)
+
+
 # ---------------------------------------------------------------------- prefill
 
 
-class PrefillTimeModel:
-    """Predicted prefill seconds from total and cached tokens; learns from observations."""
+class PrefillTimeModel(_CorrectedModel):
+    """Predicted prefill seconds from total and cached tokens; learns from observations.
 
-    __slots__ = ("_fit", "_prior")
+    ``estimate = prior(n, p) * learned factor`` (module docstring, "Learning").
+    """
+
+    __slots__ = ("_prior",)
 
     def __init__(
-        self, prior: PrefillPrior, prior_weight: float = 8.0, max_samples: int = 256
+        self,
+        prior: PrefillPrior,
+        *,
+        prior_measured: bool = False,
+        prior_weight: float = 1.0,
+        window: int = 64,
+        bucket_window: int = 9,
+        half_life: float = 512.0,
     ) -> None:
+        super().__init__(
+            prior_measured=prior_measured,
+            prior_weight=prior_weight,
+            window=window,
+            bucket_window=bucket_window,
+            half_life=half_life,
+        )
         self._prior = prior
-        self._fit = _ShrunkLeastSquares(prior.coefficients, prior_weight, max_samples)
 
     @property
     def prior(self) -> PrefillPrior:
         return self._prior
 
-    @property
-    def sample_count(self) -> int:
-        return self._fit.sample_count
+    def set_prior(self, prior: PrefillPrior, *, measured: bool) -> None:
+        """Replace the prior (e.g. by the node's calibration); learned factors restart."""
+        self._prior = prior
+        self._prior_measured = bool(measured)
+        self._correction = self._fresh_correction()
 
     @property
     def coefficients(self) -> PrefillPrior:
-        """The current fit (the prior itself until the first observation)."""
-        if self._fit.sample_count == 0:
+        """The prior scaled by the size-independent learned factor (the prior itself
+        until the first observation); estimates also apply the per-size shape."""
+        if self._correction.seen == 0:
             return self._prior
-        fixed_s, per_token_s, per_token_context_s = self._fit.coefficients
-        return PrefillPrior(fixed_s, per_token_s, per_token_context_s)
+        factor = math.exp(self._correction.global_correction)
+        return PrefillPrior(*(c * factor for c in self._prior.coefficients))
 
-    @staticmethod
-    def _features(total_tokens: int, cached_tokens: int) -> tuple[float, float]:
-        _check_count("total_tokens", total_tokens)
-        _check_count("cached_tokens", cached_tokens)
-        cached = min(cached_tokens, total_tokens)  # more cached than asked: all cached
-        uncached = total_tokens - cached
-        return float(uncached), float(uncached) * float(total_tokens + cached)
+    def _prior_s(self, total_tokens: int, cached_tokens: int) -> float:
+        f1, f2 = _prefill_features(total_tokens, cached_tokens)
+        prior = self._prior
+        return prior.fixed_s + prior.per_token_s * f1 + prior.per_token_context_s * f2
 
     def observe(self, total_tokens: int, cached_tokens: int, duration_s: float) -> None:
-        """Record one measured prefill; non-finite or negative durations are ignored."""
-        f1, f2 = self._features(total_tokens, cached_tokens)
-        if not math.isfinite(duration_s) or duration_s < 0:
-            return
-        self._fit.add(f1, f2, duration_s)
+        """Record one measured prefill; non-finite or non-positive durations are ignored."""
+        prior_s = self._prior_s(total_tokens, cached_tokens)
+        self._correction.observe(prior_s, duration_s)
 
     def estimate(self, total_tokens: int, cached_tokens: int) -> float:
         """Predicted seconds (>= 0) to prefill ``total_tokens`` with ``cached_tokens`` reused."""
-        f1, f2 = self._features(total_tokens, cached_tokens)
-        c0, c1, c2 = self._fit.coefficients
-        return c0 + c1 * f1 + c2 * f2
+        return self._correction.estimate(self._prior_s(total_tokens, cached_tokens))
+
+    def has_evidence(self, total_tokens: int, cached_tokens: int) -> bool:
+        """The estimate rests on a measured prior or on observations of similar size."""
+        return self._has_evidence(self._prior_s(total_tokens, cached_tokens))
 
 
 # ----------------------------------------------------------------------- decode
 
 
-class DecodeTimeModel:
+class DecodeTimeModel(_CorrectedModel):
     """Predicted time between tokens from batch size and batch KV tokens."""
 
-    __slots__ = ("_fit", "_prior")
+    __slots__ = ("_prior",)
 
     def __init__(
-        self, prior: DecodePrior, prior_weight: float = 8.0, max_samples: int = 256
+        self,
+        prior: DecodePrior,
+        *,
+        prior_measured: bool = False,
+        prior_weight: float = 1.0,
+        window: int = 64,
+        bucket_window: int = 9,
+        half_life: float = 512.0,
     ) -> None:
+        super().__init__(
+            prior_measured=prior_measured,
+            prior_weight=prior_weight,
+            window=window,
+            bucket_window=bucket_window,
+            half_life=half_life,
+        )
         self._prior = prior
-        self._fit = _ShrunkLeastSquares(prior.coefficients, prior_weight, max_samples)
 
     @property
     def prior(self) -> DecodePrior:
         return self._prior
 
-    @property
-    def sample_count(self) -> int:
-        return self._fit.sample_count
+    def set_prior(self, prior: DecodePrior, *, measured: bool) -> None:
+        """Replace the prior (e.g. by the node's calibration); learned factors restart."""
+        self._prior = prior
+        self._prior_measured = bool(measured)
+        self._correction = self._fresh_correction()
 
     @property
     def coefficients(self) -> DecodePrior:
-        """The current fit (the prior itself until the first observation)."""
-        if self._fit.sample_count == 0:
+        """The prior scaled by the size-independent learned factor (module docstring)."""
+        if self._correction.seen == 0:
             return self._prior
-        fixed_s, per_request_s, per_context_token_s = self._fit.coefficients
-        return DecodePrior(fixed_s, per_request_s, per_context_token_s)
+        factor = math.exp(self._correction.global_correction)
+        return DecodePrior(*(c * factor for c in self._prior.coefficients))
 
-    def observe(self, batch_requests: int, context_tokens: int, tbt_s: float) -> None:
-        """Record one measured step; non-finite or negative times are ignored."""
-        _check_count("batch_requests", batch_requests)
-        _check_count("context_tokens", context_tokens)
-        if not math.isfinite(tbt_s) or tbt_s < 0:
-            return
-        self._fit.add(float(batch_requests), float(context_tokens), tbt_s)
+    def _prior_s(self, batch_requests: float, context_tokens: float) -> float:
+        batch, context = _decode_features(batch_requests, context_tokens)
+        prior = self._prior
+        return prior.fixed_s + prior.per_request_s * batch + prior.per_context_token_s * context
 
-    def estimate(self, batch_requests: int, context_tokens: int) -> float:
-        """Predicted seconds (>= 0) between tokens for this batch."""
-        _check_count("batch_requests", batch_requests)
-        _check_count("context_tokens", context_tokens)
-        c0, c1, c2 = self._fit.coefficients
-        return c0 + c1 * batch_requests + c2 * context_tokens
+    def observe(self, batch_requests: float, context_tokens: float, tbt_s: float) -> None:
+        """Record one measured step; non-finite or non-positive times are ignored."""
+        self._correction.observe(self._prior_s(batch_requests, context_tokens), tbt_s)
+
+    def estimate(self, batch_requests: float, context_tokens: float) -> float:
+        """Predicted seconds (>= 0) between tokens for this batch (counts may be expected
+        values, hence floats)."""
+        return self._correction.estimate(self._prior_s(batch_requests, context_tokens))
+
+    def has_evidence(self, batch_requests: float, context_tokens: float) -> bool:
+        """The estimate rests on a measured prior or on observations of similar size."""
+        return self._has_evidence(self._prior_s(batch_requests, context_tokens))
 
 
 # --------------------------------------------------------------------- transfer

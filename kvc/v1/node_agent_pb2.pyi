@@ -14,8 +14,9 @@ Errors are gRPC status codes (see docs/protocol.md):
   INVALID_ARGUMENT    malformed tx_id, keys, lease or prompt
   NOT_FOUND           unknown tx_id / request_id
   FAILED_PRECONDITION commit after the lease expired; wrong role
-  RESOURCE_EXHAUSTED  not enough free blocks (ErrorInfo in trailing metadata
-                      "kvc-error-info-bin": needed and free block counts)
+  RESOURCE_EXHAUSTED  not enough obtainable blocks, or engine busy (ErrorInfo in
+                      trailing metadata "kvc-error-info-bin": reason, needed
+                      and obtainable block counts)
   UNAVAILABLE         agent draining or shutting down
 """
 
@@ -161,6 +162,8 @@ class NodeInfo(_message.Message):
     ADVERTISE_ADDRESS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
+    CALIBRATION_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -179,8 +182,20 @@ class NodeInfo(_message.Message):
     version: _builtins.str
     draining: _builtins.bool
     """refuses new work; conductors stop scheduling onto it"""
+    max_running_requests: _builtins.int
+    """Generations this node runs at once (the agent's max_running); one more is
+    refused with RESOURCE_EXHAUSTED reason "busy". Lets a conductor check decode
+    slots before it spends a prefill.
+    """
     @_builtins.property
     def kv_layout(self) -> Global___KvLayout: ...
+    @_builtins.property
+    def calibration(self) -> Global___EngineCalibration:
+        """This node's engine as measured at agent start (node_agent/calibration.py).
+        Absent: not calibrated (switched off, too little measured in the budget, or
+        failed); conductors then use their configured priors.
+        """
+
     def __init__(
         self,
         *,
@@ -196,14 +211,71 @@ class NodeInfo(_message.Message):
         advertise_address: _builtins.str = ...,
         version: _builtins.str = ...,
         draining: _builtins.bool = ...,
+        max_running_requests: _builtins.int = ...,
+        calibration: Global___EngineCalibration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model", b"model", "node_id", b"node_id", "role", b"role", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeInfo: _TypeAlias = NodeInfo  # noqa: Y015
+
+@_typing.final
+class EngineCalibration(_message.Message):
+    """A cost-model prior fitted to the node's own engine at start (docs/protocol.md).
+    Prefill of n tokens, p of them cached, u = n - p uncached:
+      T = prefill_fixed_s + prefill_per_token_s*u + prefill_per_token_context_s*u*(n + p)
+    Time between tokens of a decode batch:
+      TBT = decode_fixed_s + decode_per_request_s*batch
+            + decode_per_context_token_s*(KV tokens of the whole batch)
+    All coefficients are seconds (per token, per token^2, per request) and >= 0.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFILL_FIXED_S_FIELD_NUMBER: _builtins.int
+    PREFILL_PER_TOKEN_S_FIELD_NUMBER: _builtins.int
+    PREFILL_PER_TOKEN_CONTEXT_S_FIELD_NUMBER: _builtins.int
+    DECODE_FIXED_S_FIELD_NUMBER: _builtins.int
+    DECODE_PER_REQUEST_S_FIELD_NUMBER: _builtins.int
+    DECODE_PER_CONTEXT_TOKEN_S_FIELD_NUMBER: _builtins.int
+    PREFILL_SAMPLES_FIELD_NUMBER: _builtins.int
+    DECODE_SAMPLES_FIELD_NUMBER: _builtins.int
+    DURATION_S_FIELD_NUMBER: _builtins.int
+    prefill_fixed_s: _builtins.float
+    prefill_per_token_s: _builtins.float
+    prefill_per_token_context_s: _builtins.float
+    decode_fixed_s: _builtins.float
+    decode_per_request_s: _builtins.float
+    decode_per_context_token_s: _builtins.float
+    prefill_samples: _builtins.int
+    """measured prefills the fit used"""
+    decode_samples: _builtins.int
+    """measured decode batches the fit used"""
+    duration_s: _builtins.float
+    """wall time the calibration took"""
+    def __init__(
+        self,
+        *,
+        prefill_fixed_s: _builtins.float = ...,
+        prefill_per_token_s: _builtins.float = ...,
+        prefill_per_token_context_s: _builtins.float = ...,
+        decode_fixed_s: _builtins.float = ...,
+        decode_per_request_s: _builtins.float = ...,
+        decode_per_context_token_s: _builtins.float = ...,
+        prefill_samples: _builtins.int = ...,
+        decode_samples: _builtins.int = ...,
+        duration_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_fixed_s", b"decode_fixed_s", "decode_per_context_token_s", b"decode_per_context_token_s", "decode_per_request_s", b"decode_per_request_s", "decode_samples", b"decode_samples", "duration_s", b"duration_s", "prefill_fixed_s", b"prefill_fixed_s", "prefill_per_token_context_s", b"prefill_per_token_context_s", "prefill_per_token_s", b"prefill_per_token_s", "prefill_samples", b"prefill_samples"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineCalibration: _TypeAlias = EngineCalibration  # noqa: Y015
 
 @_typing.final
 class TxAllocateRequest(_message.Message):
@@ -247,13 +319,18 @@ class TxAllocateResponse(_message.Message):
     NEW_BLOCKS_FIELD_NUMBER: _builtins.int
     LEASE_REMAINING_S_FIELD_NUMBER: _builtins.int
     FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    ALLOCATABLE_BLOCKS_FIELD_NUMBER: _builtins.int
     tx_id: _builtins.str
     reused_blocks: _builtins.int
     """length of the cached prefix reused"""
     new_blocks: _builtins.int
     lease_remaining_s: _builtins.float
     free_blocks: _builtins.int
-    """after this allocation"""
+    """strictly free blocks after this allocation"""
+    allocatable_blocks: _builtins.int
+    """Blocks the next allocation could obtain after this one: free plus evictable
+    (cached and unlocked; evicting them loses only cache). >= free_blocks.
+    """
     @_builtins.property
     def handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """one per locked block, in key order"""
@@ -267,10 +344,11 @@ class TxAllocateResponse(_message.Message):
         new_blocks: _builtins.int = ...,
         lease_remaining_s: _builtins.float = ...,
         free_blocks: _builtins.int = ...,
+        allocatable_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_blocks", b"free_blocks", "handles", b"handles", "lease_remaining_s", b"lease_remaining_s", "new_blocks", b"new_blocks", "reused_blocks", b"reused_blocks", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable_blocks", b"allocatable_blocks", "free_blocks", b"free_blocks", "handles", b"handles", "lease_remaining_s", b"lease_remaining_s", "new_blocks", b"new_blocks", "reused_blocks", b"reused_blocks", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -371,6 +449,7 @@ class ErrorInfo(_message.Message):
     reason: _builtins.str
     needed_blocks: _builtins.int
     free_blocks: _builtins.int
+    """capacity: blocks obtainable, free plus evictable"""
     def __init__(
         self,
         *,
@@ -398,10 +477,14 @@ class LoadUpdate(_message.Message):
     LAST_PREFILL_S_FIELD_NUMBER: _builtins.int
     LAST_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
     LAST_PREFILL_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    ALLOCATABLE_BLOCKS_FIELD_NUMBER: _builtins.int
     queued_prefill_tokens: _builtins.int
     running_requests: _builtins.int
     waiting_requests: _builtins.int
     free_blocks: _builtins.int
+    """Strictly free blocks (no content). A warm cache has few of them and may still
+    take any request: see allocatable_blocks.
+    """
     kv_usage_ratio: _builtins.float
     """0..1"""
     last_prefill_s: _builtins.float
@@ -410,6 +493,11 @@ class LoadUpdate(_message.Message):
     """tokens computed by it"""
     last_prefill_cached_tokens: _builtins.int
     """tokens it reused"""
+    allocatable_blocks: _builtins.int
+    """Blocks an allocation could obtain now: free plus evictable (cached, unlocked;
+    evicting them loses only cache), bounded by the engine's own view where it
+    reports one (vLLM's KV usage). What admission should compare a request with.
+    """
     def __init__(
         self,
         *,
@@ -421,10 +509,11 @@ class LoadUpdate(_message.Message):
         last_prefill_s: _builtins.float = ...,
         last_prefill_tokens: _builtins.int = ...,
         last_prefill_cached_tokens: _builtins.int = ...,
+        allocatable_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_blocks", b"free_blocks", "kv_usage_ratio", b"kv_usage_ratio", "last_prefill_cached_tokens", b"last_prefill_cached_tokens", "last_prefill_s", b"last_prefill_s", "last_prefill_tokens", b"last_prefill_tokens", "queued_prefill_tokens", b"queued_prefill_tokens", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable_blocks", b"allocatable_blocks", "free_blocks", b"free_blocks", "kv_usage_ratio", b"kv_usage_ratio", "last_prefill_cached_tokens", b"last_prefill_cached_tokens", "last_prefill_s", b"last_prefill_s", "last_prefill_tokens", b"last_prefill_tokens", "queued_prefill_tokens", b"queued_prefill_tokens", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

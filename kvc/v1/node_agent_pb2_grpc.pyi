@@ -14,8 +14,9 @@ Errors are gRPC status codes (see docs/protocol.md):
   INVALID_ARGUMENT    malformed tx_id, keys, lease or prompt
   NOT_FOUND           unknown tx_id / request_id
   FAILED_PRECONDITION commit after the lease expired; wrong role
-  RESOURCE_EXHAUSTED  not enough free blocks (ErrorInfo in trailing metadata
-                      "kvc-error-info-bin": needed and free block counts)
+  RESOURCE_EXHAUSTED  not enough obtainable blocks, or engine busy (ErrorInfo in
+                      trailing metadata "kvc-error-info-bin": reason, needed
+                      and obtainable block counts)
   UNAVAILABLE         agent draining or shutting down
 """
 

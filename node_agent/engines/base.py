@@ -126,6 +126,39 @@ class CacheCleared:
     """The engine dropped its whole cache (or the mirror lost track of it)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillProbe:
+    """Calibration: time one prefill of ``prompt_ids`` whose first ``cached_tokens`` tokens'
+    KV the engine already holds (it computes that prefix first, untimed)."""
+
+    prompt_ids: tuple[int, ...]
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillProbeResult:
+    total_tokens: int
+    cached_tokens: int  # what the engine actually reused (vLLM: its own report)
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeProbe:
+    """Calibration: run one generation per prompt at once, ``steps`` tokens each after
+    the first, and time the tokens of the steady batch."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeProbeResult:
+    batch_requests: int
+    context_tokens: int  # KV tokens of the whole batch, mid-measurement
+    tbt_s: float  # median time between tokens of one request
+    intervals: int  # token intervals the median was taken over
+
+
 EngineCacheEvent = CacheStored | CacheRemoved | CacheCleared
 EngineCacheSink = Callable[[Sequence[EngineCacheEvent]], Awaitable[None]]
 
@@ -142,6 +175,13 @@ class EngineAdapter(Protocol):
     async def prefill(self, job: PrefillJob) -> PrefillOutcome: ...
 
     def generate(self, job: GenerateJob) -> AsyncIterator[GenerationStep]: ...
+
+    # Calibration (node_agent/calibration.py), before the agent serves. A probe leaves
+    # nothing anyone can reuse: no pool blocks, no mirrored cache, no tenant's cache,
+    # and it is not counted in ``load()``.
+    async def probe_prefill(self, probe: PrefillProbe) -> PrefillProbeResult: ...
+
+    async def probe_decode(self, probe: DecodeProbe) -> DecodeProbeResult: ...
 
     async def aclose(self) -> None: ...
 

@@ -9,11 +9,17 @@ prompt delays other requests' next token by at most one prefill (the simple
 Bounded: at most ``max_running`` generations and ``max_queued_prefills`` prefills
 at once; beyond that the adapter raises ``EngineBusy`` (the agent answers
 RESOURCE_EXHAUSTED and the conductor tries elsewhere or sheds the request).
+
+Calibration probes (``probe_prefill``, ``probe_decode``) run the model the way
+``prefill`` and ``generate`` do — one engine job per forward, timed around the
+hop to the engine thread — but on their own KV: nothing reaches the agent's pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import statistics
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +30,8 @@ import torch
 
 from kvc.tokenization import ChatTokenizer, IncrementalDetokenizer
 from node_agent.engines.base import (
+    DecodeProbe,
+    DecodeProbeResult,
     EngineBusy,
     EngineInfo,
     EngineLoad,
@@ -31,6 +39,8 @@ from node_agent.engines.base import (
     GenerationStep,
     PrefillJob,
     PrefillOutcome,
+    PrefillProbe,
+    PrefillProbeResult,
     PromptRejected,
     split_prefix,
     validate_prompt,
@@ -132,6 +142,53 @@ class EmbeddedEngineAdapter:
             computed_tokens=len(to_compute),
             prefill_s=prefill_s,
             new_block_payloads=new_payloads,
+        )
+
+    async def probe_prefill(self, probe: PrefillProbe) -> PrefillProbeResult:
+        """Time a prefill of ``prompt_ids`` after computing its cached head (untimed)."""
+        self.validate_prompt(probe.prompt_ids)
+        cached = max(0, min(probe.cached_tokens, len(probe.prompt_ids) - 1))
+        head, tail = probe.prompt_ids[:cached], probe.prompt_ids[cached:]
+        past = None
+        if head:
+            _, past = await self._on_engine(lambda: self._model.forward(head, None))
+        started = time.perf_counter()
+        await self._on_engine(lambda: self._model.forward(tail, past))
+        return PrefillProbeResult(
+            total_tokens=len(probe.prompt_ids),
+            cached_tokens=cached,
+            duration_s=time.perf_counter() - started,
+        )
+
+    async def probe_decode(self, probe: DecodeProbe) -> DecodeProbeResult:
+        """Decode ``steps`` greedy tokens for every prompt at once, one engine job per
+        token as ``generate`` does; the first interval of each request is dropped."""
+        if not probe.prompts or probe.steps < 2:
+            raise PromptRejected("a decode probe needs prompts and at least 2 steps")
+        for prompt in probe.prompts:
+            self.validate_prompt(prompt, probe.steps + 1)
+        states = [
+            await self._on_engine(partial(self._model.forward, prompt, None))
+            for prompt in probe.prompts
+        ]
+
+        async def decode(state: tuple[torch.Tensor, KvCache]) -> list[float]:
+            stamps = [time.perf_counter()]
+            for _ in range(probe.steps):
+                logits, kv = state
+                token = int(torch.argmax(logits).item())
+                state = await self._on_engine(partial(self._model.forward, (token,), kv))
+                stamps.append(time.perf_counter())
+            return [b - a for a, b in itertools.pairwise(stamps[1:])]
+
+        per_request = await asyncio.gather(*(decode(state) for state in states))
+        intervals = [gap for gaps in per_request for gap in gaps]
+        context = sum(len(p) for p in probe.prompts) + len(probe.prompts) * probe.steps // 2
+        return DecodeProbeResult(
+            batch_requests=len(probe.prompts),
+            context_tokens=context,
+            tbt_s=statistics.median(intervals),
+            intervals=len(intervals),
         )
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[GenerationStep]:

@@ -19,6 +19,16 @@ The agent stays in its own environment and talks to vLLM over HTTP and ZMQ only:
   ``do_remote_decode`` leg with ``max_tokens=1`` and returns the engine's transfer
   parameters; ``generate`` forwards them to the decode engine.
 
+Calibration probes (``probe_prefill``, ``probe_decode``) send token-id prompts of random
+ids with the reserved ``cache_salt`` ``CALIBRATION_SALT``: no tenant's salt can be it
+(``salt_for_tenant`` digests tenants that start with ``__kvc``), so no tenant can hit the
+blocks they leave in vLLM's prefix cache, and the KV-event mirror skips them (an unknown
+salt: ``_tenant_of_salt`` → None), so they never reach the pool or a conductor's shadow.
+vLLM evicts them like any unlocked cached block; they are counted as free in its KV
+usage. Prefill is the latency of a ``max_tokens=1`` completion (vLLM's time to first
+token, as the agent reports ``prefill_s`` for a vLLM Generate); decode is the spacing of
+streamed tokens of concurrent streams.
+
 Launch mode starts ``<vllm_python> -m vllm.entrypoints.openai.api_server`` in its own
 process group on 127.0.0.1, with vLLM's caches in a private temp dir and KV events on
 private ipc sockets unless configured; ``aclose`` sends SIGTERM (vLLM stops its engine
@@ -34,12 +44,14 @@ import asyncio
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import json
 import logging
 import os
 import shutil
 import signal
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +66,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvc.tokenization import ChatTokenizer, IncrementalDetokenizer
 from node_agent.engines.base import (
+    DecodeProbe,
+    DecodeProbeResult,
     EngineBusy,
     EngineCacheSink,
     EngineError,
@@ -63,6 +77,8 @@ from node_agent.engines.base import (
     GenerationStep,
     PrefillJob,
     PrefillOutcome,
+    PrefillProbe,
+    PrefillProbeResult,
     PromptRejected,
     validate_prompt,
 )
@@ -73,11 +89,19 @@ from node_agent.stopping import StopStringMatcher
 
 log = logging.getLogger("node_agent.vllm")
 
-__all__ = ["KvGeometry", "VllmConfig", "VllmEngineAdapter", "salt_for_tenant"]
+__all__ = [
+    "CALIBRATION_SALT",
+    "KvGeometry",
+    "VllmConfig",
+    "VllmEngineAdapter",
+    "salt_for_tenant",
+]
 
 _SALT_MAX_LEN: Final = 128
 _SALT_FORBIDDEN: Final = frozenset("@/\\\x00")
 _HASHED_SALT_PREFIX: Final = "kvc-t-"
+_RESERVED_SALT_PREFIX: Final = "__kvc"  # salts of the agent's own requests
+CALIBRATION_SALT: Final = "__kvc_calibration__"
 _STOP_WAIT_S: Final = 20.0
 _DTYPES: Final = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -86,11 +110,16 @@ def salt_for_tenant(tenant: str) -> str | None:
     """vLLM's ``cache_salt`` for a tenant: the tenant itself where vLLM accepts it.
 
     vLLM takes at most 128 characters and none of ``@ / \\ NUL``; other tenants get a
-    stable digest. The empty tenant sends no salt.
+    stable digest, as do tenants starting with ``__kvc`` (salts reserved for the agent's
+    own requests, e.g. ``CALIBRATION_SALT``). The empty tenant sends no salt.
     """
     if not tenant:
         return None
-    if len(tenant) <= _SALT_MAX_LEN and not _SALT_FORBIDDEN.intersection(tenant):
+    if (
+        len(tenant) <= _SALT_MAX_LEN
+        and not _SALT_FORBIDDEN.intersection(tenant)
+        and not tenant.startswith(_RESERVED_SALT_PREFIX)
+    ):
         return tenant
     digest = hashlib.blake2b(tenant.encode("utf-8"), digest_size=16).hexdigest()
     return _HASHED_SALT_PREFIX + digest
@@ -530,6 +559,8 @@ class VllmEngineAdapter:
             return tenant
         if salt.startswith(_HASHED_SALT_PREFIX):
             return None  # a digest of a tenant this agent has not seen: unknown
+        if salt.startswith(_RESERVED_SALT_PREFIX):
+            return None  # the agent's own requests (calibration): never mirrored
         return salt
 
     # ------------------------------------------------------------------ requests
@@ -711,6 +742,89 @@ class VllmEngineAdapter:
         if final is None:
             raise EngineError("vLLM ended the stream without a finish reason")
         yield final
+
+    # ------------------------------------------------------------------ calibration
+    def _probe_body(
+        self, prompt_ids: tuple[int, ...], max_tokens: int, stream: bool
+    ) -> dict[str, Any]:
+        body = self._body(
+            prompt_ids, "", temperature=0.0, top_p=1.0, max_tokens=max_tokens, seed=None,
+            stop=(), ignore_eos=True, stream=stream, transfer=None,
+        )  # fmt: skip
+        body["cache_salt"] = CALIBRATION_SALT
+        return body
+
+    async def _probe_completion(self, prompt_ids: tuple[int, ...]) -> dict[str, Any]:
+        """One unstreamed ``max_tokens=1`` completion under the calibration salt."""
+        http = self._require_open()
+        self._validate(prompt_ids, 1)
+        try:
+            response = await http.post(
+                "/v1/completions", json=self._probe_body(prompt_ids, 1, stream=False)
+            )
+        except httpx.HTTPError as exc:
+            raise EngineError(f"vLLM calibration request failed: {exc}") from exc
+        await self._raise_for_status(response)
+        data: dict[str, Any] = response.json()
+        return data
+
+    async def probe_prefill(self, probe: PrefillProbe) -> PrefillProbeResult:
+        """Latency of a one-token completion; a cached head is sent first (untimed)."""
+        if probe.cached_tokens > 0:
+            await self._probe_completion(probe.prompt_ids[: probe.cached_tokens])
+        started = time.perf_counter()
+        data = await self._probe_completion(probe.prompt_ids)
+        duration_s = time.perf_counter() - started
+        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+        return PrefillProbeResult(
+            total_tokens=len(probe.prompt_ids),
+            cached_tokens=min(int(details.get("cached_tokens") or 0), len(probe.prompt_ids)),
+            duration_s=duration_s,
+        )
+
+    async def probe_decode(self, probe: DecodeProbe) -> DecodeProbeResult:
+        """Concurrent streams of ``steps + 1`` tokens; the spacing of their tokens after
+        the first interval of each (prefill, batch forming) is the time between tokens."""
+        if not probe.prompts or probe.steps < 2:
+            raise PromptRejected("a decode probe needs prompts and at least 2 steps")
+        http = self._require_open()
+        for prompt in probe.prompts:
+            self._validate(prompt, probe.steps + 1)
+
+        async def stream(prompt: tuple[int, ...]) -> list[float]:
+            body = self._probe_body(prompt, probe.steps + 1, stream=True)
+            stamps: list[tuple[float, int]] = []  # (arrival, tokens in the chunk)
+            try:
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    await self._raise_for_status(response)
+                    async for data in _sse_data(response):
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            raise EngineError(
+                                f"vLLM failed a calibration request: {chunk['error']}"
+                            )
+                        tokens = sum(
+                            len(c.get("token_ids") or ()) for c in chunk.get("choices") or []
+                        )
+                        if tokens:
+                            stamps.append((time.perf_counter(), tokens))
+            except httpx.HTTPError as exc:
+                raise EngineError(f"vLLM calibration stream failed: {exc}") from exc
+            # Chunk i's tokens took (t_i - t_{i-1}) / n_i each. Dropped: the first token
+            # (prefill) and the interval after it (the batch may still be forming).
+            return [(t - t_prev) / n for (t_prev, _), (t, n) in itertools.pairwise(stamps[1:])]
+
+        per_request = await asyncio.gather(*(stream(p) for p in probe.prompts))
+        intervals = [gap for gaps in per_request for gap in gaps]
+        if not intervals:
+            raise EngineError("vLLM streamed too few tokens to time a decode step")
+        context = sum(len(p) for p in probe.prompts) + len(probe.prompts) * probe.steps // 2
+        return DecodeProbeResult(
+            batch_requests=len(probe.prompts),
+            context_tokens=context,
+            tbt_s=statistics.median(intervals),
+            intervals=len(intervals),
+        )
 
     def _step(
         self, choice: Mapping[str, Any], detok: IncrementalDetokenizer, stops: StopStringMatcher

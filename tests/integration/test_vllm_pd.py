@@ -108,6 +108,7 @@ async def vllm_agents() -> AsyncIterator[tuple[list[AgentServer], list[StandInVl
             vllm_url=f"http://vllm-{role}",
             pd_connector=pd_connector,
             load_interval_s=0.05,
+            calibrate=False,  # the stand-in records every completion it answers
         )
         fake = StandInVllm()
         engine = VllmEngineAdapter(
