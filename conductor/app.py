@@ -195,7 +195,8 @@ def create_app(
                 lease_s=settings.lease_s,
                 rpc_timeout_s=settings.rpc_timeout_s,
                 request_timeout_s=settings.request_timeout_s,
-                observe_decision_s=metrics.decision.observe,
+                max_waiting=settings.max_waiting_requests,
+                telemetry=metrics,
             )
             stack.push_async_callback(dispatcher.drain)
             state = AppState(

@@ -23,16 +23,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
 from conductor.adapters.agents import AgentCallError, AgentFleet, AgentHandle, translate_rpc_error
 from conductor.core.block_keys import BlockKey, compute_block_keys
+from conductor.core.cost_model import DecodePrior, PrefillPrior
+from conductor.core.placement import (
+    FailureKind,
+    PlacementLoop,
+    Refusal,
+    RequestPlacement,
+    Wait,
+    fleet_view,
+)
 from conductor.core.prefix_index import NodeId, PrefixIndex
 from conductor.core.scheduler import (
     NodeState,
@@ -93,20 +103,35 @@ class TokenDelta:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """Where a request ran and what it reused, for metrics and tests."""
+    """Where a request ran, what it reused and what was predicted, for metrics and tests."""
 
     prefill_node: str
     decode_node: str
-    disaggregated: bool
+    prefill_role: str
+    decode_role: str
     cached_tokens: int  # reused on the prefill node (incl. migrated blocks)
     migrated_tokens: int  # of those, pulled from another node for this request
-    predicted_ttft_s: float
+    predicted_ttft_s: float  # from the decision (queue + prefill + transfers)
+    predicted_tbt_s: float
+    would_have_hit_tokens: int  # prefix another node held at decision time, recomputed
+
+
+class DispatchTelemetry(Protocol):
+    """What the dispatcher reports (``conductor.metrics.ConductorMetrics`` implements it)."""
+
+    def observe_decision(self, seconds: float) -> None: ...
+
+    def observe_prediction(
+        self, quantity: str, role: str, predicted_s: float, actual_s: float
+    ) -> None: ...
+
+    def count_would_have_hit(self, tokens: int) -> None: ...
 
 
 class RejectedBySchedule(RateLimited):
     """A scheduling rejection: the SLO cannot be met, or no node fits."""
 
-    def __init__(self, rejection: Rejection) -> None:
+    def __init__(self, rejection: Rejection | Refusal) -> None:
         messages = {
             "ttft_slo": "The predicted time to first token exceeds the SLO; retry later.",
             "tbt_slo": "The predicted time between tokens exceeds the SLO; retry later.",
@@ -162,6 +187,9 @@ def _map_error(exc: AgentCallError) -> ConductorError:
     return UpstreamError(f"A node failed the request: {exc.message}")
 
 
+CloseHook = Callable[[list[float], int, str | None], None]  # (gaps, tokens, finish reason)
+
+
 class GenerationStream:
     """The running generation: iterate ``TokenDelta``s; ``aclose()`` cancels it."""
 
@@ -170,7 +198,7 @@ class GenerationStream:
         call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
         first: pb.GenerateResponse,
         outcome: Outcome,
-        on_close: Callable[[list[float]], None],
+        on_close: CloseHook,
     ) -> None:
         self._call = call
         self._pending: pb.GenerateResponse | None = first
@@ -178,6 +206,8 @@ class GenerationStream:
         self._on_close = on_close
         self._closed = False
         self._finished = False
+        self._finish_reason: str | None = None
+        self._tokens = 0
         self._last_token_at = time.perf_counter()
         self._gaps_s: list[float] = []
 
@@ -209,8 +239,10 @@ class GenerationStream:
             self._gaps_s.append(now - self._last_token_at)
             self._last_token_at = now
         delta = _to_delta(msg, self.outcome.cached_tokens)
+        self._tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             self._finished = True
+            self._finish_reason = delta.finish_reason
             await self.aclose()
         return delta
 
@@ -220,11 +252,52 @@ class GenerationStream:
         self._closed = True
         if not self._finished:
             self._call.cancel()
-        self._on_close(self._gaps_s)
+        self._on_close(self._gaps_s, self._tokens, self._finish_reason)
+
+
+def _failure_kind(exc: AgentCallError) -> FailureKind | None:
+    """How a node refusal excludes it for this request; None: not a node refusal."""
+    if exc.reason == "draining":
+        return FailureKind.DRAINING
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return FailureKind.BUSY if exc.reason == "busy" else FailureKind.CAPACITY
+    if exc.node_unreachable:
+        return FailureKind.UNREACHABLE
+    return None
+
+
+class _RefusalLog:
+    """Logs each refusal with its reason and estimates, at most once per second per reason."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def log(self, request_id: str, refusal: Refusal, slo: Slo) -> None:
+        now = time.monotonic()
+        reason = refusal.reason
+        if now - self._last.get(reason, -math.inf) < self._interval_s:
+            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+            return
+        self._last[reason] = now
+        more = self._suppressed.pop(reason, 0)
+        log.warning(
+            "refused %s: %s (predicted TTFT %.3f s vs SLO %.3f s, TBT %.4f s vs SLO %.4f s, "
+            "failure %s); Retry-After %.1f s%s",
+            request_id, reason, refusal.ttft_s, slo.ttft_s, refusal.tbt_s, slo.tbt_s,
+            refusal.last_failure[1].value if refusal.last_failure else "none",
+            refusal.retry_after_s,
+            f" (+{more} more refusals for this reason in the last second)" if more else "",
+        )  # fmt: skip
 
 
 class Dispatcher:
-    """Schedules and runs generations; owns the cleanup tasks it starts."""
+    """Schedules and runs generations; owns the cleanup tasks it starts.
+
+    The placement loop (retries, waiting, in-flight prefixes) is the pure core's
+    ``PlacementLoop``; this class performs its decisions with gRPC calls.
+    """
 
     def __init__(
         self,
@@ -236,22 +309,22 @@ class Dispatcher:
         lease_s: float,
         rpc_timeout_s: float,
         request_timeout_s: float,
+        max_waiting: int = 0,
         clock: Callable[[], float] = time.monotonic,
-        observe_decision_s: Callable[[float], None] | None = None,
+        telemetry: DispatchTelemetry | None = None,
     ) -> None:
         self._fleet = fleet
         self._index = index
         self.scheduler = scheduler
+        self.loop = PlacementLoop(scheduler, max_waiting=max_waiting)
         self._model = model
         self._lease_s = lease_s
         self._rpc_timeout_s = rpc_timeout_s
         self._request_timeout_s = request_timeout_s
         self._clock = clock
-        self._observe_decision_s = observe_decision_s
-        # Keys of this conductor's open prefill Txs per node: prefixes being computed
-        # right now, which kv_adaptive counts as that node's prefix (a FIFO prefill queued
-        # behind them reuses them). Entries live only while their Tx is open.
-        self._inflight_keys: dict[str, Counter[BlockKey]] = {}
+        self._telemetry = telemetry
+        self._refusals = _RefusalLog()
+        self._capacity_freed = asyncio.Event()
         self._cleanup: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ helpers
@@ -280,58 +353,67 @@ class Dispatcher:
         except grpc.aio.AioRpcError as exc:
             log.warning("TxCommit %s on %s failed: %s", tx_id, agent.address, exc.details())
 
+    def _free_capacity(self) -> None:
+        """Wake requests waiting for capacity (a decode ended or an attempt let go)."""
+        self._capacity_freed.set()
+        self._capacity_freed = asyncio.Event()
+
+    async def _wait_for_capacity(self, until_s: float) -> None:
+        freed = self._capacity_freed
+        delay = max(0.0, until_s - self._clock())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(freed.wait(), timeout=delay)
+
     async def drain(self) -> None:
         if self._cleanup:
             await asyncio.gather(*self._cleanup, return_exceptions=True)
 
-    def block_size(self) -> int | None:
-        sizes = [a.info.block_size for a in self._fleet.handles() if a.usable and a.info]
-        return min(sizes) if sizes else None
-
-    def node_states(self, block_size: int, excluded: set[str]) -> list[NodeState]:
+    def node_states(self) -> list[NodeState]:
+        """What every polled agent last reported: the placement loop's fleet view."""
         states = []
         for agent in self._fleet.handles():
             info = agent.info
-            if info is None or agent.address in excluded:
+            if info is None:
                 continue
+            node = NodeId(agent.address)
+            if info.HasField("calibration"):
+                cal = info.calibration
+                self.scheduler.set_measured_priors(
+                    node,
+                    PrefillPrior(
+                        cal.prefill_fixed_s, cal.prefill_per_token_s,
+                        cal.prefill_per_token_context_s,
+                    ),
+                    DecodePrior(
+                        cal.decode_fixed_s, cal.decode_per_request_s,
+                        cal.decode_per_context_token_s,
+                    ),
+                )  # fmt: skip
             load = agent.load
+            free = load.free_blocks if load else info.capacity_blocks
             states.append(
                 NodeState(
-                    node_id=NodeId(agent.address),
+                    node_id=node,
                     role=agent.role,
-                    healthy=agent.usable and info.block_size == block_size,
+                    healthy=agent.usable,
                     block_size=info.block_size,
                     capacity_blocks=info.capacity_blocks,
-                    free_blocks=load.free_blocks if load else info.capacity_blocks,
+                    free_blocks=free,
+                    allocatable_blocks=(
+                        max(free, load.allocatable_blocks) if load else info.capacity_blocks
+                    ),
                     kv_bytes_per_token=info.kv_layout.bytes_per_token,
                     # Engines that own their KV (vLLM) cannot lend or receive pool blocks.
                     kv_migration=info.engine == "embedded",
                     queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
-                    running_requests=load.running_requests if load else 0,
+                    running_requests=max(agent.inflight, load.running_requests if load else 0),
+                    max_running_requests=info.max_running_requests,
                 )
             )
         return states
 
-    def _track(self, node: str, keys: list[BlockKey], delta: int) -> None:
-        counts = self._inflight_keys.setdefault(node, Counter())
-        counts.update(dict.fromkeys(keys, delta))
-        for key in [k for k in keys if counts[k] <= 0]:
-            del counts[key]
-        if not counts:
-            del self._inflight_keys[node]
-
-    def pending_blocks(self, keys: list[BlockKey]) -> dict[NodeId, int]:
-        """Per node, the leading blocks of ``keys`` that an open prefill Tx is computing."""
-        out: dict[NodeId, int] = {}
-        for node, counts in self._inflight_keys.items():
-            n = 0
-            for key in keys:
-                if key not in counts:
-                    break
-                n += 1
-            if n:
-                out[NodeId(node)] = n
-        return out
+    def block_size(self) -> int | None:
+        return fleet_view(self.node_states())[0]
 
     # ------------------------------------------------------------------ entry point
     async def start(self, req: GenerationRequest) -> GenerationStream:
@@ -345,49 +427,50 @@ class Dispatcher:
         keys = compute_block_keys(
             req.prompt_ids[:-1], tenant=req.tenant, model=self._model, block_size=block_size
         )
-        prefix = self._index.match(keys)
         sreq = ScheduleRequest(
             request_id=req.request_id,
             prompt_tokens=len(req.prompt_ids),
-            prefix_blocks=prefix,
+            prefix_blocks=self._index.match(keys),
             max_new_tokens=req.sampling.max_tokens,
             slo=req.slo,
-            pending_blocks=self.pending_blocks(keys),
+            length_key=(self._model, req.tenant),
         )
-        excluded: set[str] = set()
+        placement = self.loop.begin(sreq, keys, self._clock())
         last: AgentCallError | None = None
-        while True:
-            nodes = self.node_states(block_size, excluded)
-            decision = self.scheduler.schedule(sreq, nodes, self._clock())
-            if self._observe_decision_s is not None and not excluded:
-                self._observe_decision_s(time.perf_counter() - decision_started)
-            if isinstance(decision, Rejection):
-                if decision.reason in ("no_prefill_node", "no_decode_node") and last is not None:
-                    raise _map_error(last) from last
-                if decision.reason in ("no_prefill_node", "no_decode_node") and not any(
-                    n.healthy for n in nodes
-                ):
-                    raise ServiceUnavailable(
-                        "No prefill and decode capable node is available.", retry_after_s=2.0
-                    )
-                raise RejectedBySchedule(decision)
-            self.scheduler.on_assigned(sreq, decision, self._clock())
-            try:
-                return await self._attempt(req, keys, decision)
-            except AgentCallError as exc:
-                self.scheduler.on_finished(req.request_id, decision.prefill, decision.decode)
-                last = exc
-                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED or exc.reason == "draining":
-                    excluded.add(exc.address)  # busy or leaving: schedule among the others
+        first_decision = True
+        try:
+            while True:
+                step = placement.decide(self.node_states(), self._clock())
+                if first_decision and self._telemetry is not None:
+                    self._telemetry.observe_decision(time.perf_counter() - decision_started)
+                first_decision = False
+                if isinstance(step, Wait):
+                    await self._wait_for_capacity(step.until_s)
                     continue
-                if exc.node_unreachable:
-                    self._fleet.mark_unreachable(exc.address, exc.message)
-                    excluded.add(exc.address)
-                    continue
-                raise _map_error(exc) from exc
-            except BaseException:
-                self.scheduler.on_finished(req.request_id, decision.prefill, decision.decode)
-                raise
+                if isinstance(step, Refusal):
+                    self._refusals.log(req.request_id, step, req.slo)
+                    if step.reason == "exhausted" and last is not None:
+                        raise _map_error(last) from last
+                    if step.reason in ("exhausted", "unavailable"):
+                        raise ServiceUnavailable(
+                            "No prefill and decode capable node is available.",
+                            retry_after_s=2.0,
+                        )
+                    raise RejectedBySchedule(step)
+                try:
+                    return await self._attempt(req, keys, step, placement)
+                except AgentCallError as exc:
+                    kind = _failure_kind(exc)
+                    if kind is None:
+                        raise _map_error(exc) from exc
+                    if kind is FailureKind.UNREACHABLE:
+                        self._fleet.mark_unreachable(exc.address, exc.message)
+                    last = exc
+                    placement.failed(NodeId(exc.address), kind)
+                    self._free_capacity()
+        except BaseException:
+            placement.finished()
+            raise
 
     # ------------------------------------------------------------------ one attempt
     async def _migrate(
@@ -446,7 +529,11 @@ class Dispatcher:
                 await self._shielded(self._commit_quietly(source, src_tx))
 
     async def _attempt(
-        self, req: GenerationRequest, keys: list[BlockKey], placement: Placement
+        self,
+        req: GenerationRequest,
+        keys: list[BlockKey],
+        placement: Placement,
+        loop_state: RequestPlacement,
     ) -> GenerationStream:
         prefill = self._fleet.get(placement.prefill)
         decode = self._fleet.get(placement.decode)
@@ -459,10 +546,10 @@ class Dispatcher:
             agent.inflight += 1
         call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] | None = None
         tx_open = False
-        tracked = False  # keys counted in _inflight_keys
         address = prefill.address
         prompt_len = len(req.prompt_ids)
         released = False
+        started = time.perf_counter()
 
         def release_books() -> None:
             nonlocal released
@@ -470,6 +557,7 @@ class Dispatcher:
                 released = True
                 for agent in release:
                     agent.inflight -= 1
+                self._free_capacity()
 
         try:
             reused_blocks = migrated = 0
@@ -485,8 +573,7 @@ class Dispatcher:
                     timeout=self._rpc_timeout_s,
                 )
                 tx_open = True
-                self._track(prefill.address, keys, +1)
-                tracked = True
+                loop_state.allocated()
                 reused_blocks = alloc.reused_blocks
                 if placement.migration is not None:
                     migrated = await self._migrate(
@@ -522,9 +609,7 @@ class Dispatcher:
                     timeout=self._request_timeout_s,
                 )
                 cached_tokens = pre.cached_tokens
-                self.scheduler.on_prefill_done(
-                    req.request_id, placement.prefill, prompt_len, pre.cached_tokens, pre.prefill_s
-                )
+                loop_state.prefill_done(prompt_len, pre.cached_tokens, pre.prefill_s)
                 gen.kv_source.CopyFrom(
                     pb.KvSource(
                         address=prefill.info.advertise_address,
@@ -544,21 +629,19 @@ class Dispatcher:
                     decode.address, grpc.StatusCode.INTERNAL, "empty generation stream", None
                 )
             assert isinstance(first, pb.GenerateResponse)
+            ttft_s = time.perf_counter() - started
             timings = first.timings
             if not disaggregated:
-                self.scheduler.on_prefill_done(
-                    req.request_id, placement.prefill, prompt_len, cached_tokens, timings.prefill_s
-                )
+                loop_state.prefill_done(prompt_len, cached_tokens, timings.prefill_s)
             elif timings.transfer_bytes:
                 self.scheduler.transfer.observe(
                     placement.prefill, placement.decode, timings.transfer_bytes, timings.transfer_s
                 )
-            self.scheduler.on_decode_started(req.request_id, placement.decode, self._clock())
+            loop_state.decode_started(self._clock())
             # Mooncake §5.3: commit when the first decode token arrives.
             address = prefill.address
             if tx_open:
-                self._track(prefill.address, keys, -1)
-                tracked = False
+                loop_state.committed()
                 await prefill.stub.TxCommit(
                     pb.TxCommitRequest(tx_id=tx_id), timeout=self._rpc_timeout_s
                 )
@@ -566,8 +649,7 @@ class Dispatcher:
         except BaseException as exc:
             if call is not None:
                 call.cancel()
-            if tracked:
-                self._track(prefill.address, keys, -1)
+            loop_state.committed()  # its keys are no longer being computed there
             if tx_open:
                 await self._shielded(self._abort_tx(prefill, tx_id))
             release_books()
@@ -575,20 +657,34 @@ class Dispatcher:
                 raise translate_rpc_error(address, exc) from exc
             raise
 
-        def on_close(gaps_s: list[float]) -> None:
-            release_books()
-            batch, context = self.scheduler.active_decodes(placement.decode)
-            if gaps_s:
-                mean_gap = sum(gaps_s) / len(gaps_s)
-                self.scheduler.observe_tbt(placement.decode, max(1, batch), context, mean_gap)
-            self.scheduler.on_finished(req.request_id, placement.prefill, placement.decode)
-
         outcome = Outcome(
             prefill_node=placement.prefill,
             decode_node=placement.decode,
-            disaggregated=disaggregated,
+            prefill_role=prefill.role,
+            decode_role=decode.role,
             cached_tokens=cached_tokens,
             migrated_tokens=min(migrated * block_size, cached_tokens),
             predicted_ttft_s=placement.ttft_s,
+            predicted_tbt_s=placement.tbt_s,
+            would_have_hit_tokens=loop_state.would_have_hit_blocks * block_size,
         )
+        telemetry = self._telemetry
+        if telemetry is not None:
+            telemetry.observe_prediction("ttft", outcome.prefill_role, placement.ttft_s, ttft_s)
+            if outcome.would_have_hit_tokens:
+                telemetry.count_would_have_hit(outcome.would_have_hit_tokens)
+
+        def on_close(gaps_s: list[float], tokens: int, finish_reason: str | None) -> None:
+            release_books()
+            now = self._clock()
+            if gaps_s:
+                batch, context = self.scheduler.active_decodes(placement.decode, now)
+                mean_gap = sum(gaps_s) / len(gaps_s)
+                self.scheduler.observe_tbt(placement.decode, max(1, batch), context, mean_gap)
+                if telemetry is not None:
+                    telemetry.observe_prediction(
+                        "tbt", outcome.decode_role, placement.tbt_s, mean_gap
+                    )
+            loop_state.finished(tokens, stopped=finish_reason == "stop")
+
         return GenerationStream(call, first, outcome, on_close)

@@ -23,6 +23,9 @@ OUTCOMES = ("success", "client_error", "rejected", "upstream_error", "cancelled"
 ENDPOINTS = ("chat_completions", "completions")
 ROLES = ("prefill", "decode", "both")
 PROMPT_SOURCES = ("local", "migrated", "computed")
+PREDICTED_QUANTITIES = ("ttft", "tbt")  # what a prediction-ratio sample compares
+# predicted / actual: 1 is perfect; < 1 optimistic (admits too much), > 1 pessimistic.
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2, 4, 10)
 # Every cause the conductor refuses a request for before any engine work (429 or 503).
 REJECTION_REASONS = (
     "conductor_overloaded",  # max_inflight_requests reached on this conductor
@@ -30,7 +33,7 @@ REJECTION_REASONS = (
     "ttft_slo",  # predicted time to first token over the SLO
     "tbt_slo",  # predicted time between tokens over the SLO
     "no_prefill_node",  # no prefill node fits (capacity)
-    "no_decode_node",  # no decode node has room
+    "no_decode_node",  # no decode node has room or a free generation slot
     "insufficient_capacity",  # every node refused the Tx for capacity
     "no_capacity",  # no node serving the model is ready (503)
     "unavailable",  # nodes unreachable (503)
@@ -151,6 +154,20 @@ class ConductorMetrics:
             "Prefix migrations (hot-spot replication) between nodes.",
             registry=r,
         )
+        self.prediction_ratio = Histogram(
+            "conductor_prediction_ratio",
+            "Predicted over actual time per served request: TTFT by the prefill node's role, "
+            "mean TBT by the decode node's role (1 = exact, <1 optimistic, >1 pessimistic).",
+            ("quantity", "role"),
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.would_have_hit_tokens = Counter(
+            "conductor_would_have_hit_tokens_total",
+            "Prompt tokens recomputed on the chosen prefill node although another node held "
+            "them at decision time (the placement traded reuse for load or transfer).",
+            registry=r,
+        )
         self.redis_up = Gauge(
             "conductor_redis_up",
             "1 when the last Redis operation (registry, rate limits, keys) succeeded.",
@@ -194,9 +211,26 @@ class ConductorMetrics:
             self.rejections.labels(reason)
         for role in ROLES:
             self.agents_usable.labels(role)
+            for quantity in PREDICTED_QUANTITIES:
+                self.prediction_ratio.labels(quantity, role)
         for method in ("TxAllocate", "TxCommit", "TxAbort"):
             for code in ("OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"):
                 self.agent_calls.labels(method, code)
+
+    # The dispatcher's telemetry (``conductor.dispatch.DispatchTelemetry``).
+    def observe_decision(self, seconds: float) -> None:
+        self.decision.observe(seconds)
+
+    def observe_prediction(
+        self, quantity: str, role: str, predicted_s: float, actual_s: float
+    ) -> None:
+        """One served request's predicted vs actual TTFT or TBT (ignored when not > 0)."""
+        if quantity in PREDICTED_QUANTITIES and role in ROLES and predicted_s > 0 < actual_s:
+            self.prediction_ratio.labels(quantity, role).observe(predicted_s / actual_s)
+
+    def count_would_have_hit(self, tokens: int) -> None:
+        if tokens > 0:
+            self.would_have_hit_tokens.inc(tokens)
 
     def record_agent_call(self, method: str, code: str) -> None:
         """Count one finished unary agent call; ``method`` may be a full gRPC path."""

@@ -82,8 +82,16 @@ class ConductorSettings(BaseSettings):
     kvcache_balancing_threshold: float = Field(
         2.0, ge=1.0, description="Pull a remote prefix when best/local prefix exceeds this ratio"
     )
-    expected_output_tokens: int = Field(
-        256, ge=1, description="Decode length assumed by load prediction (capped by max_tokens)"
+    output_length_prior_tokens: float = Field(
+        256.0,
+        gt=0,
+        description="Prior mean output length (tokens) until lengths are learned per tenant",
+    )
+    max_waiting_requests: int = Field(
+        64,
+        ge=0,
+        description="Requests that may wait here for decode capacity when waiting still "
+        "meets their TTFT SLO (0: refuse instead of waiting)",
     )
     prefill_prior_fixed_s: float = Field(0.002, ge=0, description="Prefill time prior: fixed")
     prefill_prior_per_token_s: float = Field(
@@ -137,7 +145,7 @@ class ConductorSettings(BaseSettings):
             policy=Policy(self.policy),
             admission=Admission(self.admission),
             kvcache_balancing_threshold=self.kvcache_balancing_threshold,
-            expected_output_tokens=self.expected_output_tokens,
+            output_length_prior_tokens=self.output_length_prior_tokens,
             prefill_prior=PrefillPrior(
                 fixed_s=self.prefill_prior_fixed_s,
                 per_token_s=self.prefill_prior_per_token_s,

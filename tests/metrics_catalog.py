@@ -35,7 +35,11 @@ def exercised_conductor() -> cm.ConductorMetrics:
         m.request_duration.labels(endpoint).observe(0.5)
         m.ttft.labels(endpoint).observe(0.1)
         m.tbt.labels(endpoint).observe(0.02)
-    m.decision.observe(0.0003)
+    m.observe_decision(0.0003)
+    for quantity in cm.PREDICTED_QUANTITIES:
+        for role in cm.ROLES:
+            m.observe_prediction(quantity, role, 0.9, 1.0)
+    m.count_would_have_hit(64)
     m.event_lag.observe(0.002)
     for method in cm.AGENT_METHODS:
         for code in cm.GRPC_CODES:

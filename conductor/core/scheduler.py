@@ -33,16 +33,29 @@ Admission (knob ``admission``): ``none`` never rejects on SLOs (capacity only);
 ``early`` checks TTFT and the decode node's *current* TBT before any work (§4.3.2);
 ``prefill_only`` checks TTFT only: the decode stage's load is left to the decode node
 when the prefill ends (the §7.6 baseline, whose refusals waste the prefill);
-``predictive`` checks the TBT predicted for the moment this request's prefill finishes
-(§4.3.4, system level): every active decode is assumed to last
-``min(max_new_tokens, expected_output_tokens) × TBT``; decodes predicted to end before
-that moment leave the batch, requests whose prefill ends before it join.
+``predictive`` checks the TBT forecast for the moment this request's prefill finishes
+(§4.3.4, system level). The forecast does not assume a fixed output length: each
+active decode counts with the probability that it is still running then, from the
+output-length distribution learned per (model, tenant) (``OutputLengthModel``, capped
+by the request's ``max_tokens``, conditioned on the tokens it has produced so far, so a
+decode that overruns its typical length stays in the forecast); decodes whose prefill
+ends before that moment join; decodes an agent reports beyond ours (other conductors')
+are reconciled in. Every mode checks capacity before any work: a decode node needs
+room for the request's KV (free + evictable blocks) and a free generation slot.
 
-``Retry-After`` on a rejection is the predicted time until the constraint would hold:
-the queue drain needed for TTFT, or the earliest time enough decodes end for TBT.
+Admission never locks up on its own estimates: it refuses only on estimates backed by
+evidence (observations near the request's size, or a prior the node measured at start)
+and never on an idle node (a prompt that cannot meet its TTFT SLO even there is served
+once the queue has drained; an idle decode node takes any request). Each admitted
+request is a new observation, so a wrong estimate heals instead of refusing forever.
 
-Complexity per decision: O(P + D + A) for P prefill nodes, D decode nodes and A active
-decodes on the candidate decode nodes; prefix matching happens before, in the index.
+``Retry-After`` on a rejection is the predicted time until the same request would be
+admitted: the queue drain needed for TTFT, the earliest probe time at which the TBT
+forecast meets the SLO, or the median remaining decode time when no decode slot is free.
+
+Complexity per decision: O(P + D·A) for P prefill nodes, D decode nodes and A active
+decodes per decode node (x10 probes for a TBT ``Retry-After``); prefix matching happens
+before, in the index.
 """
 
 from __future__ import annotations
@@ -60,6 +73,7 @@ from conductor.core.cost_model import (
     PrefillTimeModel,
     TransferModel,
 )
+from conductor.core.output_length import LengthDistribution, OutputLengthModel
 from conductor.core.prefix_index import NodeId
 
 Role = Literal["prefill", "decode", "both"]
@@ -92,9 +106,13 @@ class SchedulerConfig:
     admission: Admission = Admission.PREDICTIVE
     kvcache_balancing_threshold: float = 2.0
     min_migration_blocks: int = 1
-    expected_output_tokens: int = 256
+    # Prior mean of the learned output-length distribution (tokens); data replaces it.
+    output_length_prior_tokens: float = 256.0
     prefill_prior: PrefillPrior = EMBEDDED_CPU_PREFILL_PRIOR
     decode_prior: DecodePrior = EMBEDDED_CPU_DECODE_PRIOR
+    # The priors above were measured on these engines (e.g. a simulator's profile): their
+    # estimates count as evidence for admission. False: a rough guess until data arrives.
+    priors_measured: bool = False
     transfer_bandwidth_bytes_per_s: float = 1e9
     transfer_latency_s: float = 0.001
     max_retry_after_s: float = 60.0
@@ -118,6 +136,15 @@ class NodeState:
     queued_prefill_tokens: int = 0  # as the agent last reported it
     kv_migration: bool = True  # can lend/receive prefix blocks (not engines owning their KV)
     running_requests: int = 0  # as the agent last reported it
+    # Free plus evictable (cached, unlocked) blocks: what an allocation can obtain. None:
+    # the reporter does not tell them apart (``free_blocks`` is then the allocatable count).
+    allocatable_blocks: int | None = None
+    max_running_requests: int = 0  # generations the node runs at once (0 = no limit)
+
+    @property
+    def room_blocks(self) -> int:
+        """Blocks a new request's KV can get here (evicting unlocked cached blocks)."""
+        return self.free_blocks if self.allocatable_blocks is None else self.allocatable_blocks
 
     @property
     def can_prefill(self) -> bool:
@@ -139,6 +166,8 @@ class ScheduleRequest:
     # computing (allocated, not committed yet): cached by the time a prefill placed
     # behind them starts. Only ``kv_adaptive`` reads it; callers may leave it empty.
     pending_blocks: Mapping[NodeId, int] = field(default_factory=dict)
+    # Whose output lengths this request's decode is predicted from: (model, tenant).
+    length_key: tuple[str, str] = ("", "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,10 +206,33 @@ class Rejection:
 
 @dataclass(slots=True)
 class _Decode:
-    start_s: float  # predicted (or actual) decode start
-    end_s: float  # predicted decode end
-    context_tokens: int
-    finished: bool = False
+    """One decode this scheduler placed: when it starts, how fast it runs, how long it may be."""
+
+    start_s: float  # predicted first-token time; the actual one once known
+    step_s: float  # predicted time between its tokens
+    prompt_tokens: int
+    cap_tokens: int  # the client's max_tokens
+    lengths: LengthDistribution  # its output length, learned per (model, tenant)
+    length_key: tuple[str, str]
+    started: bool = False
+
+    def tokens_at(self, t_s: float) -> float:
+        """Output tokens predicted to exist at ``t_s`` (0 before the first token)."""
+        if t_s <= self.start_s or self.step_s <= 0:
+            return 0.0
+        return (t_s - self.start_s) / self.step_s
+
+    def active_probability(self, at_s: float, now_s: float) -> float:
+        """P(still decoding at ``at_s``), knowing it was still running at ``now_s``."""
+        if at_s < self.start_s:
+            return 0.0  # its prefill has not ended yet then
+        if at_s <= now_s:
+            return 1.0  # running now (the scheduler is told when it ends)
+        target = self.tokens_at(at_s)
+        if target >= self.cap_tokens:
+            return 0.0  # max_tokens stops it by then
+        done = min(self.tokens_at(now_s), max(0.0, self.cap_tokens - 1.0))
+        return self.lengths.conditional_survival(done, max(done, target))
 
 
 @dataclass(slots=True)
@@ -203,6 +255,18 @@ class _Candidate:
         return self.queue_s + self.prefill_s + (self.migration.transfer_s if self.migration else 0)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeForecast:
+    """Decode load on a node at a moment: expected batch (requests) and KV tokens."""
+
+    requests: float
+    context_tokens: float
+
+
+# Delays (s) at which a TBT-refused request is re-forecast for ``Retry-After``.
+_RETRY_PROBES_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 120.0)
+
+
 class Scheduler:
     """Algorithm 1 plus admission; one instance per conductor (or per simulation)."""
 
@@ -212,6 +276,7 @@ class Scheduler:
             default_bandwidth_bytes_per_s=config.transfer_bandwidth_bytes_per_s,
             default_latency_s=config.transfer_latency_s,
         )
+        self.output_lengths = OutputLengthModel(prior_mean_tokens=config.output_length_prior_tokens)
         self._prefill_models: dict[NodeId, PrefillTimeModel] = {}
         self._decode_models: dict[NodeId, DecodeTimeModel] = {}
         self._books: dict[NodeId, _NodeBook] = {}
@@ -222,20 +287,44 @@ class Scheduler:
     def prefill_model(self, node: NodeId) -> PrefillTimeModel:
         model = self._prefill_models.get(node)
         if model is None:
-            model = self._prefill_models[node] = PrefillTimeModel(self.config.prefill_prior)
+            model = self._prefill_models[node] = PrefillTimeModel(
+                self.config.prefill_prior, prior_measured=self.config.priors_measured
+            )
         return model
 
     def decode_model(self, node: NodeId) -> DecodeTimeModel:
         model = self._decode_models.get(node)
         if model is None:
-            model = self._decode_models[node] = DecodeTimeModel(self.config.decode_prior)
+            model = self._decode_models[node] = DecodeTimeModel(
+                self.config.decode_prior, prior_measured=self.config.priors_measured
+            )
         return model
+
+    def set_measured_priors(
+        self, node: NodeId, prefill: PrefillPrior | None, decode: DecodePrior | None
+    ) -> None:
+        """A node measured its own engine (start-up calibration): use it as that node's prior.
+
+        Estimates from a measured prior count as evidence for admission everywhere.
+        Idempotent: the same prior again changes nothing (learned corrections are kept).
+        """
+        if prefill is not None:
+            model = self.prefill_model(node)
+            if model.prior != prefill or not model.prior_measured:
+                model.set_prior(prefill, measured=True)
+        if decode is not None:
+            dmodel = self.decode_model(node)
+            if dmodel.prior != decode or not dmodel.prior_measured:
+                dmodel.set_prior(decode, measured=True)
 
     def _book(self, node: NodeId) -> _NodeBook:
         book = self._books.get(node)
         if book is None:
             book = self._books[node] = _NodeBook()
         return book
+
+    def lengths_for(self, req: ScheduleRequest) -> LengthDistribution:
+        return self.output_lengths.distribution(*req.length_key)
 
     # ------------------------------------------------------------------ estimates
     def queue_s(self, node: NodeState) -> float:
@@ -254,33 +343,66 @@ class Scheduler:
             foreign_s = self.prefill_model(node.node_id).coefficients.per_token_s * foreign_tokens
         return own_s + foreign_s
 
-    def _active_at(self, node: NodeId, at_s: float, now_s: float) -> tuple[int, int, list[float]]:
-        """Decodes on ``node`` predicted active at ``at_s``: (count, context tokens, ends)."""
-        count = 0
-        context = 0
-        ends: list[float] = []
-        for d in self._book(node).decodes.values():
-            if d.finished:
-                continue
-            # A decode running past its predicted end is counted now, not in the future.
-            if d.start_s <= at_s and (at_s < d.end_s or at_s <= now_s):
-                count += 1
-                context += d.context_tokens
-                ends.append(max(d.end_s, now_s))
-        return count, context, ends
+    def forecast(
+        self, node: NodeState, at_s: float, now_s: float, lengths: LengthDistribution
+    ) -> DecodeForecast:
+        """Expected decode batch on ``node`` at ``at_s`` (before a new request joins).
 
-    def tbt_at(
-        self, node: NodeState, at_s: float, now_s: float, extra_context_tokens: int
-    ) -> tuple[float, list[float], int]:
-        """Predicted TBT on ``node`` at ``at_s`` with one more request joining."""
-        count, context, ends = self._active_at(node.node_id, at_s, now_s)
-        count = max(count, node.running_requests if at_s <= now_s else 0)
-        tbt = self.decode_model(node.node_id).estimate(count + 1, context + extra_context_tokens)
-        return tbt, ends, count
+        Each decode this scheduler placed counts with the probability that it is still
+        running then, from its learned output-length distribution given what it has
+        produced by ``now_s`` (a decode past its typical length stays, with a heavy
+        tail); decodes whose prefill ends before ``at_s`` join. Decodes the agent
+        reports beyond ours (other conductors') count fully now and, later, with the
+        survival of ``lengths`` (the arriving request's). O(decodes on the node).
+        """
+        requests = 0.0
+        context = 0.0
+        running_now = 0
+        for d in self._book(node.node_id).decodes.values():
+            if d.start_s <= now_s:
+                running_now += 1
+            p = d.active_probability(at_s, now_s)
+            if p > 0:
+                requests += p
+                context += p * (d.prompt_tokens + d.tokens_at(at_s))
+        foreign = max(0, node.running_requests - running_now)
+        if foreign:
+            mean_context = context / requests if requests > 0 else 0.0
+            if at_s <= now_s:
+                share = 1.0
+            else:
+                step = self.decode_model(node.node_id).estimate(max(1, node.running_requests), 0)
+                share = lengths.survival((at_s - now_s) / step) if step > 0 else 0.0
+            requests += foreign * share
+            context += foreign * share * mean_context
+        return DecodeForecast(requests, context)
+
+    def tbt_at(self, node: NodeState, at_s: float, now_s: float, req: ScheduleRequest) -> float:
+        """Predicted TBT on ``node`` at ``at_s`` with ``req`` joining."""
+        load = self.forecast(node, at_s, now_s, self.lengths_for(req))
+        extra_context_tokens = req.prompt_tokens
+        return self.decode_model(node.node_id).estimate(
+            load.requests + 1, load.context_tokens + extra_context_tokens
+        )
 
     def _prefill_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float:
         cached = min(prompt_tokens - 1, prefix_blocks * node.block_size)
         return self.prefill_model(node.node_id).estimate(prompt_tokens, max(0, cached))
+
+    def _prefill_evidence(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> bool:
+        cached = max(0, min(prompt_tokens - 1, prefix_blocks * node.block_size))
+        return self.prefill_model(node.node_id).has_evidence(prompt_tokens, cached)
+
+    def _node_idle(self, node: NodeState) -> bool:
+        book = self._book(node.node_id)
+        return not book.pending_prefill_s and node.queued_prefill_tokens == 0
+
+    def decode_slots_free(self, node: NodeState) -> bool:
+        """The node can start one more generation (its agent's ``max_running``)."""
+        if node.max_running_requests <= 0:
+            return True
+        placed = len(self._book(node.node_id).decodes)
+        return max(placed, node.running_requests) < node.max_running_requests
 
     # ------------------------------------------------------------------ candidates
     def _candidates(
@@ -355,27 +477,41 @@ class Scheduler:
         prefill: NodeState,
         at_s: float,
         now_s: float,
-    ) -> list[tuple[float, NodeState, list[float]]]:
-        """Decode nodes with room for the request, best first: (predicted TBT, node, ends)."""
+    ) -> list[tuple[float, NodeState]]:
+        """Decode nodes with room and a free slot for the request, best first: (TBT, node).
+
+        Room counts allocatable blocks (free + evictable): a warm cache full of
+        unlocked cached blocks has room. Checked before any prefill is spent.
+        """
         if prefill.role == "both":
             decode_nodes = [prefill]  # colocated: no KV hand-off
         need_tokens = req.prompt_tokens + req.max_new_tokens
         options = []
         for node in decode_nodes:
-            if node is not prefill and node.free_blocks * node.block_size < need_tokens:
+            if not self.decode_slots_free(node):
+                continue  # the agent would refuse the generation after the prefill
+            if node is not prefill and node.room_blocks * node.block_size < need_tokens:
                 continue  # no room for this request's KV on the decode node
-            tbt, ends, _ = self.tbt_at(node, at_s, now_s, req.prompt_tokens)
-            options.append((tbt, node, ends))
+            options.append((self.tbt_at(node, at_s, now_s, req), node))
         if self.config.policy is Policy.ROUND_ROBIN and options:
             start = self._rr_decode % len(options)
             self._rr_decode += 1
             return options[start:] + options[:start]
-        return sorted(options, key=lambda o: (o[0], -o[1].free_blocks, o[1].node_id))
+        return sorted(options, key=lambda o: (o[0], -o[1].room_blocks, o[1].node_id))
 
     # ------------------------------------------------------------------ decision
     def schedule(
         self, req: ScheduleRequest, nodes: Sequence[NodeState], now_s: float
     ) -> Placement | Rejection:
+        """Place ``req`` or say why not (and when to retry).
+
+        Admission refuses only on estimates it has evidence for (observations near
+        this request's size, or a prior the node measured itself), and never on an
+        idle node: a prompt that cannot meet its TTFT SLO even there is served when
+        the node is idle (``Retry-After`` is the queue drain), and an idle decode node
+        takes any request. Learned estimates therefore cannot lock the service into
+        refusing work: every admitted request is a new observation.
+        """
         prefill_nodes = [n for n in nodes if n.can_prefill]
         decode_nodes = [n for n in nodes if n.can_decode]
         if not prefill_nodes:
@@ -390,22 +526,20 @@ class Scheduler:
             at_s = now_s + best.base_ttft_s
         options = self._decode_options(req, decode_nodes, best.node, at_s, now_s)
         if not options:
-            return Rejection("no_decode_node", self._retry(1.0), best.base_ttft_s, math.inf)
-        tbt, decode, ends = options[0]
+            return Rejection(
+                "no_decode_node", self._retry(self._slot_wait_s(decode_nodes, now_s)),
+                best.base_ttft_s, math.inf,
+            )  # fmt: skip
+        tbt, decode = options[0]
         handoff_s = 0.0
         if decode.node_id != best.node.node_id:
             nbytes = req.prompt_tokens * best.node.kv_bytes_per_token
             handoff_s = self.transfer.estimate(best.node.node_id, decode.node_id, nbytes)
         ttft = best.base_ttft_s + handoff_s
         if self.config.admission is not Admission.NONE:
-            if ttft > req.slo.ttft_s:
-                drain = ttft - req.slo.ttft_s
-                return Rejection("ttft_slo", self._retry(drain), ttft, tbt)
-            if tbt > req.slo.tbt_s and self.config.admission is not Admission.PREFILL_ONLY:
-                return Rejection(
-                    "tbt_slo", self._retry(self._tbt_drain_s(decode, req, at_s, now_s, ends)),
-                    ttft, tbt,
-                )  # fmt: skip
+            rejection = self._admit(req, best, decode, ttft, tbt, at_s, now_s)
+            if rejection is not None:
+                return rejection
         return Placement(
             prefill=best.node.node_id,
             decode=decode.node_id,
@@ -419,16 +553,53 @@ class Scheduler:
             fallbacks=tuple(c.node.node_id for c in ordered[1:]),
         )
 
+    def _admit(
+        self,
+        req: ScheduleRequest,
+        best: _Candidate,
+        decode: NodeState,
+        ttft: float,
+        tbt: float,
+        at_s: float,
+        now_s: float,
+    ) -> Rejection | None:
+        """The SLO checks of ``schedule`` (None: admitted)."""
+        if ttft > req.slo.ttft_s and not self._node_idle(best.node):
+            unloaded = ttft - best.queue_s
+            evidence = self._prefill_evidence(best.node, req.prompt_tokens, best.prefix_blocks)
+            if evidence and unloaded > req.slo.ttft_s:
+                # Unattainable even on an idle node: served once the queue has drained.
+                return Rejection("ttft_slo", self._retry(best.queue_s), ttft, tbt)
+            if evidence:
+                return Rejection("ttft_slo", self._retry(ttft - req.slo.ttft_s), ttft, tbt)
+        if tbt > req.slo.tbt_s and self.config.admission is not Admission.PREFILL_ONLY:
+            load = self.forecast(decode, at_s, now_s, self.lengths_for(req))
+            evidence = self.decode_model(decode.node_id).has_evidence(
+                load.requests + 1, load.context_tokens + req.prompt_tokens
+            )
+            if evidence and load.requests >= 0.5:  # an idle decode node takes anything
+                drain = self._tbt_drain_s(decode, req, at_s, now_s)
+                return Rejection("tbt_slo", self._retry(drain), ttft, tbt)
+        return None
+
     def _tbt_drain_s(
-        self, node: NodeState, req: ScheduleRequest, at_s: float, now_s: float, ends: list[float]
+        self, node: NodeState, req: ScheduleRequest, at_s: float, now_s: float
     ) -> float:
-        """Earliest wait after which the decode TBT prediction meets the SLO."""
-        for end in sorted(ends):
-            wait = max(0.0, end - at_s)
-            tbt, _, _ = self.tbt_at(node, end + 1e-9, now_s, req.prompt_tokens)
-            if tbt <= req.slo.tbt_s:
-                return wait + (at_s - now_s)
+        """Earliest wait after which the decode TBT forecast meets the SLO."""
+        for delay in _RETRY_PROBES_S:
+            if self.tbt_at(node, at_s + delay, now_s, req) <= req.slo.tbt_s:
+                return delay + (at_s - now_s)
         return self.config.max_retry_after_s
+
+    def _slot_wait_s(self, decode_nodes: Sequence[NodeState], now_s: float) -> float:
+        """Predicted wait until some decode node has a free slot or room (median end)."""
+        best = math.inf
+        for node in decode_nodes:
+            for d in self._book(node.node_id).decodes.values():
+                left = d.lengths.quantile(0.5, d.cap_tokens) - d.tokens_at(now_s)
+                end = max(d.start_s, now_s) + max(0.0, left) * d.step_s
+                best = min(best, end - now_s)
+        return 1.0 if math.isinf(best) else best
 
     def _retry(self, seconds: float) -> float:
         return min(self.config.max_retry_after_s, max(1.0, seconds))
@@ -439,12 +610,13 @@ class Scheduler:
         book = self._book(placement.prefill)
         book.pending_prefill_s[req.request_id] = placement.prefill_s
         book.pending_prefill_tokens[req.request_id] = req.prompt_tokens
-        start = now_s + placement.ttft_s
-        decode_tokens = min(req.max_new_tokens, self.config.expected_output_tokens)
         self._book(placement.decode).decodes[req.request_id] = _Decode(
-            start_s=start,
-            end_s=start + decode_tokens * placement.tbt_s,
-            context_tokens=req.prompt_tokens + decode_tokens,
+            start_s=now_s + placement.ttft_s,
+            step_s=placement.tbt_s,
+            prompt_tokens=req.prompt_tokens,
+            cap_tokens=max(1, req.max_new_tokens),
+            lengths=self.lengths_for(req),
+            length_key=req.length_key,
         )
 
     def on_prefill_done(
@@ -461,15 +633,30 @@ class Scheduler:
     def on_decode_started(self, request_id: str, node: NodeId, now_s: float) -> None:
         d = self._book(node).decodes.get(request_id)
         if d is not None:
-            length = d.end_s - d.start_s
-            d.start_s, d.end_s = now_s, now_s + length
+            d.start_s, d.started = now_s, True
 
-    def on_finished(self, request_id: str, prefill: NodeId, decode: NodeId) -> None:
-        """The request left the system (done, failed or cancelled)."""
+    def on_finished(
+        self,
+        request_id: str,
+        prefill: NodeId,
+        decode: NodeId,
+        *,
+        output_tokens: int | None = None,
+        stopped: bool = False,
+    ) -> None:
+        """The request left the system (done, failed or cancelled).
+
+        ``output_tokens`` with ``stopped`` (the model ended it) is an exact output
+        length; without ``stopped`` (max_tokens, cancelled, failed) it says only that
+        the length is at least that much. Both teach the output-length model.
+        """
         book = self._book(prefill)
         book.pending_prefill_s.pop(request_id, None)
         book.pending_prefill_tokens.pop(request_id, None)
-        self._book(decode).decodes.pop(request_id, None)
+        d = self._book(decode).decodes.pop(request_id, None)
+        if d is not None and output_tokens is not None and output_tokens > 0:
+            model, tenant = d.length_key
+            self.output_lengths.observe(model, tenant, output_tokens, censored=not stopped)
 
     def observe_tbt(
         self, node: NodeId, batch_requests: int, context_tokens: int, tbt_s: float
@@ -477,10 +664,10 @@ class Scheduler:
         if tbt_s > 0 and batch_requests > 0:
             self.decode_model(node).observe(batch_requests, context_tokens, tbt_s)
 
-    def active_decodes(self, node: NodeId) -> tuple[int, int]:
-        """(requests, context tokens) this scheduler has running on ``node``."""
-        live = [d for d in self._book(node).decodes.values() if not d.finished]
-        return len(live), sum(d.context_tokens for d in live)
+    def active_decodes(self, node: NodeId, now_s: float) -> tuple[int, int]:
+        """(requests, context tokens) this scheduler has decoding on ``node`` at ``now_s``."""
+        live = [d for d in self._book(node).decodes.values() if d.start_s <= now_s]
+        return len(live), sum(d.prompt_tokens + int(d.tokens_at(now_s)) for d in live)
 
     def forget_node(self, node: NodeId) -> None:
         self._books.pop(node, None)

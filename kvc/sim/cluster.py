@@ -1,13 +1,17 @@
 """A simulated fleet driven by the real conductor core, request by request, in virtual time.
 
-What it runs (the live ``conductor/dispatch.py`` flow, with RPCs replaced by calls)
+What it runs: the live ``conductor/dispatch.py`` flow with RPCs replaced by calls. Both
+drive the same ``conductor.core.placement.PlacementLoop`` (schedule → attempt → refuse →
+reschedule, waiting, in-flight prefixes, the scheduler's books); only the I/O differs.
     1. Arrival: block keys from the trace's ``hash_ids`` (``BlockKey(id)``, tenant
-       ``"trace"``); ``PrefixIndex.match`` over the shadow index → prefix per node.
-    2. ``Scheduler.schedule(req, nodes, now)`` (Algorithm 1 + admission). A ``Rejection``
-       is a 429 before any work. Otherwise ``on_assigned``.
+       ``"trace"``); ``PrefixIndex.match`` over the shadow index → prefix per node. The
+       request's ``max_new_tokens`` is the client's cap (``max_tokens``), never its true
+       output length: the scheduler learns lengths as the live conductor does.
+    2. ``RequestPlacement.decide(fleet, now)``: a ``Refusal`` is a 429 before any work; a
+       ``Wait`` re-decides at its time or when a decode ends; a ``Placement`` is tried.
     3. ``TxAllocate`` (ALLOCATE) of every key on the chosen prefill node's ``BlockPool``.
-       ``CapacityExhausted`` → ``on_finished``, the node is excluded and the request is
-       scheduled again among the rest (as the dispatcher does on RESOURCE_EXHAUSTED).
+       ``CapacityExhausted`` → ``failed(node, CAPACITY)``: the node is excluded and the
+       loop decides again among the rest (as the dispatcher does on RESOURCE_EXHAUSTED).
     4. A ``Migration``: ``TxAllocate(LOCK_ONLY)`` of the prefix on the holder; when it
        locked more than the destination already reuses, the blocks travel holder →
        destination over both NICs, ``scheduler.transfer.observe`` learns from it and the
@@ -15,25 +19,21 @@ What it runs (the live ``conductor/dispatch.py`` flow, with RPCs replaced by cal
        before. Otherwise the holder's tx commits at once and nothing moves.
     5. Prefill (FIFO on the node): cached prefix counted when it starts; duration from the
        profile (truth); the prompt's KV streams to the decode node during the prefill.
-       At the end: ``TxCommit`` (new blocks become reusable prefix) and
-       ``on_prefill_done(request_id, node, total, cached, duration_s)``.
-    6. The KV has reached the decode node → first token (TTFT), ``on_decode_started``;
-       the decode node batches it until ``output_length`` tokens exist. Then
-       ``observe_tbt(node, batch, context, mean gap)`` with the scheduler's own view of the
-       batch, and ``on_finished``. A request of one output token ends at its prefill.
+       At the end: ``TxCommit`` (new blocks become reusable prefix), ``committed()`` and
+       ``prefill_done(total, cached, duration_s)``.
+    6. The KV has reached the decode node → first token (TTFT), ``decode_started``; the
+       decode node batches it until its output length (capped by ``max_tokens``) exists.
+       Then ``observe_tbt(node, batch, context, mean gap)`` with the scheduler's own view
+       of the batch, and ``finished(tokens, stopped)`` (which teaches the output-length
+       model). A request of one output token ends at its prefill.
     7. After every pool operation the pool's ``take_events()`` become the node's event
        stream (epoch + sequence numbers) and reach ``PrefixIndex.apply`` after
        ``index_event_delay_s`` (0: at once). A gap or bound overflow → resync from a
        snapshot (``reset_node``), like the live shadow.
 
-    For ``kv_adaptive`` the cluster also keeps, per node, the blocks its queued prefills
-    are computing (from each ``TxAllocate``'s ``reused_blocks``, dropped at commit) and
-    passes them as ``ScheduleRequest.pending_blocks`` — the conductor-side view that
-    policy reads.
-
     The scheduler never sees the truth: it sees ``NodeState`` (queued prompt tokens,
-    free KV blocks, running requests, as an agent reports them), the shadow index, and
-    the durations its hooks are told.
+    free and allocatable KV blocks, running requests, as an agent reports them), the
+    shadow index, and the durations its hooks are told.
 
 Knobs (``ClusterConfig``)
     ``prefill_instances``, ``decode_instances``, ``block_tokens`` (a divisor of the
@@ -43,11 +43,15 @@ Knobs (``ClusterConfig``)
     of the replayed requests: no eviction ever), ``index_event_delay_s``,
     ``decode_refuses`` (decode nodes refuse what does not fit or would break the TBT
     SLO), ``output_tokens`` (override every request's output length, e.g. 1),
-    ``lease_s``, ``load_sample_s``.
+    ``max_tokens`` (the client's cap on every request; longer outputs are cut there),
+    ``max_waiting`` (the placement loop's bound on waiting requests), engines that differ
+    from their profile (``timing_noise_sigma``: log-normal noise on every duration;
+    ``cold_start_factor`` x on each prefill instance's first ``cold_start_prefills``
+    prefills; ``seed``), ``lease_s``, ``load_sample_s``.
 
 Complexity
     Per request: O(blocks) for keys, matching, allocation and commit, plus the
-    scheduler's O(P + D + A). Per decode step O(1) amortised. Events O(R + steps).
+    scheduler's decision. Per decode step O(1) amortised. Events O(R + steps).
 """
 
 from __future__ import annotations
@@ -61,12 +65,17 @@ from typing import ClassVar
 from pydantic import ConfigDict
 
 from conductor.core.block_keys import BlockKey
+from conductor.core.placement import (
+    FailureKind,
+    PlacementLoop,
+    Refusal,
+    RequestPlacement,
+    Wait,
+)
 from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
 from conductor.core.scheduler import (
     NodeState,
     Placement,
-    Policy,
-    Rejection,
     Scheduler,
     SchedulerConfig,
     ScheduleRequest,
@@ -79,6 +88,7 @@ from kvc.sim.instances import (
     IndexEvent,
     PrefillInstance,
     PrefillJob,
+    TimingNoise,
     reserve_transfer,
 )
 from kvc.sim.metrics import LoadSample, Outcome, RequestRecord, SimResult, top_decile_mean
@@ -86,9 +96,10 @@ from kvc.sim.profile import Profile
 from kvc.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, cached_tokens
 from node_agent.blocks.pool import AllocateParams, CapacityExhausted, TxMode
 
-__all__ = ["TENANT", "Cluster", "ClusterConfig", "simulate"]
+__all__ = ["MODEL", "TENANT", "Cluster", "ClusterConfig", "simulate"]
 
 TENANT = "trace"
+MODEL = "trace-model"  # the output-length model's key is (MODEL, TENANT)
 
 Progress = Callable[[int, int, float], None]  # (arrived, total, virtual now)
 
@@ -105,6 +116,12 @@ class ClusterConfig:
     index_event_delay_s: float = 0.0
     decode_refuses: bool = False
     output_tokens: int | None = None
+    max_tokens: int = 1024
+    max_waiting: int = 0
+    timing_noise_sigma: float = 0.0
+    cold_start_factor: float = 1.0
+    cold_start_prefills: int = 0
+    seed: int = 0
     lease_s: float = 86_400.0
     load_sample_s: float = 5.0
 
@@ -119,6 +136,12 @@ class ClusterConfig:
             raise ValueError("delays must be >= 0, sample interval and lease > 0")
         if self.output_tokens is not None and self.output_tokens < 1:
             raise ValueError("output_tokens must be >= 1")
+        if self.max_tokens < 1 or self.max_waiting < 0:
+            raise ValueError("max_tokens must be >= 1 and max_waiting >= 0")
+        if self.timing_noise_sigma < 0 or self.cold_start_factor < 1:
+            raise ValueError("timing_noise_sigma must be >= 0 and cold_start_factor >= 1")
+        if self.cold_start_prefills < 0:
+            raise ValueError("cold_start_prefills must be >= 0")
 
 
 class _Flight:
@@ -127,11 +150,11 @@ class _Flight:
     __slots__ = (
         "arrival_s",
         "cached_tokens",
-        "computing",
         "decode",
         "handoff_at_s",
         "job",
         "keys",
+        "loop",
         "migrated_tokens",
         "output_tokens",
         "placement",
@@ -139,8 +162,8 @@ class _Flight:
         "prefill_end_s",
         "prefill_s",
         "req",
-        "sreq",
         "ttft_s",
+        "wait_token",
     )
 
     def __init__(self, req: TraceRequest, keys: tuple[BlockKey, ...], output_tokens: int) -> None:
@@ -148,9 +171,9 @@ class _Flight:
         self.arrival_s = 0.0  # virtual (speed applied)
         self.job: PrefillJob | None = None
         self.keys = keys
-        self.computing: tuple[BlockKey, ...] = ()  # keys it allocated fresh (in flight)
         self.output_tokens = output_tokens
-        self.sreq: ScheduleRequest | None = None
+        self.loop: RequestPlacement | None = None  # its way through the placement loop
+        self.wait_token = 0  # bumped on every Wait: stale wake-ups are ignored
         self.placement: Placement | None = None
         self.prefill: PrefillInstance | None = None
         self.decode: DecodeInstance | None = None
@@ -178,6 +201,7 @@ class Cluster:
         self.slo = slo
         self.loop = EventLoop()
         self.scheduler = Scheduler(scheduler_config)
+        self.placer = PlacementLoop(self.scheduler, max_waiting=config.max_waiting)
         self.index = PrefixIndex()
         self._sub = TRACE_BLOCK_TOKENS // config.block_tokens
         capacity_blocks = self._capacity_blocks(requests)
@@ -186,7 +210,7 @@ class Cluster:
             node = NodeId(f"prefill-{i:02d}")
             inst = PrefillInstance(
                 node, profile, capacity_blocks, config.block_tokens, self.loop.clock,
-                max_lease_s=config.lease_s,
+                max_lease_s=config.lease_s, noise=self._noise(i),
             )  # fmt: skip
             self.prefill[node] = inst
             self.index.reset_node(node, inst.epoch, 0, ())
@@ -196,11 +220,10 @@ class Cluster:
             self.decode[node] = DecodeInstance(
                 node, profile, config.block_tokens, self.loop.at, self.loop.clock,
                 refuse=config.decode_refuses, tbt_slo_s=slo.tbt_s,
+                noise=self._noise(1000 + i),
             )  # fmt: skip
-        # Blocks each node's queued prefills are computing (allocated, not committed),
-        # with reference counts: the conductor-side view ``kv_adaptive`` reads.
-        self._inflight: dict[NodeId, dict[BlockKey, int]] = {n: {} for n in self.prefill}
-        self._track_inflight = scheduler_config.policy is Policy.KV_ADAPTIVE
+        self._waiters: dict[str, _Flight] = {}  # requests in a ``Wait``, by request id
+        self._unavailable: set[NodeId] = set()  # nodes down or draining
         self._records: list[RequestRecord] = []
         self._samples: list[LoadSample] = []
         self._in_flight = 0
@@ -209,6 +232,13 @@ class Cluster:
         self._migrations = 0
         self._migrated_blocks = 0
         self._resyncs = 0
+
+    def _noise(self, instance: int) -> TimingNoise:
+        c = self.config
+        return TimingNoise(
+            c.timing_noise_sigma, c.cold_start_factor, c.cold_start_prefills,
+            seed=c.seed * 100_003 + instance,
+        )  # fmt: skip
 
     def _capacity_blocks(self, requests: Sequence[TraceRequest]) -> int:
         if self.config.unbounded_cache:
@@ -265,6 +295,13 @@ class Cluster:
         return tuple(keys[:n_blocks])
 
     # ------------------------------------------------------------------ node views
+    def set_available(self, node: NodeId, available: bool) -> None:
+        """Take a node out of (or back into) the fleet view: down, or draining."""
+        if available:
+            self._unavailable.discard(node)
+        else:
+            self._unavailable.add(node)
+
     def node_states(self, excluded: set[NodeId]) -> list[NodeState]:
         """What the agents would report now (the scheduler's only view of the fleet)."""
         bt = self.config.block_tokens
@@ -278,10 +315,11 @@ class Cluster:
                 NodeState(
                     node_id=node,
                     role="prefill",
-                    healthy=True,
+                    healthy=node not in self._unavailable,
                     block_size=bt,
                     capacity_blocks=stats.capacity_blocks,
-                    free_blocks=stats.free_blocks + stats.evictable_blocks,
+                    free_blocks=stats.free_blocks,
+                    allocatable_blocks=stats.free_blocks + stats.evictable_blocks,
                     kv_bytes_per_token=kvb,
                     queued_prefill_tokens=p.queued_tokens,
                     running_requests=len(p.queue) + (p.running is not None),
@@ -292,12 +330,14 @@ class Cluster:
                 NodeState(
                     node_id=node,
                     role="decode",
-                    healthy=True,
+                    healthy=node not in self._unavailable,
                     block_size=bt,
                     capacity_blocks=d.capacity_tokens // bt,
                     free_blocks=d.free_blocks,
                     kv_bytes_per_token=kvb,
                     running_requests=d.running_requests,
+                    # A refusing decode node turns away what its batch cannot take.
+                    max_running_requests=d.max_batch if d.refuse else 0,
                 )
             )
         return states
@@ -332,93 +372,90 @@ class Cluster:
     def _arrive(self, req: TraceRequest) -> None:
         self._arrived += 1
         self._to_arrive -= 1
-        out = self.config.output_tokens or req.output_tokens
+        cap = self.config.max_tokens
+        out = min(cap, self.config.output_tokens or req.output_tokens)
         flight = _Flight(req, self.keys_of(req), max(1, out))
         flight.arrival_s = self.loop.now_s
-        prefix = self.index.match(flight.keys)
-        flight.sreq = ScheduleRequest(
+        sreq = ScheduleRequest(
             request_id=req.request_id,
             prompt_tokens=req.input_tokens,
-            prefix_blocks=prefix,
-            max_new_tokens=flight.output_tokens,
+            prefix_blocks=self.index.match(flight.keys),
+            max_new_tokens=cap,  # the client's cap: the true length is not known ahead
             slo=self.slo,
-            pending_blocks=self._pending(flight.keys, prefix) if self._track_inflight else {},
+            length_key=(MODEL, TENANT),
         )
+        flight.loop = self.placer.begin(sreq, flight.keys, self.loop.now_s)
         self._in_flight += 1
-        self._place(flight, set(), attempt=0)
+        self._place(flight)
 
-    def _pending(self, keys: tuple[BlockKey, ...], prefix: dict[NodeId, int]) -> dict[NodeId, int]:
-        """Per node: leading blocks cached there or being computed there right now."""
-        out: dict[NodeId, int] = {}
-        for node, inflight in self._inflight.items():
-            i = prefix.get(node, 0)
-            while i < len(keys) and keys[i] in inflight:
-                i += 1
-            if i:
-                out[node] = i
-        return out
-
-    def _inflight_add(self, node: NodeId, keys: Sequence[BlockKey]) -> None:
-        if self._track_inflight:
-            counts = self._inflight[node]
-            for key in keys:
-                counts[key] = counts.get(key, 0) + 1
-
-    def _inflight_remove(self, node: NodeId, keys: Sequence[BlockKey]) -> None:
-        if self._track_inflight:
-            counts = self._inflight[node]
-            for key in keys:
-                left = counts[key] - 1
-                if left:
-                    counts[key] = left
-                else:
-                    del counts[key]
-
-    def _place(self, flight: _Flight, excluded: set[NodeId], attempt: int) -> None:
-        sreq = flight.sreq
-        assert sreq is not None
+    def _place(self, flight: _Flight) -> None:
+        """Drive the shared placement loop with pool calls (the live one uses gRPC)."""
+        loop = flight.loop
+        assert loop is not None
         now = self.loop.now_s
         while True:
-            decision = self.scheduler.schedule(sreq, self.node_states(excluded), now)
-            if isinstance(decision, Rejection):
-                reason: str = decision.reason
-                if excluded and reason in ("no_prefill_node", "no_decode_node"):
+            step = loop.decide(self.node_states(set()), now)
+            if isinstance(step, Wait):
+                self._wait(flight, step)
+                return
+            self._waiters.pop(flight.req.request_id, None)
+            if isinstance(step, Refusal):
+                reason: str = step.reason
+                if reason in ("exhausted", "unavailable"):
                     reason = "insufficient_capacity"
+                loop.finished()
                 self._finish(flight, "rejected", reason)
                 return
-            self.scheduler.on_assigned(sreq, decision, now)
-            inst = self.prefill[decision.prefill]
-            attempt += 1
-            tx_id = f"{sreq.request_id}:{attempt}"
+            inst = self.prefill[step.prefill]
+            tx_id = f"{flight.req.request_id}:{len(loop.excluded) + 1}"
             try:
                 alloc = inst.pool.tx_allocate(
                     AllocateParams(tx_id, TENANT, flight.keys, self.config.lease_s)
                 )
             except CapacityExhausted:
-                self.scheduler.on_finished(sreq.request_id, decision.prefill, decision.decode)
-                excluded.add(decision.prefill)
+                loop.failed(step.prefill, FailureKind.CAPACITY)
                 continue
             self._publish(inst)
-            flight.computing = flight.keys[alloc.reused_blocks :]
-            self._inflight_add(inst.node_id, flight.computing)
-            flight.placement = decision
+            loop.allocated()
+            flight.placement = step
             flight.prefill = inst
-            flight.decode = self.decode[decision.decode]
+            flight.decode = self.decode[step.decode]
             job = PrefillJob(
-                request_id=sreq.request_id,
+                request_id=flight.req.request_id,
                 tx_id=tx_id,
                 keys=flight.keys,
                 handles=alloc.handles,
-                input_tokens=sreq.prompt_tokens,
+                input_tokens=flight.req.input_tokens,
                 on_start=lambda cached, duration: self._prefill_started(flight, cached, duration),
                 on_done=lambda: self._prefill_done(flight),
             )
             flight.job = job
             inst.enqueue(job)
-            if decision.migration is not None:
-                self._migrate(flight, job, decision, alloc.reused_blocks)
+            if step.migration is not None:
+                self._migrate(flight, job, step, alloc.reused_blocks)
             self._try_start(inst)
             return
+
+    def _wait(self, flight: _Flight, step: Wait) -> None:
+        """Decide again at ``step.until_s``, or earlier when capacity frees up."""
+        flight.wait_token += 1
+        token = flight.wait_token
+        self._waiters[flight.req.request_id] = flight
+
+        def wake() -> None:
+            if flight.wait_token == token and flight.req.request_id in self._waiters:
+                self._place(flight)
+
+        self.loop.at(max(step.until_s, self.loop.now_s), wake)
+
+    def _capacity_freed(self) -> None:
+        """A decode ended or was refused: waiting requests decide again, oldest first."""
+        if not self._waiters:
+            return
+        for flight in list(self._waiters.values()):
+            if flight.req.request_id in self._waiters:
+                flight.wait_token += 1
+                self._place(flight)
 
     # ------------------------------------------------------------------ migration
     def _migrate(
@@ -499,16 +536,17 @@ class Cluster:
         inst.finish(job)
         inst.pool.tx_commit(job.tx_id)  # its blocks become reusable prefix
         self._publish(inst)
-        self._inflight_remove(inst.node_id, flight.computing)
-        self.scheduler.on_prefill_done(
-            job.request_id, inst.node_id, job.input_tokens, flight.cached_tokens, flight.prefill_s
-        )
+        loop = flight.loop
+        assert loop is not None
+        loop.committed()
+        loop.prefill_done(job.input_tokens, flight.cached_tokens, flight.prefill_s)
         if flight.output_tokens <= 1:  # the prefill produced the only token
             now = self.loop.now_s
             flight.ttft_s = now - flight.arrival_s
-            self.scheduler.on_decode_started(job.request_id, placement.decode, now)
-            self.scheduler.on_finished(job.request_id, placement.prefill, placement.decode)
+            loop.decode_started(now)
+            loop.finished(1, stopped=flight.output_tokens < self.config.max_tokens)
             self._finish(flight, "completed", None)
+            self._capacity_freed()
         else:
             self.loop.at(flight.handoff_at_s, lambda: self._handoff_done(flight))
         self._try_start(inst)
@@ -528,12 +566,15 @@ class Cluster:
             first_token_s=now,
             on_done=lambda seq: self._decode_done(flight, seq),
         )
+        loop = flight.loop
+        assert loop is not None
         if not dec.offer(seq):
-            self.scheduler.on_finished(flight.req.request_id, placement.prefill, placement.decode)
+            loop.finished()
             self._finish(flight, "rejected_after_prefill", "decode_refused")
+            self._capacity_freed()
             return
         flight.ttft_s = now - flight.arrival_s
-        self.scheduler.on_decode_started(flight.req.request_id, placement.decode, now)
+        loop.decode_started(now)
 
     def _decode_done(self, flight: _Flight, seq: DecodeSeq) -> None:
         dec, placement = flight.decode, flight.placement
@@ -541,11 +582,15 @@ class Cluster:
         assert placement is not None
         gaps = dec.gaps_s(seq)
         tbt = top_decile_mean(gaps)
-        batch, context = self.scheduler.active_decodes(placement.decode)
+        batch, context = self.scheduler.active_decodes(placement.decode, self.loop.now_s)
         mean_gap = sum(gaps) / len(gaps)
         self.scheduler.observe_tbt(placement.decode, max(1, batch), context, mean_gap)
-        self.scheduler.on_finished(flight.req.request_id, placement.prefill, placement.decode)
+        loop = flight.loop
+        assert loop is not None
+        n_out = flight.output_tokens
+        loop.finished(n_out, stopped=n_out < self.config.max_tokens)
         self._finish(flight, "completed", None, tbt_s=tbt)
+        self._capacity_freed()
 
     # ------------------------------------------------------------------ records
     def _finish(

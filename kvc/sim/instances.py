@@ -36,6 +36,8 @@ Complexity
 
 from __future__ import annotations
 
+import math
+import random
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,8 +60,40 @@ __all__ = [
     "Nic",
     "PrefillInstance",
     "PrefillJob",
+    "TimingNoise",
     "reserve_transfer",
 ]
+
+
+class TimingNoise:
+    """Engines are not their profile: multiplicative noise and cold starts on true times.
+
+    Each duration is multiplied by ``exp(N(0, sigma) - sigma^2/2)`` (log-normal, mean 1);
+    an instance's first ``cold_prefills`` prefills take ``cold_factor`` times longer (a
+    cold engine: kernels compiled, caches warmed). Seeded per instance: reproducible.
+    """
+
+    __slots__ = ("_cold_factor", "_cold_left", "_rng", "_sigma")
+
+    def __init__(
+        self, sigma: float = 0.0, cold_factor: float = 1.0, cold_prefills: int = 0, seed: int = 0
+    ) -> None:
+        self._sigma = sigma
+        self._cold_factor = cold_factor
+        self._cold_left = cold_prefills
+        self._rng = random.Random(seed)
+
+    def decode(self, seconds: float) -> float:
+        if self._sigma <= 0:
+            return seconds
+        return seconds * math.exp(self._rng.gauss(0.0, self._sigma) - self._sigma**2 / 2)
+
+    def prefill(self, seconds: float) -> float:
+        seconds = self.decode(seconds)
+        if self._cold_left > 0:
+            self._cold_left -= 1
+            seconds *= self._cold_factor
+        return seconds
 
 
 @dataclass(slots=True)
@@ -117,8 +151,10 @@ class PrefillInstance:
         block_tokens: int,
         clock: Callable[[], float],
         max_lease_s: float,
+        noise: TimingNoise | None = None,
     ) -> None:
         self.node_id = node_id
+        self.noise = noise or TimingNoise()
         self.epoch = f"sim-{node_id}"
         self.profile = profile
         self.block_tokens = block_tokens
@@ -204,7 +240,7 @@ class PrefillInstance:
                 dram_blocks += 1
         load_tokens = min(dram_blocks * self.block_tokens, cached_tokens)
         compute = self.profile.prefill_compute_s(job.input_tokens, cached_tokens)
-        duration = max(compute, self.profile.h2d_load_s(load_tokens))
+        duration = self.noise.prefill(max(compute, self.profile.h2d_load_s(load_tokens)))
         cap = self.hbm_capacity_blocks
         if cap:
             move = hbm.move_to_end
@@ -250,8 +286,10 @@ class DecodeInstance:
         clock: Callable[[], float],
         refuse: bool,
         tbt_slo_s: float,
+        noise: TimingNoise | None = None,
     ) -> None:
         self.node_id = node_id
+        self.noise = noise or TimingNoise()
         self.profile = profile
         self.block_tokens = block_tokens
         self.capacity_tokens = profile.decode.hbm_kv_tokens
@@ -326,7 +364,9 @@ class DecodeInstance:
             self._stepping = False
             return
         self._stepping = True
-        self._step_s = self.profile.tbt_s(self.batch_requests, self.context_tokens)
+        self._step_s = self.noise.decode(
+            self.profile.tbt_s(self.batch_requests, self.context_tokens)
+        )
         self._schedule_at(self._clock() + self._step_s, self._end_step)
 
     def _end_step(self) -> None:

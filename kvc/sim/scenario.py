@@ -18,12 +18,13 @@ name or a path. Complexity: trivial (validation of a small JSON object).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
+from conductor.core.cost_model import DecodePrior, PrefillPrior
 from conductor.core.scheduler import Admission, Policy, SchedulerConfig, Slo
 from kvc.sim.cluster import ClusterConfig
 from kvc.sim.profile import Profile, SimConfigError, load_profile, read_config_json
@@ -59,7 +60,11 @@ class SchedulerSpec:
     admission: str = "none"
     kvcache_balancing_threshold: float = 2.0
     min_migration_blocks: int = 1
-    expected_output_tokens: int = 256
+    output_length_prior_tokens: float = 256.0  # prior mean; the scheduler learns lengths
+    # The conductor's priors = the profile's x prior_scale (1: exact). priors_measured:
+    # each node's start-up calibration reports them (False: the conductor learns online).
+    prior_scale: float = 1.0
+    priors_measured: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +76,7 @@ class RunSpec:
     admission: str | None = None
     kvcache_balancing_threshold: float | None = None
     cluster_overrides: Mapping[str, Any] = field(default_factory=dict)
+    scheduler_overrides: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +125,16 @@ class Scenario:
         if not run.cluster_overrides:
             return self.cluster
         return _CLUSTER_ADAPTER.validate_python(
-            {**_cluster_fields(self.cluster), **dict(run.cluster_overrides)}
+            {**_fields(self.cluster), **dict(run.cluster_overrides)}
         )
 
     def scheduler_for(self, run: RunSpec, profile: Profile) -> SchedulerConfig:
         """The run's scheduler knobs; priors from the profile (the scheduler learns on)."""
         spec = self.scheduler
+        if run.scheduler_overrides:
+            spec = _SCHEDULER_ADAPTER.validate_python(
+                {**_fields(spec), **dict(run.scheduler_overrides)}
+            )
         threshold = run.kvcache_balancing_threshold
         return SchedulerConfig(
             policy=Policy(run.policy),
@@ -133,20 +143,32 @@ class Scenario:
                 spec.kvcache_balancing_threshold if threshold is None else threshold
             ),
             min_migration_blocks=spec.min_migration_blocks,
-            expected_output_tokens=spec.expected_output_tokens,
-            prefill_prior=profile.prefill_prior(),
-            decode_prior=profile.decode_prior(),
+            output_length_prior_tokens=spec.output_length_prior_tokens,
+            prefill_prior=_scaled(profile.prefill_prior(), spec.prior_scale),
+            decode_prior=_scaled(profile.decode_prior(), spec.prior_scale),
+            priors_measured=spec.priors_measured,
             transfer_bandwidth_bytes_per_s=profile.network.nic_bytes_per_s,
             transfer_latency_s=profile.network.latency_s,
         )
 
 
+_P = TypeVar("_P", PrefillPrior, DecodePrior)
+
+
+def _scaled(prior: _P, scale: float) -> _P:
+    """``prior`` with every coefficient multiplied by ``scale`` (a misspecified prior)."""
+    if scale == 1.0:
+        return prior
+    return type(prior)(*(c * scale for c in prior.coefficients))
+
+
 _CLUSTER_ADAPTER: TypeAdapter[ClusterConfig] = TypeAdapter(ClusterConfig)
+_SCHEDULER_ADAPTER: TypeAdapter[SchedulerSpec] = TypeAdapter(SchedulerSpec)
 _SCENARIO_ADAPTER: TypeAdapter[Scenario] = TypeAdapter(Scenario)
 
 
-def _cluster_fields(config: ClusterConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
+def _fields(config: ClusterConfig | SchedulerSpec) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in fields(config)}
 
 
 def bundled_scenarios() -> list[str]:

@@ -231,6 +231,20 @@ def test_kvc_demo_serves_and_stops_everything(tmp_path: Path) -> None:
             model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
         )
         assert reply.choices[0].message.content is not None
+        # Regression: the first (cold, slow) short request taught the conductor a prefill
+        # estimate that refused every long prompt afterwards with 429 on an idle cluster.
+        system = "You are the assistant of the Xylophone Club and answer briefly. " * 150
+        long_reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+            max_tokens=8,
+        )
+        assert long_reply.usage is not None
+        assert 3_000 <= long_reply.usage.prompt_tokens <= 4_000
+        short = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+        )
+        assert short.choices[0].message.content is not None
     finally:
         demo.send_signal(signal.SIGTERM)
         code = demo.wait(timeout=60)

@@ -2,9 +2,10 @@
 
 The registries are rendered after every label value has been exercised, then checked
 twice: here, rule by rule (prefix, snake case, base units, ``_total`` on counters only,
-ratios 0–1, help text, every label value from a fixed set), and by ``promtool check
-metrics``, Prometheus's own linter. Also: every label value the code can record comes
-from the sets the metrics modules declare, and docs/operations.md lists every metric.
+ratios 0–1 (gauges; a ratio histogram may exceed 1), help text, every label value from
+a fixed set), and by ``promtool check metrics``, Prometheus's own linter. Also: every
+label value the code can record comes from the sets the metrics modules declare, and
+docs/operations.md lists every metric.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ ALLOWED_LABELS: dict[str, tuple[str, ...] | None] = {
     "reason": cm.REJECTION_REASONS,
     "source": (*cm.PROMPT_SOURCES, *am.TOKEN_SOURCES),
     "role": cm.ROLES,
+    "quantity": cm.PREDICTED_QUANTITIES,
     "method": cm.AGENT_METHODS,
     "code": cm.GRPC_CODES,
     "op": am.TX_OPS,
@@ -75,11 +77,11 @@ def test_names_units_and_types(texts: dict[str, str], service: str) -> None:
                 assert sample.name.endswith("_total"), f"{sample.name}: counter without _total"
             else:
                 assert not sample.name.endswith("_total"), f"{sample.name}: _total on a {mtype}"
-        if mtype == "histogram":
-            assert name.endswith("_seconds"), f"{name}: histograms here measure time"
+        if mtype == "histogram":  # durations, or predicted/actual ratios of durations
+            assert name.endswith(("_seconds", "_ratio")), f"{name}: histogram of what unit?"
         if "bytes" in name:
             assert name.endswith(("_bytes", "_bytes_total")), f"{name}: bytes is the unit suffix"
-        if name.endswith("_ratio"):
+        if name.endswith("_ratio") and mtype != "histogram":
             assert all(0.0 <= s.value <= 1.0 for s in samples), f"{name}: a ratio is 0-1"
         if "seconds" in name:
             assert name.endswith(("_seconds", "_seconds_total")), name

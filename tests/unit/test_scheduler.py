@@ -38,6 +38,9 @@ def config(**kw: object) -> SchedulerConfig:
         transfer_bandwidth_bytes_per_s=1e9,
         transfer_latency_s=0.0,
         kvcache_balancing_threshold=2.0,
+        priors_measured=True,  # the round-number priors are the truth here
+        # Outputs far longer than any window below unless a test caps them (max_new).
+        output_length_prior_tokens=1e6,
     )
     return replace(base, **kw)  # type: ignore[arg-type]
 
@@ -171,18 +174,18 @@ def test_admission_none_never_rejects_on_slo() -> None:
 
 
 def _load_decode(s: Scheduler, count: int, end_s: float) -> None:
-    """Put ``count`` decodes on d1 that started already and end at ``end_s``."""
+    """Put ``count`` decodes on d1 that started at NOW-1 and stop at ``end_s`` (max_tokens)."""
+    step_s = 0.01
     for i in range(count):
-        req = request(rid=f"busy{i}", max_new=1)
+        cap = round((end_s - (NOW - 1)) / step_s)
+        req = request(rid=f"busy{i}", max_new=cap)
         p = Placement(
             prefill=NodeId("p1"), decode=NodeId("d1"), prefix_blocks=0, migration=None,
-            queue_s=0, prefill_s=0, handoff_s=0, ttft_s=0, tbt_s=0, fallbacks=(),
+            queue_s=0, prefill_s=0, handoff_s=0, ttft_s=0, tbt_s=step_s, fallbacks=(),
         )  # fmt: skip
         s.on_assigned(req, p, NOW - 1)
         s.on_decode_started(req.request_id, NodeId("d1"), NOW - 1)
         s.on_prefill_done(req.request_id, NodeId("p1"), 10, 0, None)
-        book = s._books[NodeId("d1")].decodes[req.request_id]
-        book.end_s = end_s
 
 
 def test_early_rejects_on_current_decode_load() -> None:
@@ -210,7 +213,8 @@ def test_predictive_rejects_load_that_will_still_be_there() -> None:
     r = s.schedule(request(tbt_s=0.1), FLEET, NOW)
     assert isinstance(r, Rejection)
     assert r.reason == "tbt_slo"
-    assert r.retry_after_s == pytest.approx(50 - 0)  # until they end
+    # They end at NOW+50; the forecast is probed at growing delays after the prefill.
+    assert 49.0 <= r.retry_after_s <= 60.0
 
 
 def test_predictive_counts_requests_joining_before_prefill_ends() -> None:
@@ -281,9 +285,9 @@ def test_finished_requests_leave_the_books() -> None:
     req = request(rid="done")
     p = placed(s.schedule(req, FLEET, NOW))
     s.on_assigned(req, p, NOW)
-    assert s.active_decodes(NodeId("d1"))[0] == 1
+    assert s.active_decodes(NodeId("d1"), NOW + p.ttft_s)[0] == 1
     s.on_finished("done", p.prefill, p.decode)
-    assert s.active_decodes(NodeId("d1")) == (0, 0)
+    assert s.active_decodes(NodeId("d1"), NOW + p.ttft_s) == (0, 0)
     assert s.queue_s(node(p.prefill)) == 0.0
 
 
@@ -307,3 +311,140 @@ def test_no_migration_involving_nodes_that_own_their_kv() -> None:
         )
     )
     assert p.migration is None
+
+
+# ---------------------------------------------------------------- capacity before work
+
+
+def test_a_warm_decode_pool_full_of_evictable_blocks_has_room() -> None:
+    """Reproduction: a warm decode cache (nothing strictly free, all evictable) was refused
+    with no_decode_node even with admission off; allocatable blocks are what count."""
+    s = Scheduler(config(admission=Admission.NONE))
+    warm = node("d1", "decode", free_blocks=0, allocatable_blocks=10_000)
+    p = placed(s.schedule(request(), [node("p1"), warm], NOW))
+    assert p.decode == "d1"
+    full = node("d1", "decode", free_blocks=0, allocatable_blocks=0)
+    r = s.schedule(request(), [node("p1"), full], NOW)
+    assert isinstance(r, Rejection)
+    assert r.reason == "no_decode_node"
+
+
+def test_a_decode_node_without_a_free_generation_slot_is_not_chosen() -> None:
+    """The agent would refuse the generation after the prefill: checked before any work."""
+    s = Scheduler(config(admission=Admission.NONE))
+    fleet = [
+        node("p1"),
+        node("d1", "decode", max_running_requests=2, running_requests=2),
+        node("d2", "decode", max_running_requests=2, running_requests=1),
+    ]
+    assert placed(s.schedule(request(), fleet, NOW)).decode == "d2"
+    # Our own placements count before the agent reports them.
+    for i in range(2):
+        req = request(rid=f"own{i}")
+        s.on_assigned(req, placed(s.schedule(req, fleet[:1] + fleet[2:], NOW)), NOW)
+    r = s.schedule(request(), fleet, NOW)
+    assert isinstance(r, Rejection)
+    assert r.reason == "no_decode_node"
+
+
+# ---------------------------------------------------------------- estimates that stay sane
+
+
+def test_one_slow_cold_start_does_not_lock_admission() -> None:
+    """Reproduction: after one 0.8 s cold start of a 14-token prompt, a 1,377-token prompt
+    got 429 ttft_slo on an idle cluster forever. Now it is served, and so are more."""
+    s = Scheduler(SchedulerConfig())  # the shipped default priors, not measured
+    fleet = [node("p1"), node("d1", "decode")]
+    s.on_prefill_done("warm", NodeId("p1"), 14, 0, 0.8)
+    for i in range(6):
+        s.on_prefill_done(f"short{i}", NodeId("p1"), 14, 0, 0.05)
+    for prompt in (1_377, 3_600, 8_000):
+        req = request(prompt=prompt, ttft_s=30.0, tbt_s=0.2, rid=f"long{prompt}")
+        assert isinstance(s.schedule(req, fleet, NOW), Placement), prompt
+
+
+def test_an_idle_node_never_refuses_on_ttft() -> None:
+    """A prompt slower than its SLO even on an idle node is served when the node is idle."""
+    s = Scheduler(config())
+    fleet = [node("p1"), node("d1", "decode")]
+    assert isinstance(s.schedule(request(prompt=20_001, ttft_s=5.0), fleet, NOW), Placement)
+    busy = [node("p1", queued_prefill_tokens=3_000), node("d1", "decode")]
+    r = s.schedule(request(prompt=20_001, ttft_s=5.0), busy, NOW)
+    assert isinstance(r, Rejection)
+    assert r.reason == "ttft_slo"
+    assert r.retry_after_s == pytest.approx(3.0)  # when the queue has drained
+
+
+def test_admission_refuses_only_on_estimates_with_evidence() -> None:
+    """An unmeasured prior far from any observation is a guess: no refusal on it."""
+    s = Scheduler(config(priors_measured=False))
+    fleet = [node("p1", queued_prefill_tokens=20_000), node("d1", "decode")]
+    assert isinstance(s.schedule(request(ttft_s=5.0), fleet, NOW), Placement)
+    for i in range(20):  # observations near this request's size
+        s.on_prefill_done(f"o{i}", NodeId("p1"), 1025, 0, 1.025)
+    r = s.schedule(request(ttft_s=5.0), fleet, NOW)
+    assert isinstance(r, Rejection)
+    assert r.reason == "ttft_slo"
+
+
+def test_a_measured_node_prior_replaces_the_configured_one() -> None:
+    s = Scheduler(config(priors_measured=False))
+    fast = PrefillPrior(fixed_s=0.0, per_token_s=1e-6, per_token_context_s=0.0)
+    s.set_measured_priors(NodeId("p1"), fast, None)
+    model = s.prefill_model(NodeId("p1"))
+    assert model.estimate(1025, 0) == pytest.approx(1025e-6)
+    assert model.has_evidence(100_000, 0)
+    assert not s.prefill_model(NodeId("p2")).has_evidence(100_000, 0)
+
+
+# ---------------------------------------------------------------- learned output lengths
+
+
+def _running_decodes(s: Scheduler, count: int, cap: int) -> None:
+    for i in range(count):
+        req = request(rid=f"run{i}", max_new=cap)
+        p = Placement(
+            prefill=NodeId("p1"), decode=NodeId("d1"), prefix_blocks=0, migration=None,
+            queue_s=0, prefill_s=0, handoff_s=0, ttft_s=0, tbt_s=0.01, fallbacks=(),
+        )  # fmt: skip
+        s.on_assigned(req, p, NOW)
+        s.on_decode_started(req.request_id, NodeId("d1"), NOW)
+
+
+def test_predictive_admission_uses_learned_output_lengths() -> None:
+    """Nine decodes with a 10k-token cap: whether they still run when the new prefill ends
+    (~1 s, ~100 tokens later) depends on the lengths learned, not on a constant."""
+    short = Scheduler(config(output_length_prior_tokens=256.0))
+    long_ = Scheduler(config(output_length_prior_tokens=256.0))
+    for _ in range(2_000):
+        short.output_lengths.observe("", "", 20)  # this workload answers in ~20 tokens
+        long_.output_lengths.observe("", "", 5_000)
+    for s in (short, long_):
+        _running_decodes(s, 9, cap=10_000)
+    assert isinstance(short.schedule(request(tbt_s=0.1), FLEET, NOW), Placement)
+    r = long_.schedule(request(tbt_s=0.1), FLEET, NOW)
+    assert isinstance(r, Rejection)
+    assert r.reason == "tbt_slo"
+
+
+def test_finished_requests_teach_output_lengths_and_caps_are_lower_bounds() -> None:
+    s = Scheduler(config(output_length_prior_tokens=50.0))
+    for i in range(500):
+        req = request(rid=f"f{i}", max_new=100)
+        p = placed(s.schedule(req, FLEET, NOW))
+        s.on_assigned(req, p, NOW)
+        # Every one hit its 100-token cap: the true length is at least 100.
+        s.on_finished(req.request_id, p.prefill, p.decode, output_tokens=100, stopped=False)
+    assert s.output_lengths.distribution("", "").quantile(0.5) >= 100
+
+
+def test_a_decode_running_past_its_typical_length_stays_in_the_forecast() -> None:
+    s = Scheduler(config(output_length_prior_tokens=256.0))
+    for _ in range(2_000):
+        s.output_lengths.observe("", "", 20)
+    _running_decodes(s, 1, cap=100_000)
+    later = NOW + 10.0  # 1,000 tokens in: far past the typical 20
+    d1 = node("d1", "decode")
+    lengths = s.output_lengths.distribution("", "")
+    assert s.forecast(d1, later, later, lengths).requests == 1.0
+    assert s.forecast(d1, later + 1.0, later, lengths).requests > 0.0

@@ -37,6 +37,7 @@ def config(**kw: object) -> SchedulerConfig:
         decode_prior=DecodePrior(fixed_s=0.01, per_request_s=0.01, per_context_token_s=0.0),
         transfer_bandwidth_bytes_per_s=1e9,
         transfer_latency_s=0.0,
+        priors_measured=True,  # as if calibrated: admission may act on the priors
     )
     return replace(base, **kw)  # type: ignore[arg-type]
 

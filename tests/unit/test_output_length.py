@@ -1,0 +1,424 @@
+"""Output-length model: learning, censoring, prior, drift, tenants, tail, invariants."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable
+from itertools import pairwise
+from statistics import NormalDist
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conductor.core.output_length import (
+    MAX_TOKENS,
+    TAIL_SURVIVAL,
+    LengthDistribution,
+    OutputLengthModel,
+)
+
+Sampler = Callable[[random.Random], int]
+
+
+def geometric(mean: float) -> Sampler:
+    p = 1.0 / mean
+
+    def draw(rng: random.Random) -> int:
+        return max(1, math.ceil(math.log(1.0 - rng.random()) / math.log(1.0 - p)))
+
+    return draw
+
+
+def lognormal(median: float, sigma: float) -> Sampler:
+    def draw(rng: random.Random) -> int:
+        return max(1, round(rng.lognormvariate(math.log(median), sigma)))
+
+    return draw
+
+
+def bimodal(low: float, high: float) -> Sampler:
+    def draw(rng: random.Random) -> int:
+        centre = low if rng.random() < 0.5 else high
+        return max(1, round(rng.lognormvariate(math.log(centre), 0.15)))
+
+    return draw
+
+
+def lognormal_quantile(median: float, sigma: float, q: float) -> float:
+    return median * math.exp(sigma * NormalDist().inv_cdf(q))
+
+
+def sample_quantile(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def learned(
+    draw: Sampler, count: int, *, seed: int = 0, **knobs: float
+) -> tuple[OutputLengthModel, list[int]]:
+    rng = random.Random(seed)
+    model = OutputLengthModel(**knobs)  # type: ignore[arg-type]
+    values = [draw(rng) for _ in range(count)]
+    for value in values:
+        model.observe("m", "t", value)
+    return model, values
+
+
+def close(actual: float, expected: float, rel: float, abs_tokens: float = 1.0) -> bool:
+    return abs(actual - expected) <= rel * expected + abs_tokens
+
+
+# ------------------------------------------------------------------ learning
+
+
+@pytest.mark.parametrize(
+    ("draw", "quantiles"),
+    [
+        pytest.param(geometric(150), (0.1, 0.25, 0.5, 0.75, 0.9, 0.99), id="geometric-mean-150"),
+        pytest.param(lognormal(300, 0.8), (0.1, 0.25, 0.5, 0.75, 0.9, 0.99), id="lognormal"),
+        # The median falls in the gap between the modes: any point there is a median.
+        pytest.param(bimodal(20, 800), (0.1, 0.25, 0.4, 0.6, 0.75, 0.9, 0.99), id="bimodal"),
+    ],
+)
+def test_learns_quantiles_and_mean_from_5000_samples(
+    draw: Sampler, quantiles: tuple[float, ...]
+) -> None:
+    model, values = learned(draw, 5_000)
+    dist = model.distribution("m", "t")
+    for q in quantiles:
+        assert close(dist.quantile(q), sample_quantile(values, q), 0.10), q
+    mean = sum(values) / len(values)
+    assert close(dist.mean(), mean, 0.10, 0)
+    cap = 500
+    assert close(dist.mean(cap), sum(min(v, cap) for v in values) / len(values), 0.05, 0)
+    assert model.samples == 5_000
+    # Model-wide aged weight: sum of 2**(-i/2000) over 5,000 observations; the tenant's
+    # adds its prior (20 pseudo-observations of the model-wide curve) at its data share.
+    aged = (1 - 2 ** (-5_000 / 2_000)) / (1 - 2 ** (-1 / 2_000))
+    assert model.distribution("m", "unseen").weight == pytest.approx(aged)
+    assert dist.weight == pytest.approx(aged + 20 * aged / (aged + 20))
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 8, 16, 20, 32, 64])
+def test_lengths_at_bin_edges_are_exact(tokens: int) -> None:
+    model = OutputLengthModel(prior_weight=1e-3)
+    for _ in range(1_000):
+        model.observe("m", "t", tokens)
+    dist = model.distribution("m", "t")
+    assert dist.quantile(0.5) == pytest.approx(tokens, rel=0.1, abs=1)
+    assert dist.survival(tokens - 1) > 0.99  # P(L >= tokens)
+    assert dist.survival(tokens * 1.3 + 1) < 0.01
+
+
+def test_the_prior_has_its_mean_before_any_data() -> None:
+    dist = OutputLengthModel(prior_mean_tokens=256).distribution("m", "t")
+    assert dist.weight == 0
+    assert dist.quantile(0.5) == pytest.approx(256 / math.sqrt(math.e), rel=0.05)  # median
+    assert dist.mean(10_000) == pytest.approx(256, rel=0.05)
+    assert dist.survival(0) == 1.0
+
+
+# ------------------------------------------------------------------ censoring
+
+
+def test_capped_lengths_do_not_bias_quantiles_down() -> None:
+    """Half the requests have max_tokens 200: those longer stop at 200, censored."""
+    median, sigma, cap = 150.0, 0.8, 200
+    rng = random.Random(1)
+    draw = lognormal(median, sigma)
+    censored, naive = OutputLengthModel(), OutputLengthModel()
+    for i in range(5_000):
+        length = draw(rng)
+        hit_cap = i % 2 == 0 and length > cap
+        censored.observe("m", "t", cap if hit_cap else length, censored=hit_cap)
+        naive.observe("m", "t", cap if hit_cap else length)
+    km, exact = censored.distribution("m", "t"), naive.distribution("m", "t")
+    for q in (0.5, 0.75, 0.9, 0.95):
+        truth = lognormal_quantile(median, sigma, q)
+        assert close(km.quantile(q), truth, 0.10), q
+    for q in (0.75, 0.9, 0.95):  # treating the capped ones as exact pulls these down
+        truth = lognormal_quantile(median, sigma, q)
+        assert exact.quantile(q) < 0.85 * truth, q
+    rng = random.Random(2)
+    true_capped_mean = sum(min(draw(rng), 1_000) for _ in range(20_000)) / 20_000
+    assert close(km.mean(1_000), true_capped_mean, 0.05, 0)
+    assert exact.mean(1_000) < 0.9 * true_capped_mean
+
+
+def test_requests_that_all_hit_the_cap_read_as_at_least_the_cap() -> None:
+    model = OutputLengthModel(prior_mean_tokens=50)
+    for _ in range(500):
+        model.observe("m", "t", 100, censored=True)
+    dist = model.distribution("m", "t")
+    assert dist.quantile(0.5) >= 100
+    assert dist.survival(99) > 0.9
+
+
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_censored_at_the_start_tells_nothing(tokens: int) -> None:
+    model = OutputLengthModel()
+    before = model.distribution("m", "t")
+    for _ in range(100):
+        model.observe("m", "t", tokens, censored=True)
+    after = model.distribution("m", "t")
+    assert after.knot_survival == pytest.approx(before.knot_survival)
+
+
+# ------------------------------------------------------------------ prior, drift
+
+
+@pytest.mark.parametrize(
+    ("count", "tenant", "rel"),
+    [
+        (300, "t", 0.05),  # the tenant the data came from (the model-wide curve is its prior)
+        (500, "other", 0.10),  # model-wide: 20 prior pseudo-observations of 520
+    ],
+)
+def test_a_prior_4x_too_short_is_recovered_from(count: int, tenant: str, rel: float) -> None:
+    truth_mean, sigma = 256.0, 1.0
+    draw = lognormal(truth_mean / math.exp(sigma * sigma / 2), sigma)
+    assert OutputLengthModel(prior_mean_tokens=64).distribution("m", "t").mean(4_096) < 80
+    model, values = learned(draw, count, seed=3, prior_mean_tokens=64)
+    dist = model.distribution("m", tenant)
+    assert close(dist.quantile(0.5), sample_quantile(values, 0.5), rel)
+    capped = sum(min(v, 4_096) for v in values) / count
+    assert close(dist.mean(4_096), capped, rel, 0)
+
+
+def test_drift_is_followed_within_a_few_half_lives() -> None:
+    half_life = 200
+    model, _ = learned(lognormal(100, 0.5), 2_000, half_life=half_life)
+    assert close(model.distribution("m", "t").quantile(0.5), 100, 0.10)
+    rng = random.Random(9)
+    medians = []
+    for _ in range(4):  # four half-lives of the new regime
+        for _ in range(half_life):
+            model.observe("m", "t", lognormal(400, 0.5)(rng))
+        medians.append(model.distribution("m", "t").quantile(0.5))
+    assert 120 < medians[0] < 380  # one half-life: half old, half new
+    assert medians[0] < medians[1] < medians[-1]
+    assert close(medians[-1], 400, 0.10)
+
+
+def test_lazy_aging_survives_rescaling_and_matches_eager_weights() -> None:
+    # half_life 1: the stored weights pass 1e100 every ~330 observations.
+    model = OutputLengthModel(half_life=1.0, prior_weight=1e-3)
+    for _ in range(5_000):
+        model.observe("m", "t", 50)
+    for _ in range(60):
+        model.observe("m", "t", 500)
+    dist = model.distribution("m", "t")
+    assert model.distribution("m", "x").weight == pytest.approx(2.0)  # 1 + 1/2 + 1/4 + ...
+    assert all(math.isfinite(s) for s in dist.knot_survival)
+    assert close(dist.quantile(0.5), 500, 0.10)
+    no_aging = OutputLengthModel(half_life=math.inf)
+    for _ in range(10):
+        no_aging.observe("m", "t", 50)
+    assert no_aging.distribution("m", "x").weight == pytest.approx(10)
+
+
+# ------------------------------------------------------------------ tenants, cache
+
+
+@pytest.mark.parametrize(("own_samples", "reads_own"), [(5, False), (1_000, True)])
+def test_a_tenant_reads_its_own_distribution_once_it_has_enough_weight(
+    own_samples: int, reads_own: bool
+) -> None:
+    rng = random.Random(4)
+    model = OutputLengthModel()
+    for _ in range(3_000):
+        model.observe("m", "big", lognormal(100, 0.5)(rng))
+    for _ in range(own_samples):
+        model.observe("m", "small", lognormal(1_000, 0.5)(rng))
+    small = model.distribution("m", "small").quantile(0.5)
+    wide = model.distribution("m", "never-seen").quantile(0.5)
+    if reads_own:
+        assert close(small, 1_000, 0.10)
+    else:
+        assert close(small, wide, 0.25)
+        assert small < 300
+
+
+def test_an_unseen_tenant_reads_the_model_wide_and_an_unseen_model_the_prior() -> None:
+    model = OutputLengthModel()
+    assert model.distribution("m", "t") is model.prior
+    model.observe("m", "a", 40)
+    assert model.distribution("m", "b") is model.distribution("m", "c")
+    assert model.distribution("other", "a") is model.prior
+    assert model.key_count == 2  # reading creates no keys
+
+
+def test_tenant_weight_counts_borrowed_model_wide_data() -> None:
+    model = OutputLengthModel(half_life=math.inf)
+    for _ in range(100):
+        model.observe("m", "a", 40)
+    for _ in range(5):
+        model.observe("m", "b", 40)
+    share = 105 / (105 + 20)  # data share of the model-wide distribution
+    assert model.distribution("m", "b").weight == pytest.approx(5 + 45 * share)
+    assert model.distribution("m", "a").weight == pytest.approx(100 + 20 * share)
+    assert model.distribution("m", "x").weight == pytest.approx(105)
+
+
+def test_snapshots_are_cached_until_new_observations() -> None:
+    model = OutputLengthModel()
+    model.observe("m", "a", 40)
+    first = model.distribution("m", "a")
+    assert model.distribution("m", "a") is first
+    model.observe("m", "b", 400)  # the model-wide distribution (a's prior) changed
+    second = model.distribution("m", "a")
+    assert second is not first
+    assert model.distribution("m", "a") is second
+    model.observe("m", "a", 40)
+    assert model.distribution("m", "a") is not second
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.weight = 3.0  # type: ignore[misc]
+
+
+def test_least_recently_used_keys_are_dropped() -> None:
+    model = OutputLengthModel(max_keys=3)
+    model.observe("m", "a", 40)  # keys: (m, a), (m, *)
+    model.observe("m", "b", 40)  # (m, a) dropped
+    assert model.key_count == 3
+    model.distribution("m", "b")
+    model.observe("n", "c", 40)  # two more keys: (m, b) and (m, *) are the oldest left
+    assert model.key_count == 3
+    assert model.samples == 3
+
+
+# ------------------------------------------------------------------ tail
+
+
+def test_a_decode_past_the_observed_tail_stays_in_the_forecast() -> None:
+    model = OutputLengthModel()
+    for _ in range(2_000):
+        model.observe("m", "t", 20)
+    for dist in (model.distribution("m", "t"), model.distribution("m", "other")):
+        assert dist.quantile(0.5) in (20, 21)
+        assert dist.survival(1_000) < 0.01
+        assert dist.tail_start_tokens <= 1_000
+        assert dist.conditional_survival(1_000, 2_000) == pytest.approx(0.5)  # done / target
+        assert dist.conditional_survival(1_000, 1_000) == 1.0
+        assert dist.conditional_survival(5_000, 1e7) == pytest.approx(5e-4)
+        assert dist.survival(dist.tail_start_tokens) == pytest.approx(TAIL_SURVIVAL)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"prior_mean_tokens": 0.0}, "prior_mean_tokens"),
+        ({"prior_mean_tokens": math.inf}, "prior_mean_tokens"),
+        ({"prior_weight": 0.0}, "prior_weight"),
+        ({"half_life": 0.0}, "half_life"),
+        ({"min_tenant_weight": -1.0}, "min_tenant_weight"),
+        ({"max_keys": 0}, "max_keys"),
+    ],
+)
+def test_bad_knobs_are_refused(kwargs: dict[str, float], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        OutputLengthModel(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_queries_are_refused() -> None:
+    model = OutputLengthModel()
+    with pytest.raises(ValueError, match="output_tokens"):
+        model.observe("m", "t", -1)
+    for q in (-0.1, 1.1):
+        with pytest.raises(ValueError, match="q must"):
+            model.prior.quantile(q)
+
+
+# ------------------------------------------------------------------ invariants
+
+observations = st.lists(
+    st.tuples(
+        st.sampled_from(["a", "b", "c"]),
+        st.one_of(st.integers(0, 2_000), st.integers(0, 3 * MAX_TOKENS)),
+        st.booleans(),
+    ),
+    max_size=60,
+)
+knobs = st.fixed_dictionaries(
+    {
+        "prior_mean_tokens": st.floats(1.0, 1e6),
+        "prior_weight": st.floats(0.01, 100.0),
+        "half_life": st.one_of(st.floats(0.5, 1e4), st.just(math.inf)),
+        "min_tenant_weight": st.floats(0.0, 200.0),
+    }
+)
+points = st.floats(0.0, 4.0 * MAX_TOKENS, allow_nan=False)
+
+
+def build(kw: dict[str, float], obs: list[tuple[str, int, bool]]) -> LengthDistribution:
+    model = OutputLengthModel(**kw)  # type: ignore[arg-type]
+    for tenant, tokens, cens in obs:
+        model.observe("m", tenant, tokens, censored=cens)
+    return model.distribution("m", "a")
+
+
+@settings(max_examples=60, deadline=None)
+@given(knobs, observations, st.lists(points, min_size=1, max_size=20))
+def test_survival_is_a_survival_function(
+    kw: dict[str, float], obs: list[tuple[str, int, bool]], ts: list[float]
+) -> None:
+    dist = build(kw, obs)
+    assert dist.survival(0) == 1.0
+    values = [dist.survival(t) for t in sorted(ts)]
+    assert all(0.0 <= v <= 1.0 for v in values)
+    assert all(a >= b - 1e-12 for a, b in pairwise(values))
+    assert all(v > 0 for v in values)  # the tail never reaches 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(knobs, observations, points, points)
+def test_conditional_survival_is_a_probability(
+    kw: dict[str, float], obs: list[tuple[str, int, bool]], a: float, b: float
+) -> None:
+    dist = build(kw, obs)
+    done, target = min(a, b), max(a, b)
+    p = dist.conditional_survival(done, target)
+    assert 0.0 < p <= 1.0
+    assert dist.conditional_survival(done, done) == 1.0
+    past = max(done, dist.tail_start_tokens)  # a decode past the observed tail
+    assert dist.conditional_survival(past, past + target + 1) > 0.0
+    assert dist.conditional_survival(past, 2 * past) == pytest.approx(0.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    knobs,
+    observations,
+    st.lists(st.floats(0.0, 1.0), min_size=1, max_size=10),
+    st.one_of(st.none(), st.integers(0, 2 * MAX_TOKENS)),
+)
+def test_quantile_is_monotone_and_capped(
+    kw: dict[str, float], obs: list[tuple[str, int, bool]], qs: list[float], cap: int | None
+) -> None:
+    dist = build(kw, obs)
+    limit = MAX_TOKENS if cap is None else cap
+    values = [dist.quantile(q, cap) for q in sorted(qs)]
+    assert all(0 <= v <= limit for v in values)
+    assert values == sorted(values)
+    for q, v in zip(sorted(qs), values, strict=True):
+        if v < limit:
+            assert dist.survival(v) <= 1.0 - q + 1e-9  # P(L > quantile) <= 1 - q
+    assert 0.0 <= dist.mean(cap) <= limit
+    assert dist.mean(cap) <= dist.mean(None if cap is None else cap + 1000)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.booleans()), max_size=80),
+)
+def test_max_keys_bound_holds(max_keys: int, ops: list[tuple[int, int, bool]]) -> None:
+    model = OutputLengthModel(max_keys=max_keys)
+    for model_id, tenant_id, read in ops:
+        if read:
+            model.distribution(f"m{model_id}", f"t{tenant_id}")
+        else:
+            model.observe(f"m{model_id}", f"t{tenant_id}", 10 + tenant_id)
+        assert model.key_count <= max_keys

@@ -1,0 +1,214 @@
+"""The shared placement loop, step by step (pure: a fake clock, no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from conductor.core.block_keys import BlockKey
+from conductor.core.cost_model import DecodePrior, PrefillPrior
+from conductor.core.placement import (
+    FailureKind,
+    InflightPrefixes,
+    PlacementLoop,
+    Refusal,
+    Wait,
+    fleet_view,
+)
+from conductor.core.prefix_index import NodeId
+from conductor.core.scheduler import (
+    Admission,
+    Placement,
+    Policy,
+    Scheduler,
+    SchedulerConfig,
+    ScheduleRequest,
+    Slo,
+)
+from tests.scheduling_helpers import make_node
+
+PREFILL = PrefillPrior(fixed_s=0.0, per_token_s=0.001, per_token_context_s=0.0)
+DECODE = DecodePrior(fixed_s=0.01, per_request_s=0.01, per_context_token_s=0.0)
+NOW = 100.0
+KEYS = tuple(BlockKey(k) for k in range(1, 33))
+
+
+def loop(**kw: object) -> PlacementLoop:
+    max_waiting = int(kw.pop("max_waiting", 8))  # type: ignore[call-overload]
+    config = replace(
+        SchedulerConfig(
+            prefill_prior=PREFILL,
+            decode_prior=DECODE,
+            transfer_latency_s=0.0,
+            priors_measured=True,
+            output_length_prior_tokens=1e6,
+        ),
+        **kw,  # type: ignore[arg-type]
+    )
+    return PlacementLoop(Scheduler(config), max_waiting=max_waiting)
+
+
+def node(name: str, role: str = "prefill", **kw: object) -> object:
+    return make_node(name, role, block_size=32, kv_bytes_per_token=1000, **kw)
+
+
+def request(rid: str = "r", prefix: dict[str, int] | None = None, **kw: object) -> ScheduleRequest:
+    base = ScheduleRequest(
+        request_id=rid,
+        prompt_tokens=1025,
+        prefix_blocks={NodeId(k): v for k, v in (prefix or {}).items()},
+        max_new_tokens=100,
+        slo=Slo(ttft_s=30.0, tbt_s=1.0),
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+FLEET = [node("p1"), node("p2"), node("d1", "decode")]
+
+
+def test_a_capacity_refusal_excludes_the_node_and_the_loop_reschedules() -> None:
+    lp = loop()
+    rp = lp.begin(request(prefix={"p1": 10}), KEYS, NOW)
+    first = rp.decide(FLEET, NOW)  # type: ignore[arg-type]
+    assert isinstance(first, Placement)
+    assert first.prefill == "p1"
+    rp.failed(first.prefill, FailureKind.CAPACITY)
+    assert lp.scheduler.queue_s(FLEET[0]) == 0.0  # type: ignore[arg-type]
+    second = rp.decide(FLEET, NOW)  # type: ignore[arg-type]
+    assert isinstance(second, Placement)
+    assert second.prefill == "p2"
+    rp.failed(second.prefill, FailureKind.BUSY)
+    last = rp.decide(FLEET, NOW)  # type: ignore[arg-type]
+    assert isinstance(last, Refusal)
+    assert last.reason == "exhausted"
+    assert last.last_failure == (NodeId("p2"), FailureKind.BUSY)
+    rp.finished()
+    assert lp.scheduler.active_decodes(NodeId("d1"), NOW + 100) == (0, 0)
+
+
+def test_no_usable_node_is_unavailable() -> None:
+    rp = loop().begin(request(), KEYS, NOW)
+    fleet = [node("p1", healthy=False), node("d1", "decode", healthy=False)]
+    refusal = rp.decide(fleet, NOW)  # type: ignore[arg-type]
+    assert isinstance(refusal, Refusal)
+    assert refusal.reason == "unavailable"
+
+
+def _busy_decode(lp: PlacementLoop, count: int, ends_after_s: float) -> None:
+    """``count`` decodes on d1 running now that stop ``ends_after_s`` from now."""
+    for i in range(count):
+        step_s = 0.01
+        req = request(rid=f"busy{i}", max_new_tokens=round(ends_after_s / step_s))
+        p = Placement(
+            prefill=NodeId("p1"), decode=NodeId("d1"), prefix_blocks=0, migration=None,
+            queue_s=0, prefill_s=0, handoff_s=0, ttft_s=0, tbt_s=step_s, fallbacks=(),
+        )  # fmt: skip
+        lp.scheduler.on_assigned(req, p, NOW)
+        lp.scheduler.on_decode_started(req.request_id, NodeId("d1"), NOW)
+
+
+def test_a_request_waits_when_waiting_still_meets_its_slo_then_is_placed() -> None:
+    lp = loop(admission=Admission.PREDICTIVE)
+    _busy_decode(lp, 9, ends_after_s=3.0)  # TBT 0.11 s until they end
+    rp = lp.begin(request(slo=Slo(ttft_s=30.0, tbt_s=0.1)), KEYS, NOW)
+    step = rp.decide(FLEET, NOW)  # type: ignore[arg-type]
+    assert isinstance(step, Wait)
+    assert step.rejection.reason == "tbt_slo"
+    assert NOW + 1.0 < step.until_s <= NOW + 5.0
+    assert lp.waiting == 1
+    later = rp.decide(FLEET, step.until_s)  # type: ignore[arg-type]
+    assert isinstance(later, Placement)
+    assert lp.waiting == 0
+
+
+def test_waiting_is_bounded_and_never_for_a_ttft_refusal() -> None:
+    lp = loop(admission=Admission.PREDICTIVE, max_waiting=1)
+    _busy_decode(lp, 9, ends_after_s=3.0)
+    first = lp.begin(request(rid="a", slo=Slo(ttft_s=30.0, tbt_s=0.1)), KEYS, NOW)
+    assert isinstance(first.decide(FLEET, NOW), Wait)  # type: ignore[arg-type]
+    second = lp.begin(request(rid="b", slo=Slo(ttft_s=30.0, tbt_s=0.1)), KEYS, NOW)
+    refused = second.decide(FLEET, NOW)  # type: ignore[arg-type]
+    assert isinstance(refused, Refusal)
+    assert refused.reason == "tbt_slo"
+    first.finished()  # cancelled while waiting: its place in the queue is free again
+    assert lp.waiting == 0
+    # A TTFT refusal: waiting would not shorten the queue it waits for.
+    busy = [node("p1", queued_prefill_tokens=40_000), node("d1", "decode")]
+    third = lp.begin(request(rid="c", slo=Slo(ttft_s=5.0, tbt_s=1.0)), KEYS, NOW)
+    refused = third.decide(busy, NOW)  # type: ignore[arg-type]
+    assert isinstance(refused, Refusal)
+    assert refused.reason == "ttft_slo"
+
+
+def test_time_waited_counts_against_the_ttft_slo() -> None:
+    lp = loop(admission=Admission.PREDICTIVE)
+    _busy_decode(lp, 9, ends_after_s=100.0)  # would take longer than the SLO allows
+    rp = lp.begin(request(slo=Slo(ttft_s=10.0, tbt_s=0.1)), KEYS, NOW)
+    refused = rp.decide(FLEET, NOW)  # type: ignore[arg-type]
+    assert isinstance(refused, Refusal)
+    assert refused.reason == "tbt_slo"
+    assert lp.waiting == 0
+
+
+def test_inflight_prefixes_follow_allocate_commit_and_finish() -> None:
+    lp = loop(policy=Policy.KV_ADAPTIVE)
+    rp = lp.begin(request(), KEYS, NOW)
+    placement = rp.decide(FLEET, NOW)  # type: ignore[arg-type]
+    assert isinstance(placement, Placement)
+    rp.allocated()
+    assert lp.inflight.pending(KEYS, {}) == {placement.prefill: len(KEYS)}
+    # A second request with the same prompt sees the prefix being computed there
+    # (waiting for it ties with recomputing on an idle node, so p2 is made busy).
+    other = lp.begin(request(rid="twin"), KEYS, NOW)
+    busy_p2 = [node("p1"), node("p2", queued_prefill_tokens=2_000), node("d1", "decode")]
+    again = other.decide(busy_p2, NOW)  # type: ignore[arg-type]
+    assert isinstance(again, Placement)
+    assert again.prefill == placement.prefill
+    assert again.prefix_blocks == len(KEYS)
+    rp.committed()
+    assert lp.inflight.pending(KEYS, {}) == {}
+    rp.finished(40, stopped=True)
+    rp.finished(40, stopped=True)  # idempotent
+    other.finished()
+    assert len(lp.inflight) == 0
+
+
+def test_would_have_hit_counts_the_recomputed_prefix_another_node_held() -> None:
+    lp = loop(policy=Policy.LOCAL_PREFIX)
+    fleet = [node("p1"), node("p2", queued_prefill_tokens=50_000), node("d1", "decode")]
+    rp = lp.begin(request(prefix={"p2": 20}), KEYS, NOW)
+    placement = rp.decide(fleet, NOW)  # type: ignore[arg-type]
+    assert isinstance(placement, Placement)
+    assert placement.prefill == "p1"
+    assert rp.would_have_hit_blocks == 20
+
+
+def test_inflight_counts_are_reference_counted() -> None:
+    inflight = InflightPrefixes()
+    a = NodeId("a")
+    inflight.add(a, KEYS[:3])
+    inflight.add(a, KEYS[:2])
+    assert inflight.pending(KEYS, {}) == {a: 3}
+    assert inflight.pending(KEYS, {a: 5}) == {a: 5}  # cached prefix, then in flight
+    inflight.remove(a, KEYS[:3])
+    assert inflight.pending(KEYS, {}) == {a: 2}
+    inflight.remove(a, KEYS[:2])
+    assert len(inflight) == 0
+
+
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [((32, 32), 32), ((16, 32), 16), ((), None)],
+)
+def test_fleet_view_picks_the_smallest_block_size_and_excludes(
+    sizes: tuple[int, ...], expected: int | None
+) -> None:
+    fleet = [
+        make_node(f"n{i}", "both", block_size=b, kv_bytes_per_token=1) for i, b in enumerate(sizes)
+    ]
+    block_size, view = fleet_view(fleet, frozenset({NodeId("n9")}))
+    assert block_size == expected
+    assert [n.healthy for n in view] == [n.block_size == expected for n in fleet]
+    _, without = fleet_view(fleet, frozenset({NodeId("n0")}))
+    assert NodeId("n0") not in {n.node_id for n in without}
