@@ -49,25 +49,28 @@ Learning (``_LogRatioCorrection``, one implementation for both models)
     ``t = log2(prior(x) / 1 us)``, the work size in doublings:
 
     * a global factor ``g``: the median of the last ``window`` (64) observed log ratios
-      ``log(actual / prior)``, shrunk toward 0 by ``prior_weight`` pseudo-observations
-      (``g * N / (N + w)``). A median, not a mean: cold starts and stalls (the first
-      prefill on a cold engine is often 10-20x slow) move it by one rank, not by
-      their size;
+      ``log(actual / prior)``, shrunk toward 0 by ``prior_weight`` (0.25)
+      pseudo-observations (``g * N / (N + w)``, ``N`` every observation so far). A
+      median, not a mean: cold starts and stalls (the first prefill on a cold engine
+      is often 10-20x slow) move it by one rank, not by their size;
     * a per-size shape: each bucket ``round(t)`` keeps the median of its last
       ``bucket_window`` (9) log ratios, pulled toward ``g`` by 2 pseudo-observations
       and aged with ``half_life`` (512 observations of the model) so old regimes fade;
       between buckets with data ``c`` is interpolated; beyond the data it fades to
       ``g`` within two doublings — one slow short prompt never decides the estimate
       of a long one (the lock-up: one cold 14-token prefill of 0.8 s made a linear
-      least-squares fit predict 288 s for 1,377 tokens; here it predicts 0.59 s);
+      least-squares fit predict 288 s for 1,377 tokens; here 3.4 s, and 0.62 s after
+      six fast ones — the engine took 1.2 s — and one observation is no evidence);
     * monotone by construction: ``log estimate = t*ln2 + c(t)`` is replaced by its
       running maximum over the knots below ``t``, so more uncached tokens, a larger
       batch or more context never predict less time (the prior's coefficients are
       non-negative, so ``t`` grows with each of them).
 
     ``has_evidence(x)``: the prior was measured on the node (start-up calibration,
-    ``prior_measured``) or at least 2 observations lie within 4x of ``x``'s prior
-    time. Admission rejects only on estimates with evidence (``scheduler.py``).
+    ``prior_measured``), or the node's engine has been observed 8 times (of any size:
+    the global factor is then a median robust to a few cold starts), or at least 2
+    observations lie within 4x of ``x``'s prior time. Admission rejects only on
+    estimates with evidence (``scheduler.py``).
     ``set_prior`` replaces the prior (a node's calibration arrives) and restarts the
     learned factors. Start-up calibration fits a prior by non-negative least squares
     in relative error (``fit_prefill_prior``, ``fit_decode_prior``).
@@ -377,6 +380,9 @@ _MAX_BUCKET: Final = 80
 _BUCKET_PRIOR_WEIGHT: Final = 2.0  # pseudo-observations pulling a bucket to the global
 _EVIDENCE_RADIUS: Final = 2  # buckets (4x either way) whose data counts as evidence
 _EVIDENCE_MIN_OBSERVATIONS: Final = 2  # one (possibly cold-start) sample is not evidence
+# Observations of any size after which the global factor is evidence of the engine's
+# speed (a median of 8: up to 3 cold starts or stalls cannot move it far).
+_EVIDENCE_GLOBAL_OBSERVATIONS: Final = 8
 _EDGE_FADE_BUCKETS: Final = 2.0  # beyond the data, the local shape fades to the global
 _MAX_LOG_ESTIMATE: Final = 700.0  # exp() stays finite
 
@@ -479,10 +485,9 @@ class _LogRatioCorrection:
         if not self._dirty:
             return
         self._dirty = False
-        count = len(self._global)
         g = 0.0
-        if count:
-            g = _median(self._global) * count / (count + self._prior_weight)
+        if self._global:  # the prior's pull fades with every observation ever made
+            g = _median(self._global) * self._seen / (self._seen + self._prior_weight)
         self._global_correction = g
         self._knot_t, self._knot_c, self._knot_h_max = [], [], []
         h_max = -math.inf
@@ -538,9 +543,12 @@ class _LogRatioCorrection:
             return prior_s
         return _POSITION_UNIT_S * math.exp(min(h, _MAX_LOG_ESTIMATE))
 
-    def has_data_near(self, prior_s: float) -> bool:
+    def has_evidence(self, prior_s: float) -> bool:
+        """Enough observations in all, or a few within 4x of ``prior_s``."""
         if not prior_s > 0 or not self._buckets:
             return False
+        if len(self._global) >= _EVIDENCE_GLOBAL_OBSERVATIONS:
+            return True
         key = self._bucket_of(self.position(prior_s))
         near = 0
         for k in range(key - _EVIDENCE_RADIUS, key + _EVIDENCE_RADIUS + 1):
@@ -588,7 +596,7 @@ class _CorrectedModel:
         return self._correction.seen
 
     def _has_evidence(self, prior_s: float) -> bool:
-        return self._prior_measured or self._correction.has_data_near(prior_s)
+        return self._prior_measured or self._correction.has_evidence(prior_s)
 
 
 # ---------------------------------------------------------------------- prefill
@@ -607,7 +615,7 @@ class PrefillTimeModel(_CorrectedModel):
         prior: PrefillPrior,
         *,
         prior_measured: bool = False,
-        prior_weight: float = 1.0,
+        prior_weight: float = 0.25,
         window: int = 64,
         bucket_window: int = 9,
         half_life: float = 512.0,
@@ -672,7 +680,7 @@ class DecodeTimeModel(_CorrectedModel):
         prior: DecodePrior,
         *,
         prior_measured: bool = False,
-        prior_weight: float = 1.0,
+        prior_weight: float = 0.25,
         window: int = 64,
         bucket_window: int = 9,
         half_life: float = 512.0,

@@ -44,7 +44,8 @@ are reconciled in. Every mode checks capacity before any work: a decode node nee
 room for the request's KV (free + evictable blocks) and a free generation slot.
 
 Admission never locks up on its own estimates: it refuses only on estimates backed by
-evidence (observations near the request's size, or a prior the node measured at start)
+evidence (observations near the request's size or enough of any size, or a prior the
+node measured at start)
 and never on an idle node (a prompt that cannot meet its TTFT SLO even there is served
 once the queue has drained; an idle decode node takes any request). Each admitted
 request is a new observation, so a wrong estimate heals instead of refusing forever.
@@ -505,8 +506,8 @@ class Scheduler:
     ) -> Placement | Rejection:
         """Place ``req`` or say why not (and when to retry).
 
-        Admission refuses only on estimates it has evidence for (observations near
-        this request's size, or a prior the node measured itself), and never on an
+        Admission refuses only on estimates it has evidence for (``has_evidence`` of
+        the cost models, or a prior the node measured itself), and never on an
         idle node: a prompt that cannot meet its TTFT SLO even there is served when
         the node is idle (``Retry-After`` is the queue drain), and an idle decode node
         takes any request. Learned estimates therefore cannot lock the service into

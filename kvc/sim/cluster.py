@@ -46,7 +46,7 @@ Knobs (``ClusterConfig``)
     ``max_tokens`` (the client's cap on every request; longer outputs are cut there),
     ``max_waiting`` (the placement loop's bound on waiting requests), engines that differ
     from their profile (``timing_noise_sigma``: log-normal noise on every duration;
-    ``cold_start_factor`` x on each prefill instance's first ``cold_start_prefills``
+    ``cold_start_s`` added to each prefill instance's first ``cold_start_prefills``
     prefills; ``seed``), ``lease_s``, ``load_sample_s``.
 
 Complexity
@@ -119,7 +119,7 @@ class ClusterConfig:
     max_tokens: int = 1024
     max_waiting: int = 0
     timing_noise_sigma: float = 0.0
-    cold_start_factor: float = 1.0
+    cold_start_s: float = 0.0
     cold_start_prefills: int = 0
     seed: int = 0
     lease_s: float = 86_400.0
@@ -138,8 +138,8 @@ class ClusterConfig:
             raise ValueError("output_tokens must be >= 1")
         if self.max_tokens < 1 or self.max_waiting < 0:
             raise ValueError("max_tokens must be >= 1 and max_waiting >= 0")
-        if self.timing_noise_sigma < 0 or self.cold_start_factor < 1:
-            raise ValueError("timing_noise_sigma must be >= 0 and cold_start_factor >= 1")
+        if self.timing_noise_sigma < 0 or self.cold_start_s < 0:
+            raise ValueError("timing_noise_sigma and cold_start_s must be >= 0")
         if self.cold_start_prefills < 0:
             raise ValueError("cold_start_prefills must be >= 0")
 
@@ -236,7 +236,7 @@ class Cluster:
     def _noise(self, instance: int) -> TimingNoise:
         c = self.config
         return TimingNoise(
-            c.timing_noise_sigma, c.cold_start_factor, c.cold_start_prefills,
+            c.timing_noise_sigma, c.cold_start_s, c.cold_start_prefills,
             seed=c.seed * 100_003 + instance,
         )  # fmt: skip
 

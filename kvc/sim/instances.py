@@ -69,17 +69,18 @@ class TimingNoise:
     """Engines are not their profile: multiplicative noise and cold starts on true times.
 
     Each duration is multiplied by ``exp(N(0, sigma) - sigma^2/2)`` (log-normal, mean 1);
-    an instance's first ``cold_prefills`` prefills take ``cold_factor`` times longer (a
-    cold engine: kernels compiled, caches warmed). Seeded per instance: reproducible.
+    an instance's first ``cold_prefills`` prefills take ``cold_extra_s`` longer (a cold
+    engine compiles kernels, captures graphs and warms allocators once: a fixed cost,
+    20x a short prefill, a few percent of a long one). Seeded per instance: reproducible.
     """
 
-    __slots__ = ("_cold_factor", "_cold_left", "_rng", "_sigma")
+    __slots__ = ("_cold_extra_s", "_cold_left", "_rng", "_sigma")
 
     def __init__(
-        self, sigma: float = 0.0, cold_factor: float = 1.0, cold_prefills: int = 0, seed: int = 0
+        self, sigma: float = 0.0, cold_extra_s: float = 0.0, cold_prefills: int = 0, seed: int = 0
     ) -> None:
         self._sigma = sigma
-        self._cold_factor = cold_factor
+        self._cold_extra_s = cold_extra_s
         self._cold_left = cold_prefills
         self._rng = random.Random(seed)
 
@@ -92,7 +93,7 @@ class TimingNoise:
         seconds = self.decode(seconds)
         if self._cold_left > 0:
             self._cold_left -= 1
-            seconds *= self._cold_factor
+            seconds += self._cold_extra_s
         return seconds
 
 

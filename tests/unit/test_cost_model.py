@@ -187,7 +187,8 @@ def test_one_cold_start_does_not_lock_out_long_prompts() -> None:
     assert model.estimate(1377, 0) == pytest.approx(0.0314, rel=2e-3)
     model.observe(14, 0, 0.8)
     after_cold = model.estimate(1377, 0)
-    assert 0.02 <= after_cold <= 3.0
+    assert 0.02 <= after_cold <= 5.0  # the embedded engine took 1.2 s
+    assert not model.has_evidence(1377, 0)
     for _ in range(6):
         model.observe(14, 0, 0.05)
     healed = model.estimate(1377, 0)
