@@ -266,30 +266,42 @@ def _failure_kind(exc: AgentCallError) -> FailureKind | None:
     return None
 
 
-class _RefusalLog:
-    """Logs each refusal with its reason and estimates, at most once per second per reason."""
+class RefusalLog:
+    """Logs each refusal with its reason and the figures behind it, at most once per
+    second per reason (the rest are counted into the next line for that reason)."""
 
-    def __init__(self, interval_s: float = 1.0) -> None:
+    def __init__(
+        self, interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._interval_s = interval_s
+        self._clock = clock
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
-    def log(self, request_id: str, refusal: Refusal, slo: Slo) -> None:
-        now = time.monotonic()
-        reason = refusal.reason
+    def log(self, reason: str, request_id: str, detail: str) -> None:
+        now = self._clock()
         if now - self._last.get(reason, -math.inf) < self._interval_s:
             self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
             return
         self._last[reason] = now
         more = self._suppressed.pop(reason, 0)
         log.warning(
-            "refused %s: %s (predicted TTFT %.3f s vs SLO %.3f s, TBT %.4f s vs SLO %.4f s, "
-            "failure %s); Retry-After %.1f s%s",
-            request_id, reason, refusal.ttft_s, slo.ttft_s, refusal.tbt_s, slo.tbt_s,
-            refusal.last_failure[1].value if refusal.last_failure else "none",
-            refusal.retry_after_s,
-            f" (+{more} more refusals for this reason in the last second)" if more else "",
+            "refused %s: %s (%s)%s", request_id, reason, detail,
+            f" (+{more} more for this reason since its last line)" if more else "",
         )  # fmt: skip
+
+    def log_schedule(self, request_id: str, refusal: Refusal, slo: Slo, waited_s: float) -> None:
+        """A placement refusal: the estimates it rests on, against the SLO left after waiting."""
+        self.log(
+            refusal.reason,
+            request_id,
+            f"predicted TTFT {refusal.ttft_s:.3f} s vs SLO {slo.ttft_s:.3f} s"
+            + (f" less {waited_s:.3f} s waited" if waited_s >= 0.0005 else "")
+            + f", TBT {refusal.tbt_s:.4f} s vs SLO {slo.tbt_s:.4f} s, failure "
+            + (refusal.last_failure[1].value if refusal.last_failure else "none")
+            + ("; the waiting queue is full" if refusal.queue_full else "")
+            + f"; Retry-After {refusal.retry_after_s:.1f} s",
+        )
 
 
 class Dispatcher:
@@ -323,7 +335,7 @@ class Dispatcher:
         self._request_timeout_s = request_timeout_s
         self._clock = clock
         self._telemetry = telemetry
-        self._refusals = _RefusalLog()
+        self.refusals = RefusalLog()
         self._capacity_freed = asyncio.Event()
         self._cleanup: set[asyncio.Task[None]] = set()
 
@@ -435,7 +447,8 @@ class Dispatcher:
             slo=req.slo,
             length_key=(self._model, req.tenant),
         )
-        placement = self.loop.begin(sreq, keys, self._clock())
+        arrived_s = self._clock()
+        placement = self.loop.begin(sreq, keys, arrived_s)
         last: AgentCallError | None = None
         first_decision = True
         try:
@@ -448,7 +461,8 @@ class Dispatcher:
                     await self._wait_for_capacity(step.until_s)
                     continue
                 if isinstance(step, Refusal):
-                    self._refusals.log(req.request_id, step, req.slo)
+                    waited_s = max(0.0, self._clock() - arrived_s)
+                    self.refusals.log_schedule(req.request_id, step, req.slo, waited_s)
                     if step.reason == "exhausted" and last is not None:
                         raise _map_error(last) from last
                     if step.reason in ("exhausted", "unavailable"):
@@ -676,15 +690,11 @@ class Dispatcher:
 
         def on_close(gaps_s: list[float], tokens: int, finish_reason: str | None) -> None:
             release_books()
-            now = self._clock()
-            if gaps_s:
-                batch, context = self.scheduler.active_decodes(placement.decode, now)
-                mean_gap = sum(gaps_s) / len(gaps_s)
-                self.scheduler.observe_tbt(placement.decode, max(1, batch), context, mean_gap)
-                if telemetry is not None:
-                    telemetry.observe_prediction(
-                        "tbt", outcome.decode_role, placement.tbt_s, mean_gap
-                    )
-            loop_state.finished(tokens, stopped=finish_reason == "stop")
+            mean_gap = sum(gaps_s) / len(gaps_s) if gaps_s else None
+            if mean_gap is not None and telemetry is not None:
+                telemetry.observe_prediction("tbt", outcome.decode_role, placement.tbt_s, mean_gap)
+            loop_state.finished(
+                tokens, stopped=finish_reason == "stop", now_s=self._clock(), mean_gap_s=mean_gap
+            )
 
         return GenerationStream(call, first, outcome, on_close)

@@ -562,7 +562,7 @@ class _CorrectedModel:
     """Shared parts of the prefill and decode models: a prior times a learned factor."""
 
     __slots__ = ("_bucket_window", "_correction", "_half_life", "_prior_measured",
-                 "_prior_weight", "_window")  # fmt: skip
+                 "_prior_weight", "_version", "_window")  # fmt: skip
 
     def __init__(
         self,
@@ -578,9 +578,16 @@ class _CorrectedModel:
         self._window = window
         self._bucket_window = bucket_window
         self._half_life = half_life
+        self._version = 0
         self._correction = self._fresh_correction()
 
+    @property
+    def version(self) -> int:
+        """Changes whenever an estimate may have changed (a new prior or observation)."""
+        return self._version
+
     def _fresh_correction(self) -> _LogRatioCorrection:
+        self._version += 1
         return _LogRatioCorrection(
             self._prior_weight, self._window, self._bucket_window, self._half_life
         )
@@ -657,6 +664,7 @@ class PrefillTimeModel(_CorrectedModel):
         """Record one measured prefill; non-finite or non-positive durations are ignored."""
         prior_s = self._prior_s(total_tokens, cached_tokens)
         self._correction.observe(prior_s, duration_s)
+        self._version += 1
 
     def estimate(self, total_tokens: int, cached_tokens: int) -> float:
         """Predicted seconds (>= 0) to prefill ``total_tokens`` with ``cached_tokens`` reused."""
@@ -720,6 +728,7 @@ class DecodeTimeModel(_CorrectedModel):
     def observe(self, batch_requests: float, context_tokens: float, tbt_s: float) -> None:
         """Record one measured step; non-finite or non-positive times are ignored."""
         self._correction.observe(self._prior_s(batch_requests, context_tokens), tbt_s)
+        self._version += 1
 
     def estimate(self, batch_requests: float, context_tokens: float) -> float:
         """Predicted seconds (>= 0) between tokens for this batch (counts may be expected

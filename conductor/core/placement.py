@@ -108,6 +108,7 @@ class Refusal:
     ttft_s: float
     tbt_s: float
     last_failure: tuple[NodeId, FailureKind] | None = None
+    queue_full: bool = False  # it would have waited, but ``max_waiting`` requests already do
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,12 +288,20 @@ class RequestPlacement:
                 loop.waiting += 1
             return Wait(now_s + decision.retry_after_s, decision)
         self._stop_waiting()
-        return Refusal(decision.reason, decision.retry_after_s, decision.ttft_s, decision.tbt_s)
+        return Refusal(
+            decision.reason, decision.retry_after_s, decision.ttft_s, decision.tbt_s,
+            queue_full=self._waits_in_time(decision, req),
+        )  # fmt: skip
 
     def _may_wait(self, rejection: Rejection, req: ScheduleRequest) -> bool:
-        if rejection.reason not in ("tbt_slo", "no_decode_node"):
+        if not self._waits_in_time(rejection, req):
             return False
-        if not self._waiting and self._loop.waiting >= self._loop.max_waiting:
+        return self._waiting or self._loop.waiting < self._loop.max_waiting
+
+    @staticmethod
+    def _waits_in_time(rejection: Rejection, req: ScheduleRequest) -> bool:
+        """Time lifts this rejection before the request's TTFT SLO runs out."""
+        if rejection.reason not in ("tbt_slo", "no_decode_node"):
             return False
         ttft = rejection.ttft_s
         return math.isfinite(ttft) and rejection.retry_after_s + ttft <= req.slo.ttft_s
@@ -335,20 +344,32 @@ class RequestPlacement:
         assert placement is not None, "decode_started() before a placement"
         self._loop.scheduler.on_decode_started(self._request.request_id, placement.decode, now_s)
 
-    def finished(self, output_tokens: int | None = None, *, stopped: bool = False) -> None:
+    def finished(
+        self,
+        output_tokens: int | None = None,
+        *,
+        stopped: bool = False,
+        now_s: float | None = None,
+        mean_gap_s: float | None = None,
+    ) -> None:
         """The request left the system (done, failed, cancelled or refused). Idempotent.
 
         ``output_tokens`` teaches the output-length model: exact when ``stopped`` (the
-        model ended it), a lower bound otherwise.
+        model ended it), a lower bound otherwise. ``mean_gap_s`` (its decode's mean time
+        between tokens, ended at ``now_s``) teaches the node's decode-time model.
         """
         self._stop_waiting()
         self.committed()
         placement = self.placement
         if self._open and placement is not None:
             self._open = False
-            self._loop.scheduler.on_finished(
-                self._request.request_id, placement.prefill, placement.decode,
-                output_tokens=output_tokens, stopped=stopped,
+            scheduler = self._loop.scheduler
+            request_id = self._request.request_id
+            if mean_gap_s is not None and now_s is not None:
+                scheduler.observe_decode(request_id, placement.decode, mean_gap_s, now_s)
+            scheduler.on_finished(
+                request_id, placement.prefill, placement.decode,
+                output_tokens=output_tokens, stopped=stopped, now_s=now_s,
             )  # fmt: skip
 
     def _release_books(self) -> None:

@@ -192,6 +192,7 @@ class Placement:
     ttft_s: float
     tbt_s: float
     fallbacks: tuple[NodeId, ...]  # other prefill nodes, best first, if ``prefill`` refuses
+    cached_tokens: int = 0  # prompt tokens the prefill reuses (prefix after any migration)
 
 
 RejectReason = Literal["ttft_slo", "tbt_slo", "no_prefill_node", "no_decode_node"]
@@ -216,6 +217,10 @@ class _Decode:
     lengths: LengthDistribution  # its output length, learned per (model, tenant)
     length_key: tuple[str, str]
     started: bool = False
+    # What other decodes on its node added while it ran, from those that already left:
+    # request-seconds and context-token-seconds (see ``Scheduler.observe_decode``).
+    others_s: float = 0.0
+    others_context_s: float = 0.0
 
     def tokens_at(self, t_s: float) -> float:
         """Output tokens predicted to exist at ``t_s`` (0 before the first token)."""
@@ -236,10 +241,17 @@ class _Decode:
         return self.lengths.conditional_survival(done, max(done, target))
 
 
+def _mean_context(d: _Decode, begin_s: float, end_s: float) -> float:
+    """Mean context (prompt + generated tokens) of ``d`` over ``[begin_s, end_s]``."""
+    return d.prompt_tokens + (d.tokens_at(begin_s) + d.tokens_at(end_s)) / 2
+
+
 @dataclass(slots=True)
 class _NodeBook:
     pending_prefill_s: dict[str, float] = field(default_factory=dict)
     pending_prefill_tokens: dict[str, int] = field(default_factory=dict)
+    pending_cached_tokens: dict[str, int] = field(default_factory=dict)
+    pending_model_version: int = -1  # the prefill model's version the estimates are from
     decodes: dict[str, _Decode] = field(default_factory=dict)
 
 
@@ -336,6 +348,14 @@ class Scheduler:
         is double counted.
         """
         book = self._book(node.node_id)
+        model = self.prefill_model(node.node_id)
+        if book.pending_model_version != model.version:
+            # The model learned since these were estimated: re-estimate, or a queue
+            # predicted by a wrong prior outlives the correction. O(pending) per change.
+            for rid, tokens in book.pending_prefill_tokens.items():
+                cached = book.pending_cached_tokens.get(rid, 0)
+                book.pending_prefill_s[rid] = model.estimate(tokens, cached)
+            book.pending_model_version = model.version
         own_s = sum(book.pending_prefill_s.values())
         own_tokens = sum(book.pending_prefill_tokens.values())
         foreign_tokens = max(0, node.queued_prefill_tokens - own_tokens)
@@ -552,6 +572,9 @@ class Scheduler:
             ttft_s=ttft,
             tbt_s=tbt,
             fallbacks=tuple(c.node.node_id for c in ordered[1:]),
+            cached_tokens=max(
+                0, min(req.prompt_tokens - 1, best.prefix_blocks * best.node.block_size)
+            ),
         )
 
     def _admit(
@@ -611,6 +634,7 @@ class Scheduler:
         book = self._book(placement.prefill)
         book.pending_prefill_s[req.request_id] = placement.prefill_s
         book.pending_prefill_tokens[req.request_id] = req.prompt_tokens
+        book.pending_cached_tokens[req.request_id] = placement.cached_tokens
         self._book(placement.decode).decodes[req.request_id] = _Decode(
             start_s=now_s + placement.ttft_s,
             step_s=placement.tbt_s,
@@ -628,6 +652,7 @@ class Scheduler:
         book = self._book(node)
         book.pending_prefill_s.pop(request_id, None)
         book.pending_prefill_tokens.pop(request_id, None)
+        book.pending_cached_tokens.pop(request_id, None)
         if duration_s is not None and duration_s > 0:
             self.prefill_model(node).observe(total_tokens, cached_tokens, duration_s)
 
@@ -644,8 +669,9 @@ class Scheduler:
         *,
         output_tokens: int | None = None,
         stopped: bool = False,
+        now_s: float | None = None,
     ) -> None:
-        """The request left the system (done, failed or cancelled).
+        """The request left the system (done, failed or cancelled) at ``now_s``.
 
         ``output_tokens`` with ``stopped`` (the model ended it) is an exact output
         length; without ``stopped`` (max_tokens, cancelled, failed) it says only that
@@ -654,7 +680,16 @@ class Scheduler:
         book = self._book(prefill)
         book.pending_prefill_s.pop(request_id, None)
         book.pending_prefill_tokens.pop(request_id, None)
-        d = self._book(decode).decodes.pop(request_id, None)
+        book.pending_cached_tokens.pop(request_id, None)
+        decodes = self._book(decode).decodes
+        d = decodes.pop(request_id, None)
+        if d is not None and d.started and now_s is not None and now_s > d.start_s:
+            # Hand its share of the batch to the decodes that ran beside it.
+            for o in decodes.values():
+                if o.started and now_s > max(o.start_s, d.start_s):
+                    begin = max(o.start_s, d.start_s)
+                    o.others_s += now_s - begin
+                    o.others_context_s += (now_s - begin) * _mean_context(d, begin, now_s)
         if d is not None and output_tokens is not None and output_tokens > 0:
             model, tenant = d.length_key
             self.output_lengths.observe(model, tenant, output_tokens, censored=not stopped)
@@ -662,8 +697,39 @@ class Scheduler:
     def observe_tbt(
         self, node: NodeId, batch_requests: int, context_tokens: int, tbt_s: float
     ) -> None:
+        """One measured decode step time at a known batch and context."""
         if tbt_s > 0 and batch_requests > 0:
             self.decode_model(node).observe(batch_requests, context_tokens, tbt_s)
+
+    def observe_decode(
+        self, request_id: str, node: NodeId, mean_gap_s: float, now_s: float
+    ) -> tuple[float, float] | None:
+        """A decode ending at ``now_s`` ran at ``mean_gap_s`` per token: learn from it.
+
+        The gap is a mean over the request's whole decode, so it is paired with the batch
+        and context averaged over the same interval (this request, plus every other decode
+        of this scheduler on the node weighted by how long it overlapped) — not with the
+        batch at the end, which a decode that ran through a burst never saw. Call before
+        ``on_finished``. Returns the (batch, context) it learned at, None when the
+        request's decode never started here. O(decodes on the node).
+        """
+        d = self._book(node).decodes.get(request_id)
+        if d is None or not d.started or mean_gap_s <= 0:
+            return None
+        span = now_s - d.start_s
+        if span <= 0:
+            return None
+        others_s, others_context_s = d.others_s, d.others_context_s
+        for other_id, o in self._book(node).decodes.items():
+            if other_id != request_id and o.started:
+                overlap = now_s - max(o.start_s, d.start_s)
+                if overlap > 0:
+                    others_s += overlap
+                    others_context_s += overlap * _mean_context(o, now_s - overlap, now_s)
+        batch = 1.0 + others_s / span
+        context = _mean_context(d, d.start_s, now_s) + others_context_s / span
+        self.decode_model(node).observe(batch, context, mean_gap_s)
+        return batch, context
 
     def active_decodes(self, node: NodeId, now_s: float) -> tuple[int, int]:
         """(requests, context tokens) this scheduler has decoding on ``node`` at ``now_s``."""

@@ -23,9 +23,10 @@ reschedule, waiting, in-flight prefixes, the scheduler's books); only the I/O di
        ``prefill_done(total, cached, duration_s)``.
     6. The KV has reached the decode node → first token (TTFT), ``decode_started``; the
        decode node batches it until its output length (capped by ``max_tokens``) exists.
-       Then ``observe_tbt(node, batch, context, mean gap)`` with the scheduler's own view
-       of the batch, and ``finished(tokens, stopped)`` (which teaches the output-length
-       model). A request of one output token ends at its prefill.
+       Then ``finished(tokens, stopped, now_s, mean_gap_s)``: the mean gap teaches the
+       decode-time model (paired with the batch and context averaged over the decode's
+       life, ``Scheduler.observe_decode``), the tokens the output-length model. A request
+       of one output token ends at its prefill.
     7. After every pool operation the pool's ``take_events()`` become the node's event
        stream (epoch + sequence numbers) and reach ``PrefixIndex.apply`` after
        ``index_event_delay_s`` (0: at once). A gap or bound overflow → resync from a
@@ -582,13 +583,13 @@ class Cluster:
         assert placement is not None
         gaps = dec.gaps_s(seq)
         tbt = top_decile_mean(gaps)
-        batch, context = self.scheduler.active_decodes(placement.decode, self.loop.now_s)
-        mean_gap = sum(gaps) / len(gaps)
-        self.scheduler.observe_tbt(placement.decode, max(1, batch), context, mean_gap)
         loop = flight.loop
         assert loop is not None
         n_out = flight.output_tokens
-        loop.finished(n_out, stopped=n_out < self.config.max_tokens)
+        loop.finished(
+            n_out, stopped=n_out < self.config.max_tokens, now_s=self.loop.now_s,
+            mean_gap_s=sum(gaps) / len(gaps),
+        )  # fmt: skip
         self._finish(flight, "completed", None, tbt_s=tbt)
         self._capacity_freed()
 

@@ -448,3 +448,60 @@ def test_a_decode_running_past_its_typical_length_stays_in_the_forecast() -> Non
     lengths = s.output_lengths.distribution("", "")
     assert s.forecast(d1, later, later, lengths).requests == 1.0
     assert s.forecast(d1, later + 1.0, later, lengths).requests > 0.0
+
+
+def test_a_decode_learns_at_the_batch_it_ran_with_not_the_batch_at_its_end() -> None:
+    """A mean gap over a decode's life pairs with the batch averaged over that life.
+
+    Regression: pairing it with the batch at the end taught a flat, optimistic decode
+    model (a long decode that ran through a burst ends alone), which admitted too much
+    at high batch and had decode nodes refuse work after its prefill.
+    """
+    s = Scheduler(config())
+    d1 = NodeId("d1")
+
+    def start(rid: str, at: float, prompt: int = 1025) -> None:
+        req = request(rid=rid, prompt=prompt)
+        p = placed(s.schedule(req, FLEET, at))
+        s.on_assigned(req, replace(p, decode=d1), at)
+        s.on_decode_started(rid, d1, at)
+
+    start("long", NOW)
+    for i in range(9):  # a burst of nine beside it from +5 s to +6 s
+        start(f"b{i}", NOW + 5.0)
+    for i in range(9):
+        assert s.observe_decode(f"b{i}", d1, 0.02, NOW + 6.0) is not None
+        s.on_finished(f"b{i}", NodeId("p1"), d1, now_s=NOW + 6.0)
+    learned = s.observe_decode("long", d1, 0.02, NOW + 10.0)
+    assert learned is not None
+    batch, context = learned
+    assert batch == pytest.approx(1.0 + 9 * 1.0 / 10.0)  # not 1 (its end), not 10 (the burst)
+    assert context > 1025  # its own prompt plus the burst's share
+    # A decode that ran entirely beside another saw a batch of two.
+    s = Scheduler(config())  # ``start`` uses the new scheduler from here on
+    start("long", NOW)
+    start("short", NOW + 5.0)
+    learned = s.observe_decode("short", d1, 0.02, NOW + 6.0)
+    assert learned is not None
+    assert learned[0] == pytest.approx(2.0)
+    # A decode that never started teaches nothing.
+    req = request(rid="queued")
+    s.on_assigned(req, replace(placed(s.schedule(req, FLEET, NOW)), decode=d1), NOW)
+    assert s.observe_decode("queued", d1, 0.02, NOW + 1.0) is None
+
+
+def test_a_queue_predicted_by_a_wrong_prior_shrinks_as_the_model_learns() -> None:
+    """Pending prefills are re-estimated when the node's model learns, not kept stale."""
+    s = Scheduler(config())
+    p1 = NodeId("p1")
+    for i in range(4):
+        req = request(rid=f"q{i}", prompt=8193)
+        s.on_assigned(req, replace(placed(s.schedule(req, FLEET, NOW)), prefill=p1), NOW)
+    stale = s.queue_s(node("p1"))
+    assert stale == pytest.approx(4 * s.prefill_model(p1).estimate(8193, 0))
+    fast_s = stale / 4 / 10  # the engine is 10x faster than the prior says
+    for _ in range(16):
+        s.on_prefill_done("other", p1, 8193, 0, fast_s)
+    learned = s.queue_s(node("p1"))
+    assert learned < stale / 5
+    assert learned == pytest.approx(4 * s.prefill_model(p1).estimate(8193, 0))
