@@ -211,7 +211,9 @@ class ConductorMetrics:
             self.rejections.labels(reason)
         for role in ROLES:
             self.agents_usable.labels(role)
-            for quantity in PREDICTED_QUANTITIES:
+        # TTFT is measured on prefill-capable nodes, TBT on decode-capable ones.
+        for quantity, roles in (("ttft", ("prefill", "both")), ("tbt", ("decode", "both"))):
+            for role in roles:
                 self.prediction_ratio.labels(quantity, role)
         for method in ("TxAllocate", "TxCommit", "TxAbort"):
             for code in ("OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"):

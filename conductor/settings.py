@@ -59,7 +59,10 @@ class ConductorSettings(BaseSettings):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
     lease_s: float = Field(30.0, gt=0, le=600, description="Lease on node-side block locks")
     max_inflight_requests: int = Field(
-        64, ge=1, description="Requests in flight on this conductor before 429"
+        1024,
+        ge=1,
+        description="Requests in flight (waiting or generating) on this conductor before 429; "
+        "a memory bound: the SLO-aware queue is max_waiting_requests",
     )
     max_request_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="Largest accepted request body (413 above)"

@@ -183,6 +183,11 @@ async def _check_rate(
     requested = 1 if refused == "requests" else tokens
     state.metrics.rejections.labels("tenant_rate_limit").inc()
     state.metrics.requests.labels(endpoint, "rejected").inc()
+    state.dispatcher.refusals.log(
+        "tenant_rate_limit", f"tenant {tenant.name!r}",
+        f"{refused} per minute: limit {dim.limit}, remaining {dim.remaining}, "
+        f"requested {requested}; Retry-After {decision.retry_after_s:.1f} s",
+    )  # fmt: skip
     raise RateLimited(
         f"Rate limit reached for {unit} of tenant {tenant.name!r}: Limit {dim.limit}, "
         f"Remaining {dim.remaining}, Requested {requested}. "
@@ -230,6 +235,11 @@ async def _admit(
     if state.inflight >= state.settings.max_inflight_requests:
         m.rejections.labels("conductor_overloaded").inc()
         m.requests.labels(endpoint, "rejected").inc()
+        state.dispatcher.refusals.log(
+            "conductor_overloaded", request_id,
+            f"{state.inflight} requests in flight, max_inflight_requests "
+            f"{state.settings.max_inflight_requests}; Retry-After 1.0 s",
+        )  # fmt: skip
         raise RateLimited(
             "This conductor has too many requests in flight; retry shortly.",
             retry_after_s=1.0,

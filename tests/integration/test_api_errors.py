@@ -125,7 +125,7 @@ async def test_api_keys(start_agent: AgentFactory, conductor: ConductorFactory) 
 
 
 async def test_overload_is_429_with_retry_after_and_no_agent_work(
-    start_agent: AgentFactory, conductor: ConductorFactory
+    start_agent: AgentFactory, conductor: ConductorFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     agent = await start_agent("both")
     async with conductor([agent], max_inflight_requests=1) as c:
@@ -142,6 +142,9 @@ async def test_overload_is_429_with_retry_after_and_no_agent_work(
         c.state.inflight = 0
         metrics = (await c.client.get("/metrics")).text
         assert 'conductor_rejections_total{reason="conductor_overloaded"} 1.0' in metrics
+    # The refusal is logged with its reason and the figures behind it.
+    logged = [r.getMessage() for r in caplog.records if r.name == "conductor.dispatch"]
+    assert any("conductor_overloaded" in m and "max_inflight_requests 1" in m for m in logged)
 
 
 async def test_node_out_of_capacity_is_429_and_leaks_nothing(

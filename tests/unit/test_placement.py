@@ -131,6 +131,7 @@ def test_waiting_is_bounded_and_never_for_a_ttft_refusal() -> None:
     refused = second.decide(FLEET, NOW)  # type: ignore[arg-type]
     assert isinstance(refused, Refusal)
     assert refused.reason == "tbt_slo"
+    assert refused.queue_full  # it would have waited: the log says the queue was full
     first.finished()  # cancelled while waiting: its place in the queue is free again
     assert lp.waiting == 0
     # A TTFT refusal: waiting would not shorten the queue it waits for.
@@ -139,6 +140,7 @@ def test_waiting_is_bounded_and_never_for_a_ttft_refusal() -> None:
     refused = third.decide(busy, NOW)  # type: ignore[arg-type]
     assert isinstance(refused, Refusal)
     assert refused.reason == "ttft_slo"
+    assert not refused.queue_full
 
 
 def test_time_waited_counts_against_the_ttft_slo() -> None:
