@@ -53,6 +53,8 @@ def _run_demo(ns: argparse.Namespace) -> int:
             port=ns.port,
             prefill_port=ns.prefill_port,
             decode_port=ns.decode_port,
+            prefill_metrics_port=ns.prefill_metrics_port,
+            decode_metrics_port=ns.decode_metrics_port,
             log_level=ns.log_level,
             startup_timeout_s=ns.startup_timeout_s,
         )
@@ -131,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--port", type=int, default=8000)
     p_demo.add_argument("--prefill-port", type=int, default=50061)
     p_demo.add_argument("--decode-port", type=int, default=50062)
+    p_demo.add_argument(
+        "--prefill-metrics-port", type=int, default=0,
+        help="serve the prefill agent's Prometheus /metrics here (0: off)",
+    )  # fmt: skip
+    p_demo.add_argument(
+        "--decode-metrics-port", type=int, default=0,
+        help="serve the decode agent's Prometheus /metrics here (0: off)",
+    )  # fmt: skip
     p_demo.add_argument("--startup-timeout-s", type=float, default=180.0)
     p_demo.set_defaults(func=_run_demo)
     p_probe = sub.add_parser(

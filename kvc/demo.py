@@ -32,6 +32,8 @@ class DemoOptions:
     port: int = 8000
     prefill_port: int = 50061
     decode_port: int = 50062
+    prefill_metrics_port: int = 0  # 0: the agent serves no /metrics
+    decode_metrics_port: int = 0
     log_level: str = "INFO"
     startup_timeout_s: float = 180.0
     grace_s: float = 10.0
@@ -94,7 +96,12 @@ class Supervisor:
 
 
 def run_demo(opts: DemoOptions) -> int:
-    for port in (opts.port, opts.prefill_port, opts.decode_port):
+    ports = [opts.port, opts.prefill_port, opts.decode_port]
+    ports += [p for p in (opts.prefill_metrics_port, opts.decode_metrics_port) if p]
+    if len(set(ports)) != len(ports):
+        print(f"kvc demo: ports must differ, got {ports}", file=sys.stderr)
+        return 2
+    for port in ports:
         if not _port_free(opts.host, port):
             print(f"kvc demo: {opts.host}:{port} is already in use", file=sys.stderr)
             return 2
@@ -107,7 +114,11 @@ def run_demo(opts: DemoOptions) -> int:
     sup = Supervisor(opts.grace_s)
     level = ["--log-level", opts.log_level]
     try:
-        for role, port in (("prefill", opts.prefill_port), ("decode", opts.decode_port)):
+        agent_ports = (
+            ("prefill", opts.prefill_port, opts.prefill_metrics_port),
+            ("decode", opts.decode_port, opts.decode_metrics_port),
+        )
+        for role, port, metrics_port in agent_ports:
             sup.spawn(
                 f"{role} agent",
                 [
@@ -121,6 +132,8 @@ def run_demo(opts: DemoOptions) -> int:
                     str(port),
                     "--node-id",
                     f"demo-{role}",
+                    "--metrics-port",
+                    str(metrics_port),
                 ],
             )
         agents = f"{opts.host}:{opts.prefill_port},{opts.host}:{opts.decode_port}"
@@ -157,6 +170,11 @@ def run_demo(opts: DemoOptions) -> int:
             print("kvc demo: the system did not become ready in time", file=sys.stderr)
             return 1
         model = httpx.get(f"{base}/v1/models", timeout=5.0).json()["data"][0]["id"]
+        agent_metrics = "".join(
+            f"  {role} agent metrics: http://{opts.host}:{mport}/metrics\n"
+            for role, _, mport in agent_ports
+            if mport
+        )
         print(
             f"\nkv-conductor is ready.\n"
             f"  OpenAI base URL: {base}/v1   (any API key; model {model!r})\n\n"
@@ -164,6 +182,7 @@ def run_demo(opts: DemoOptions) -> int:
             f'    -d \'{{"model": "{model}", "stream": true, '
             f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n\n'
             f"  Metrics: {base}/metrics   Readiness: {base}/ready\n"
+            f"{agent_metrics}"
             f"  Press Ctrl-C to stop.\n",
             flush=True,
         )

@@ -53,3 +53,27 @@ def test_kv_transfer_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert data["raw_tcp_gbps"] > 0
     assert data["ttft"]["warm"]["p50_ms"] > 0
     assert (tmp_path / "kv_transfer.png").stat().st_size > 1000
+
+
+def test_vllm_client_bench_sees_every_request_served_or_refused_before_prefill(
+    tmp_path: Path,
+) -> None:
+    from bench import vllm_client
+
+    vllm_python = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    if not vllm_python.exists():
+        pytest.fail(f"{vllm_python} missing: `make test` builds it (make vllm-env)")
+    code = vllm_client.main(
+        ["--out", str(tmp_path), "--runs", "2", "--num-prompts", "6", "--input-len", "200",
+         "--output-len", "8", "--vllm-python", str(vllm_python)]
+    )  # fmt: skip
+    assert code == 0
+    rows = json.loads((tmp_path / "vllm_client.json").read_text())["rows"]
+    assert [r["step"] for r in rows] == ["run 1", "run 2", "'Hi', max_tokens 8"]
+    for r in rows[:2]:
+        assert r["client_completed"] + r["client_failed"] == 6
+        assert r["served"] + r["refused"] == 6
+        assert r["prefills"] == r["served"]  # a refusal never follows a prefill
+        assert r["tx_abort"] == 0
+    assert rows[2]["served"] == 1
+    assert (tmp_path / "vllm_client.png").stat().st_size > 1000

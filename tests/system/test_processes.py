@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -202,14 +203,15 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for child pids")
 def test_kvc_demo_serves_and_stops_everything(tmp_path: Path) -> None:
-    ports = [free_port(), free_port(), free_port()]
+    ports = [free_port(), free_port(), free_port(), free_port(), free_port()]
     log = tmp_path / "demo.log"
     with log.open("wb") as out:
         demo = subprocess.Popen(
             [
                 sys.executable, "-m", "kvc.cli", "demo",
                 "--port", str(ports[0]), "--prefill-port", str(ports[1]),
-                "--decode-port", str(ports[2]),
+                "--decode-port", str(ports[2]), "--prefill-metrics-port", str(ports[3]),
+                "--decode-metrics-port", str(ports[4]),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -245,6 +247,21 @@ def test_kvc_demo_serves_and_stops_everything(tmp_path: Path) -> None:
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8
         )
         assert short.choices[0].message.content is not None
+        # The agents' own metrics agree: three prefills, each committed, none aborted.
+        assert f"prefill agent metrics: http://127.0.0.1:{ports[3]}/metrics" in text
+        prefill = httpx.get(f"http://127.0.0.1:{ports[3]}/metrics", timeout=5).text
+        assert "node_agent_prefill_duration_seconds_count 3.0" in prefill
+        assert 'node_agent_tx_total{op="abort",outcome="ok"} 0.0' in prefill
+        allocs = re.search(r'node_agent_tx_total\{op="allocate",outcome="ok"\} (\S+)', prefill)
+        commits = re.search(r'node_agent_tx_total\{op="commit",outcome="ok"\} (\S+)', prefill)
+        assert allocs is not None
+        assert commits is not None
+        assert float(allocs[1]) == float(commits[1]) >= 1
+        decode = httpx.get(f"http://127.0.0.1:{ports[4]}/metrics", timeout=5).text
+        generated = sum(
+            r.usage.completion_tokens for r in (reply, long_reply, short) if r.usage is not None
+        )
+        assert f"node_agent_generated_tokens_total {float(generated)}" in decode
     finally:
         demo.send_signal(signal.SIGTERM)
         code = demo.wait(timeout=60)
