@@ -4,8 +4,29 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from conductor.core.cost_model import DecodePrior, PrefillPrior
 from conductor.core.prefix_index import NodeId
-from conductor.core.scheduler import NodeState
+from conductor.core.scheduler import NodeState, SchedulerConfig
+
+# Round numbers so expectations are easy to read: a prefill costs 1 ms per uncached
+# token; a decode step costs 10 ms + 10 ms per request in the batch; transfers are 1 GB/s.
+ROUND_PREFILL = PrefillPrior(fixed_s=0.0, per_token_s=0.001, per_token_context_s=0.0)
+ROUND_DECODE = DecodePrior(fixed_s=0.01, per_request_s=0.01, per_context_token_s=0.0)
+
+
+def round_number_config(**kw: object) -> SchedulerConfig:
+    """A scheduler config on the round-number priors, taken as measured (the truth)."""
+    base = SchedulerConfig(
+        prefill_prior=ROUND_PREFILL,
+        decode_prior=ROUND_DECODE,
+        transfer_bandwidth_bytes_per_s=1e9,
+        transfer_latency_s=0.0,
+        kvcache_balancing_threshold=2.0,
+        priors_measured=True,
+        # Outputs far longer than any test window unless a test caps them (max_new).
+        output_length_prior_tokens=1e6,
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
 
 
 def make_node(

@@ -7,7 +7,6 @@ from dataclasses import replace
 import pytest
 
 from conductor.core.block_keys import BlockKey
-from conductor.core.cost_model import DecodePrior, PrefillPrior
 from conductor.core.placement import (
     FailureKind,
     InflightPrefixes,
@@ -22,31 +21,18 @@ from conductor.core.scheduler import (
     Placement,
     Policy,
     Scheduler,
-    SchedulerConfig,
     ScheduleRequest,
     Slo,
 )
-from tests.scheduling_helpers import make_node
+from tests.scheduling_helpers import make_node, round_number_config
 
-PREFILL = PrefillPrior(fixed_s=0.0, per_token_s=0.001, per_token_context_s=0.0)
-DECODE = DecodePrior(fixed_s=0.01, per_request_s=0.01, per_context_token_s=0.0)
 NOW = 100.0
 KEYS = tuple(BlockKey(k) for k in range(1, 33))
 
 
 def loop(**kw: object) -> PlacementLoop:
     max_waiting = int(kw.pop("max_waiting", 8))  # type: ignore[call-overload]
-    config = replace(
-        SchedulerConfig(
-            prefill_prior=PREFILL,
-            decode_prior=DECODE,
-            transfer_latency_s=0.0,
-            priors_measured=True,
-            output_length_prior_tokens=1e6,
-        ),
-        **kw,  # type: ignore[arg-type]
-    )
-    return PlacementLoop(Scheduler(config), max_waiting=max_waiting)
+    return PlacementLoop(Scheduler(round_number_config(**kw)), max_waiting=max_waiting)
 
 
 def node(name: str, role: str = "prefill", **kw: object) -> object:

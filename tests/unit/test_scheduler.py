@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from conductor.core.cost_model import DecodePrior, PrefillPrior
+from conductor.core.cost_model import PrefillPrior
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import (
     Admission,
@@ -20,29 +20,17 @@ from conductor.core.scheduler import (
     ScheduleRequest,
     Slo,
 )
-from tests.scheduling_helpers import make_node
+from tests.scheduling_helpers import ROUND_DECODE, ROUND_PREFILL, make_node, round_number_config
 
-# Round numbers so expectations are easy to read: a prefill costs 1 ms per uncached
-# token; a decode step costs 10 ms + 10 ms per request in the batch; transfers are 1 GB/s.
-PREFILL = PrefillPrior(fixed_s=0.0, per_token_s=0.001, per_token_context_s=0.0)
-DECODE = DecodePrior(fixed_s=0.01, per_request_s=0.01, per_context_token_s=0.0)
+PREFILL = ROUND_PREFILL
+DECODE = ROUND_DECODE
 BS = 32
 KV_BYTES_PER_TOKEN = 1000
 NOW = 100.0
 
 
 def config(**kw: object) -> SchedulerConfig:
-    base = SchedulerConfig(
-        prefill_prior=PREFILL,
-        decode_prior=DECODE,
-        transfer_bandwidth_bytes_per_s=1e9,
-        transfer_latency_s=0.0,
-        kvcache_balancing_threshold=2.0,
-        priors_measured=True,  # the round-number priors are the truth here
-        # Outputs far longer than any window below unless a test caps them (max_new).
-        output_length_prior_tokens=1e6,
-    )
-    return replace(base, **kw)  # type: ignore[arg-type]
+    return round_number_config(**kw)
 
 
 def node(name: str, role: str = "prefill", **kw: object) -> NodeState:
