@@ -57,6 +57,7 @@ demo: install
 lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck:
 	$(BIN)/mypy
@@ -68,7 +69,7 @@ test: install-dev system-deps tools vllm-env lint typecheck pytest
 
 # Regenerate the gRPC stubs from proto/ (a test fails when they are stale).
 proto: install-dev
-	$(PY) -m kvc.protogen
+	$(PY) -m tools.protogen
 
 clean:
 	rm -rf $(VENV) $(TOOLS) $(VLLM_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 
 from bench.report import markdown_table, summarize_ms, write_results
-from conductor.core.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.blocks.pool import AllocateParams, BlockPool
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     address = f"127.0.0.1:{port}"
     agent = subprocess.Popen(
-        [sys.executable, "-m", "kvc.cli", "--log-level", "WARNING", "agent", "--port", str(port),
+        [sys.executable, "-m", "kvc_cli", "--log-level", "WARNING", "agent", "--port", str(port),
          "--block-size", str(ns.block_size), "--capacity-blocks", "65536", "--threads", "1"],
     )  # fmt: skip
     try:

@@ -36,7 +36,7 @@ import httpx
 
 from bench.block_table import free_port, wait_serving
 from bench.report import markdown_table, summarize_ms, write_results
-from conductor.core.block_keys import compute_block_keys
+from kvc.block_keys import compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.tokenization import ChatTokenizer
 from kvc.v1 import node_agent_pb2 as pb
@@ -48,7 +48,7 @@ BLOCK = 32
 
 def spawn(args: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "kvc.cli", "--log-level", "WARNING", *args],
+        [sys.executable, "-m", "kvc_cli", "--log-level", "WARNING", *args],
         stdout=subprocess.DEVNULL,
     )
 

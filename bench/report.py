@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvc.sim.replay import machine
+from kvc_sim.replay import machine
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -20,17 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import markdown_table, summarize_ms, write_results
-from conductor.core.block_keys import BlockKey, compute_block_keys
 from conductor.core.prefix_index import NodeId, PrefixIndex
 from conductor.core.scheduler import (
     NodeState,
-    Role,
     Scheduler,
     SchedulerConfig,
     ScheduleRequest,
     Slo,
 )
+from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
+from kvc.roles import NodeRole
 from kvc.tokenization import ChatTokenizer
 
 PROMPTS = (1024, 8192, 32768, 131072)
@@ -47,7 +47,7 @@ def build_fleet(n_nodes: int, keys_per_node: int, rng: random.Random) -> Fleet:
         index.reset_node(
             node, "epoch", 0, (BlockKey(rng.getrandbits(64)) for _ in range(keys_per_node))
         )
-        role: Role = "prefill" if i % 2 == 0 else "decode"
+        role: NodeRole = "prefill" if i % 2 == 0 else "decode"
         nodes.append(
             NodeState(
                 node_id=node,

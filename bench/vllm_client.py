@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         with log.open("wb") as out:
             demo = subprocess.Popen(
                 [
-                    sys.executable, "-m", "kvc.cli", "demo", "--port", str(port),
+                    sys.executable, "-m", "kvc_cli", "demo", "--port", str(port),
                     "--prefill-port", str(pport), "--decode-port", str(dport),
                     "--prefill-metrics-port", str(pm), "--decode-metrics-port", str(dm),
                 ],

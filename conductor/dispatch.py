@@ -33,8 +33,6 @@ from typing import Protocol
 import grpc
 
 from conductor.adapters.agents import AgentCallError, AgentFleet, AgentHandle, translate_rpc_error
-from conductor.core.block_keys import BlockKey, compute_block_keys
-from conductor.core.cost_model import DecodePrior, PrefillPrior
 from conductor.core.placement import (
     FailureKind,
     PlacementLoop,
@@ -60,6 +58,8 @@ from conductor.errors import (
     ServiceUnavailable,
     UpstreamError,
 )
+from kvc.block_keys import BlockKey, compute_block_keys
+from kvc.priors import DecodePrior, PrefillPrior
 from kvc.v1 import node_agent_pb2 as pb
 
 log = logging.getLogger("conductor.dispatch")

@@ -19,9 +19,11 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvc.roles import NODE_ROLES
+
 OUTCOMES = ("success", "client_error", "rejected", "upstream_error", "cancelled")
 ENDPOINTS = ("chat_completions", "completions")
-ROLES = ("prefill", "decode", "both")
+
 PROMPT_SOURCES = ("local", "migrated", "computed")
 PREDICTED_QUANTITIES = ("ttft", "tbt")  # what a prediction-ratio sample compares
 # predicted / actual: 1 is perfect; < 1 optimistic (admits too much), > 1 pessimistic.
@@ -209,8 +211,8 @@ class ConductorMetrics:
             self.prompt_cache_tokens.labels(source)
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)
-        for role in ROLES:
-            self.agents_usable.labels(role)
+        for node_role in NODE_ROLES:
+            self.agents_usable.labels(node_role)
         # TTFT is measured on prefill-capable nodes, TBT on decode-capable ones.
         for quantity, roles in (("ttft", ("prefill", "both")), ("tbt", ("decode", "both"))):
             for role in roles:
@@ -227,7 +229,7 @@ class ConductorMetrics:
         self, quantity: str, role: str, predicted_s: float, actual_s: float
     ) -> None:
         """One served request's predicted vs actual TTFT or TBT (ignored when not > 0)."""
-        if quantity in PREDICTED_QUANTITIES and role in ROLES and predicted_s > 0 < actual_s:
+        if quantity in PREDICTED_QUANTITIES and role in NODE_ROLES and predicted_s > 0 < actual_s:
             self.prediction_ratio.labels(quantity, role).observe(predicted_s / actual_s)
 
     def count_would_have_hit(self, tokens: int) -> None:
@@ -244,9 +246,9 @@ class ConductorMetrics:
     def refresh_agents(self, agents: Iterable[AgentView]) -> None:
         """Sample the fleet: usable agents by role, and up/down per agent address."""
         agents = list(agents)
-        for role in ROLES:
-            self.agents_usable.labels(role).set(
-                sum(1 for a in agents if a.usable and a.role == role)
+        for node_role in NODE_ROLES:
+            self.agents_usable.labels(node_role).set(
+                sum(1 for a in agents if a.usable and a.role == node_role)
             )
         self.agent_up.clear()  # agents that left the fleet leave the metric
         for a in agents:

@@ -8,9 +8,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from conductor.core.cost_model import DecodePrior, PrefillPrior
 from conductor.core.scheduler import Admission, Policy, SchedulerConfig
 from kvc.models import DEFAULT_MODEL_DIR
+from kvc.priors import DecodePrior, PrefillPrior
 
 
 def _split_csv(value: Any) -> Any:

@@ -14,7 +14,7 @@ Tenants file::
         requests_per_minute: 600         # 0 or absent: the conductor default
         tokens_per_minute: 200000
 
-The tenant is part of every block key's preimage (``conductor/core/block_keys.py``), so
+The tenant is part of every block key's preimage (``kvc/block_keys.py``), so
 one tenant can never hit — or time — another tenant's KV cache.
 """
 

@@ -1,1 +1,2 @@
-"""Shared pieces of kv-conductor: CLI, wire stubs, tokenization, model files."""
+"""The bottom layer both services import: wire stubs and constants, block keys,
+cost priors, tokenization, registry records and the bundled model files."""

@@ -63,7 +63,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conductor.core.cost_model import DecodePrior, PrefillPrior, fit_decode_prior, fit_prefill_prior
+from kvc.priors import DecodePrior, PrefillPrior, fit_decode_prior, fit_prefill_prior
 from node_agent.engines.base import (
     DecodeProbe,
     EngineAdapter,

@@ -40,10 +40,11 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from redis.asyncio import Redis
 
-from conductor.core.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.registry import AgentRecord, connect, keep_registered
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from kvc.wire import ERROR_INFO_KEY, MAX_MESSAGE_BYTES, ROLE_TO_PB, SERVICE_NAME
 from node_agent.blocks.events import EventLog
 from node_agent.blocks.pool import (
     AllBlocksCleared,
@@ -80,15 +81,7 @@ from node_agent.settings import AgentSettings
 
 log = logging.getLogger("node_agent")
 
-SERVICE_NAME = "kvc.v1.NodeAgent"
-ERROR_INFO_KEY = "kvc-error-info-bin"
-_ROLES = {
-    "prefill": pb.NODE_ROLE_PREFILL,
-    "decode": pb.NODE_ROLE_DECODE,
-    "both": pb.NODE_ROLE_BOTH,
-}
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
-_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 _CALIBRATION_CACHE_SHARE = 0.125  # of an engine-owned cache's tokens
 
 Context = grpc.aio.ServicerContext[object, object]
@@ -223,7 +216,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         self.node_info = pb.NodeInfo(
             node_id=s.resolved_node_id(port),
             epoch=self.epoch,
-            role=_ROLES[s.role],
+            role=ROLE_TO_PB[s.role],
             model=info.model,
             engine=info.engine,
             block_size=s.block_size,
@@ -799,7 +792,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         channel = self._peers.get(address)
         if channel is None:
             channel = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+                address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
             )
             self._peers[address] = channel
         return pb_grpc.NodeAgentStub(channel)
@@ -985,8 +978,8 @@ class AgentServer:
         self.service.health = self.health
         self._server = grpc.aio.server(
             options=[
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ]
         )
         self._tasks: list[asyncio.Task[None]] = []

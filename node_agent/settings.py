@@ -11,15 +11,14 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvc.models import DEFAULT_MODEL_DIR
-
-Role = Literal["prefill", "decode", "both"]
+from kvc.roles import NodeRole
 
 
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVC_AGENT_", extra="forbid")
 
     node_id: str = Field("", description="Stable node name; default host:port")
-    role: Role = Field("both", description="prefill | decode | both")
+    role: NodeRole = Field("both", description="prefill | decode | both")
     host: str = Field("127.0.0.1", description="Address the gRPC server binds")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one)")
     advertise_address: str = Field(

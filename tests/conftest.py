@@ -14,9 +14,10 @@ from fastapi import FastAPI
 from conductor.app import create_app
 from conductor.settings import ConductorSettings
 from conductor.state import AppState
+from kvc.roles import NodeRole
 from node_agent.main import build_engine
 from node_agent.server import AgentServer
-from node_agent.settings import AgentSettings, Role
+from node_agent.settings import AgentSettings
 
 MODEL = "tiny-llama"
 
@@ -41,7 +42,7 @@ async def start_agent() -> AsyncIterator[AgentFactory]:
     """Start real agents (grpc.aio on 127.0.0.1:0); all are stopped at teardown."""
     started: list[AgentServer] = []
 
-    async def start(role: Role = "both", **overrides: Any) -> AgentServer:
+    async def start(role: NodeRole = "both", **overrides: Any) -> AgentServer:
         overrides.setdefault("calibrate", False)  # tests/*/test_agent_calibration.py
         settings = AgentSettings(role=role, port=0, load_interval_s=0.05, **overrides)
         server = AgentServer(settings, build_engine(settings))

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from conductor import metrics as cm
+from kvc.roles import NODE_ROLES
 from node_agent import metrics as am
 from node_agent.blocks.pool import BlockPool
 from node_agent.engines.base import EngineLoad
@@ -37,7 +38,7 @@ def exercised_conductor() -> cm.ConductorMetrics:
         m.tbt.labels(endpoint).observe(0.02)
     m.observe_decision(0.0003)
     for quantity in cm.PREDICTED_QUANTITIES:
-        for role in cm.ROLES:
+        for role in NODE_ROLES:
             m.observe_prediction(quantity, role, 0.9, 1.0)
     m.count_would_have_hit(64)
     m.event_lag.observe(0.002)

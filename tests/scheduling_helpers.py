@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from conductor.core.cost_model import DecodePrior, PrefillPrior
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import NodeState, SchedulerConfig
+from kvc.priors import DecodePrior, PrefillPrior
 
 # Round numbers so expectations are easy to read: a prefill costs 1 ms per uncached
 # token; a decode step costs 10 ms + 10 ms per request in the batch; transfers are 1 GB/s.

@@ -17,20 +17,15 @@ from typing import Any
 
 import grpc
 
-from conductor.core.scheduler import Role
+from kvc.roles import NodeRole
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from kvc.wire import ERROR_INFO_KEY, MAX_MESSAGE_BYTES, ROLE_FROM_PB
 
 log = logging.getLogger("conductor.agents")
 
-ERROR_INFO_KEY = "kvc-error-info-bin"
-_ROLE_NAMES: dict[int, Role] = {
-    pb.NODE_ROLE_PREFILL: "prefill",
-    pb.NODE_ROLE_DECODE: "decode",
-    pb.NODE_ROLE_BOTH: "both",
-}
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
 ]
 
@@ -90,8 +85,10 @@ class AgentHandle:
         )
 
     @property
-    def role(self) -> Role:
-        return _ROLE_NAMES.get(self.info.role if self.info else 0, "both")
+    def role(self) -> NodeRole:
+        if self.info is None:
+            return "both"
+        return ROLE_FROM_PB.get(self.info.role, "both")
 
 
 CallObserver = Callable[[str, str], None]  # (gRPC method path, status code name)

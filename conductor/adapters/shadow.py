@@ -20,8 +20,8 @@ from collections.abc import Callable
 import grpc
 
 from conductor.adapters.agents import AgentFleet, AgentHandle
-from conductor.core.block_keys import BlockKey
 from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
+from kvc.block_keys import BlockKey
 from kvc.v1 import node_agent_pb2 as pb
 
 log = logging.getLogger("conductor.shadow")

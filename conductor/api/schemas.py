@@ -54,11 +54,11 @@ __all__ = [
     "ErrorDetail",
     "ErrorResponse",
     "FinishReason",
+    "MessageRole",
     "ModelCard",
     "ModelList",
     "OpenAIBaseModel",
     "PromptTokensDetails",
-    "Role",
     "StreamOptions",
     "Usage",
     "chunk_json",
@@ -67,7 +67,7 @@ __all__ = [
     "sse_data",
 ]
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
+MessageRole = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]
 CompletionFinishReason = Literal["stop", "length", "content_filter"]
 
@@ -133,7 +133,7 @@ class ContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: Role
+    role: MessageRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: Any = None

@@ -22,7 +22,7 @@ is that loop, written sans-I/O: a driver asks ``decide`` and performs what it an
             end / error / cancel    -> placement.finished(output_tokens, stopped)
 
 The live dispatcher (``conductor/dispatch.py``) drives it with gRPC calls and asyncio
-waits; the simulator (``kvc/sim/cluster.py``) drives the very same object in virtual
+waits; the simulator (``kvc_sim/cluster.py``) drives the very same object in virtual
 time. Decisions are therefore the same given the same fleet view, observations and
 clock (``tests/integration/test_placement_drivers.py`` runs one scenario table through
 both).
@@ -59,7 +59,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from conductor.core.block_keys import BlockKey
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import (
     NodeState,
@@ -71,6 +70,7 @@ from conductor.core.scheduler import (
     ScheduleRequest,
     Slo,
 )
+from kvc.block_keys import BlockKey
 
 __all__ = [
     "FailureKind",

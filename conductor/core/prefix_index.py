@@ -75,7 +75,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
-from conductor.core.block_keys import BlockKey
+from kvc.block_keys import BlockKey
 
 __all__ = ["ApplyOutcome", "IndexStats", "NodeId", "PrefixIndex"]
 

@@ -67,17 +67,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from conductor.core.cost_model import (
-    DecodePrior,
-    DecodeTimeModel,
-    PrefillPrior,
-    PrefillTimeModel,
-    TransferModel,
-)
+from conductor.core.cost_model import DecodeTimeModel, PrefillTimeModel, TransferModel
 from conductor.core.output_length import LengthDistribution, OutputLengthModel
 from conductor.core.prefix_index import NodeId
-
-Role = Literal["prefill", "decode", "both"]
+from kvc.priors import DecodePrior, PrefillPrior
+from kvc.roles import NodeRole
 
 
 class Policy(enum.Enum):
@@ -128,7 +122,7 @@ class Slo:
 @dataclass(frozen=True, slots=True)
 class NodeState:
     node_id: NodeId
-    role: Role
+    role: NodeRole
     healthy: bool
     block_size: int
     capacity_blocks: int

@@ -95,7 +95,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from conductor.core.block_keys import KEY_BITS, BlockKey
+from kvc.block_keys import KEY_BITS, BlockKey
 
 __all__ = [
     "AbortResult",

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from conductor.core.block_keys import BlockKey
+from kvc.block_keys import BlockKey
 from node_agent.engines.embedded import KvCache, KvLayout
 
 

@@ -54,7 +54,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from conductor.core.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import BlockKey, compute_block_keys
 from node_agent.engines.base import (
     CacheCleared,
     CacheRemoved,

@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from conductor.core.block_keys import compute_block_keys
+from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
-from node_agent.server import ERROR_INFO_KEY, AgentServer
+from kvc.wire import ERROR_INFO_KEY
+from node_agent.server import AgentServer
 from tests.conftest import MODEL, AgentFactory, assert_no_locks
 
 
@@ -250,7 +251,7 @@ async def test_racing_allocations_never_double_allocate(
 
 
 async def test_kvc_probe_reports_agent_health(agent: AgentServer) -> None:
-    from kvc.probe import probe
+    from kvc_cli.probe import probe
 
     assert await asyncio.to_thread(probe, f"grpc://{agent.address}")
     await agent.stop(grace_s=0.1)

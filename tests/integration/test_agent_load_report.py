@@ -11,7 +11,7 @@ import grpc
 import httpx
 import pytest
 
-from conductor.core.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.tokenization import ChatTokenizer
 from kvc.v1 import node_agent_pb2 as pb

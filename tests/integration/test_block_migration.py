@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from conductor.core.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.blocks.pool import BlockPoolError, BlockState

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from conductor.core.block_keys import BlockKey, compute_block_keys
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import Admission, Policy, SchedulerConfig, Slo
 from conductor.dispatch import GenerationRequest, SamplingSpec
 from conductor.errors import ConductorError
-from kvc.sim.cluster import TENANT, Cluster, ClusterConfig
-from kvc.sim.profile import load_profile
-from kvc.sim.trace import TraceRequest
+from kvc.block_keys import BlockKey, compute_block_keys
+from kvc_sim.cluster import TENANT, Cluster, ClusterConfig
+from kvc_sim.profile import load_profile
+from kvc_sim.trace import TraceRequest
 from node_agent.blocks.pool import AllocateParams, BlockPool
 from node_agent.server import AgentServer
 from tests.conftest import MODEL, AgentFactory, ConductorFactory, assert_no_locks, wait_until

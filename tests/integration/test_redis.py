@@ -166,7 +166,7 @@ async def test_one_tenant_never_hits_another_tenants_cache(
 
 
 async def test_invalid_tenants_file_fails_fast(tmp_path: Path) -> None:
-    from kvc.cli import main
+    from kvc_cli.cli import main
 
     bad = tmp_path / "tenants.json"
     bad.write_text('{"tenants": {"x": {"requests_per_minute": -1}}}')

@@ -206,7 +206,7 @@ async def test_inflight_prefixes_are_tracked_and_released(
     start_agent: AgentFactory, conductor: ConductorFactory
 ) -> None:
     """kv_adaptive counts blocks an open prefill is computing; the count ends with the Tx."""
-    from conductor.core.block_keys import BlockKey
+    from kvc.block_keys import BlockKey
 
     a = await start_agent("both")
     async with conductor([a], policy="kv_adaptive") as c:

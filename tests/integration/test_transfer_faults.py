@@ -9,10 +9,11 @@ from typing import Any
 import grpc
 import pytest
 
-from conductor.core.block_keys import compute_block_keys
+from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
-from node_agent.server import ERROR_INFO_KEY, AgentServer
+from kvc.wire import ERROR_INFO_KEY
+from node_agent.server import AgentServer
 from tests.conftest import MODEL, AgentFactory, ConductorFactory, assert_no_locks, chat_body
 
 PROMPT = [(7 * i) % 1900 + 20 for i in range(300)]  # 299 tokens of KV ≈ 600 KB: many chunks

@@ -22,13 +22,14 @@ import httpx
 import pytest
 
 from kvc.models import DEFAULT_MODEL_DIR
+from kvc.roles import NodeRole
 from kvc.tokenization import ChatTokenizer
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.engines.vllm import VllmConfig, VllmEngineAdapter
 from node_agent.main import start_engine
 from node_agent.server import AgentServer
-from node_agent.settings import AgentSettings, Role
+from node_agent.settings import AgentSettings
 from tests.conftest import ConductorFactory, assert_no_locks, chat_body, wait_until
 
 MODEL = "tiny-llama"
@@ -100,7 +101,7 @@ async def vllm_agents() -> AsyncIterator[tuple[list[AgentServer], list[StandInVl
     agents: list[AgentServer] = []
     fakes: list[StandInVllm] = []
 
-    async def start(role: Role, pd_connector: str) -> None:
+    async def start(role: NodeRole, pd_connector: str) -> None:
         settings = AgentSettings(
             role=role,
             port=0,

@@ -1,7 +1,7 @@
 """System tier: real processes on loopback — conductor, prefill agent, decode agent.
 
 The official ``openai`` client talks to the conductor; every process is started
-with ``python -m kvc.cli`` exactly as an operator would, and stopped with SIGTERM.
+with ``python -m kvc_cli.cli`` exactly as an operator would, and stopped with SIGTERM.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def port_open(port: int) -> bool:
 def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
-            [sys.executable, "-m", "kvc.cli", *args], stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "kvc_cli", *args], stdout=out, stderr=subprocess.STDOUT
         )
 
 
@@ -208,7 +208,7 @@ def test_kvc_demo_serves_and_stops_everything(tmp_path: Path) -> None:
     with log.open("wb") as out:
         demo = subprocess.Popen(
             [
-                sys.executable, "-m", "kvc.cli", "demo",
+                sys.executable, "-m", "kvc_cli", "demo",
                 "--port", str(ports[0]), "--prefill-port", str(ports[1]),
                 "--decode-port", str(ports[2]), "--prefill-metrics-port", str(ports[3]),
                 "--decode-metrics-port", str(ports[4]),

@@ -1,6 +1,6 @@
 """System tier: a real Prometheus server scrapes a running kv-conductor.
 
-A conductor, a prefill agent and a decode agent run as processes (``python -m kvc.cli``),
+A conductor, a prefill agent and a decode agent run as processes (``python -m kvc_cli.cli``),
 the agents with ``--metrics-port``; Prometheus (Debian's ``prometheus`` 2.x) runs with a
 generated configuration that scrapes all three under the job names the alert rules use
 and loads deploy/prometheus/alerts.yml. After a few chat requests, Prometheus's HTTP API

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvc.sim.trace import write_trace
-from kvc.sim.workload import SyntheticSpec, generate
+from kvc_sim.trace import write_trace
+from kvc_sim.workload import SyntheticSpec, generate
 
 pytestmark = pytest.mark.system
 
@@ -30,7 +30,7 @@ PER_POLICY_KEYS = {
 
 def kvc(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvc.cli", *args],
+        [sys.executable, "-m", "kvc_cli", *args],
         capture_output=True,
         text=True,
         timeout=240,

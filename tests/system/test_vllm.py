@@ -29,7 +29,7 @@ import grpc
 import httpx
 import pytest
 
-from conductor.core.block_keys import compute_block_keys
+from kvc.block_keys import compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.tokenization import ChatTokenizer
 from kvc.v1 import node_agent_pb2 as pb
@@ -149,7 +149,7 @@ class Fleet:
 
     def _agent_cmd(self, port: int) -> list[str]:
         return [
-            sys.executable, "-m", "kvc.cli", "agent", "--engine", "vllm", "--role", "both",
+            sys.executable, "-m", "kvc_cli", "agent", "--engine", "vllm", "--role", "both",
             "--host", "127.0.0.1", "--port", str(port), "--block-size", str(BLOCK_SIZE),
             "--capacity-blocks", str(CAPACITY_BLOCKS), "--shutdown-grace-s", "2",
             "--load-interval-s", "0.2",
@@ -188,7 +188,7 @@ class Fleet:
         self.spawn(
             "conductor",
             [
-                sys.executable, "-m", "kvc.cli", "conductor", "--port", str(self.http_port),
+                sys.executable, "-m", "kvc_cli", "conductor", "--port", str(self.http_port),
                 "--agents", agents, "--drain-delay-s", "0", "--agent-poll-interval-s", "0.5",
                 "--admin-keys", ADMIN_KEY,
             ],

@@ -20,8 +20,8 @@ import msgpack
 import pytest
 import torch
 
-from conductor.core.cost_model import DecodePrior, PrefillPrior
 from kvc.models import DEFAULT_MODEL_DIR
+from kvc.priors import DecodePrior, PrefillPrior
 from kvc.tokenization import ChatTokenizer
 from node_agent.calibration import CalibrationPlan, calibrate, host_lock
 from node_agent.engines.base import GenerateJob, PrefillJob, Sampling

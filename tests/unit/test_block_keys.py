@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conductor.core.block_keys import (
+from kvc.block_keys import (
     ROOT_PARENT_KEY,
     BlockKey,
     BlockKeySpec,
@@ -24,7 +24,7 @@ from conductor.core.block_keys import (
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# The shared test vector. Computed once by conductor/core/block_keys.py and committed:
+# The shared test vector. Computed once by kvc/block_keys.py and committed:
 # any change to these numbers is a wire-format change (every shadow index and every
 # node's cache would stop matching) and needs a new key version, not an edited vector.
 VECTOR_TOKENS = [(i * 7919 + 13) % 151936 for i in range(100)]  # 6 full blocks + 4 tokens
@@ -203,7 +203,7 @@ def test_properties(tokens: list[int], block_size: int, split_blocks: int, tenan
 
 _SUBPROCESS_SCRIPT = """
 import json
-from conductor.core.block_keys import compute_block_keys
+from kvc.block_keys import compute_block_keys
 tokens = [(i * 7919 + 13) % 151936 for i in range(100)]
 keys = compute_block_keys(tokens, tenant="tenant-a", model="m\\u00e9", block_size=16)
 print(json.dumps([hash("salt-check"), keys]))

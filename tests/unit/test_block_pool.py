@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conductor.core.block_keys import BlockKey
+from kvc.block_keys import BlockKey
 from node_agent.blocks.pool import (
     AbortResult,
     AllBlocksCleared,

@@ -17,7 +17,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from conductor.core.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import BlockKey, compute_block_keys
 from node_agent.blocks.pool import (
     AbortResult,
     AllBlocksCleared,

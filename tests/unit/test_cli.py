@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvc.cli import main
+from kvc_cli.cli import main
 
 
 @pytest.mark.parametrize(
@@ -43,6 +43,6 @@ def test_probe_rejects_unknown_scheme(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_configuration_doc_is_fresh() -> None:
-    from kvc.settings_doc import DOC_PATH, render
+    from tools.settings_doc import DOC_PATH, render
 
-    assert DOC_PATH.read_text() == render(), "run `python -m kvc.settings_doc` and commit"
+    assert DOC_PATH.read_text() == render(), "run `python -m tools.settings_doc` and commit"

@@ -9,16 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conductor.core.cost_model import (
-    DecodePrior,
-    DecodeTimeModel,
-    PrefillPrior,
-    PrefillTimeModel,
-    TransferModel,
-    fit_decode_prior,
-    fit_prefill_prior,
-)
+from conductor.core.cost_model import DecodeTimeModel, PrefillTimeModel, TransferModel
 from conductor.core.prefix_index import NodeId
+from kvc.priors import DecodePrior, PrefillPrior, fit_decode_prior, fit_prefill_prior
 
 SRC, DST = NodeId("p0"), NodeId("d0")
 

@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from conductor.settings import ConductorSettings
-from kvc.cli import build_parser
-from kvc.settings_cli import settings_from_args
+from kvc_cli.cli import build_parser
+from kvc_cli.settings_cli import settings_from_args
 from node_agent.settings import AgentSettings
 from tests.tooling import require_tool, run_tool
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conductor.core.block_keys import BlockKey
+from kvc.block_keys import BlockKey
 from node_agent.blocks.events import EventLog
 from node_agent.blocks.pool import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 

@@ -33,8 +33,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvc.cli import build_parser
 from kvc.models import DEFAULT_MODEL_DIR
+from kvc_cli.cli import build_parser
 from tests.tooling import require_tool, run_tool
 from tests.unit.test_deploy_files import flag, validate_command
 

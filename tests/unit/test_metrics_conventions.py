@@ -18,6 +18,7 @@ import pytest
 
 from conductor import metrics as cm
 from conductor.core.scheduler import RejectReason
+from kvc.roles import NODE_ROLES
 from node_agent import metrics as am
 from tests.metrics_catalog import AGENT_ADDRESSES, exposition_texts, families
 from tests.tooling import require_tool, run_tool
@@ -33,7 +34,7 @@ ALLOWED_LABELS: dict[str, tuple[str, ...] | None] = {
     "outcome": (*cm.OUTCOMES, *am.TX_OUTCOMES),
     "reason": cm.REJECTION_REASONS,
     "source": (*cm.PROMPT_SOURCES, *am.TOKEN_SOURCES),
-    "role": cm.ROLES,
+    "role": NODE_ROLES,
     "quantity": cm.PREDICTED_QUANTITIES,
     "method": cm.AGENT_METHODS,
     "code": cm.GRPC_CODES,

@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 
-from conductor.core.block_keys import BlockKey
 from conductor.core.placement import (
     FailureKind,
     InflightPrefixes,
@@ -24,6 +23,7 @@ from conductor.core.scheduler import (
     ScheduleRequest,
     Slo,
 )
+from kvc.block_keys import BlockKey
 from tests.scheduling_helpers import make_node, round_number_config
 
 NOW = 100.0

@@ -16,8 +16,8 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from conductor.core.block_keys import BlockKey
 from conductor.core.prefix_index import ApplyOutcome, IndexStats, NodeId, PrefixIndex
+from kvc.block_keys import BlockKey
 
 A, B, C, D = NodeId("a"), NodeId("b"), NodeId("c"), NodeId("d")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvc.protogen import REPO_ROOT, generate
+from tools.protogen import REPO_ROOT, generate
 
 
 def test_committed_stubs_are_fresh(tmp_path: Path) -> None:

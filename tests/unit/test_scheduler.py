@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 
-from conductor.core.cost_model import PrefillPrior
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import (
     Admission,
@@ -20,6 +19,7 @@ from conductor.core.scheduler import (
     ScheduleRequest,
     Slo,
 )
+from kvc.priors import PrefillPrior
 from tests.scheduling_helpers import ROUND_DECODE, ROUND_PREFILL, make_node, round_number_config
 
 PREFILL = ROUND_PREFILL

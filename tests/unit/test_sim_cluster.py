@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 
 from conductor.core.scheduler import Admission, Policy, SchedulerConfig, Slo
-from kvc.sim.cluster import Cluster, ClusterConfig, simulate
-from kvc.sim.metrics import summarize
-from kvc.sim.profile import Profile, load_profile
-from kvc.sim.trace import TraceRequest
-from kvc.sim.workload import SyntheticSpec, generate
+from kvc_sim.cluster import Cluster, ClusterConfig, simulate
+from kvc_sim.metrics import summarize
+from kvc_sim.profile import Profile, load_profile
+from kvc_sim.trace import TraceRequest
+from kvc_sim.workload import SyntheticSpec, generate
 
 SLO = Slo(ttft_s=30.0, tbt_s=0.1)
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvc.sim.engine import EventLoop
-from kvc.sim.profile import SimConfigError, bundled_profiles, load_profile
-from kvc.sim.trace import (
+from kvc_sim.engine import EventLoop
+from kvc_sim.profile import SimConfigError, bundled_profiles, load_profile
+from kvc_sim.trace import (
     TraceError,
     TraceRequest,
     cached_tokens,
@@ -20,7 +20,7 @@ from kvc.sim.trace import (
     trace_stats,
     write_trace,
 )
-from kvc.sim.workload import SyntheticSpec, generate
+from kvc_sim.workload import SyntheticSpec, generate
 
 PROFILE = "llama3-70b-8xa800"
 

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pytest
 
-from conductor.core.cost_model import DecodePrior, PrefillPrior
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import (
     Admission,
@@ -23,6 +22,7 @@ from conductor.core.scheduler import (
     ScheduleRequest,
     Slo,
 )
+from kvc.priors import DecodePrior, PrefillPrior
 from tests.scheduling_helpers import make_node
 
 BS = 32

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvc.sim.profile import SimConfigError
-from kvc.sim.replay import ProgressLine, ReplayOptions, run_scenario
-from kvc.sim.scenario import Scenario, bundled_scenarios, load_scenario
-from kvc.sim.workload import SyntheticSpec, generate
+from kvc_sim.profile import SimConfigError
+from kvc_sim.replay import ProgressLine, ReplayOptions, run_scenario
+from kvc_sim.scenario import Scenario, bundled_scenarios, load_scenario
+from kvc_sim.workload import SyntheticSpec, generate
 
 PER_POLICY_KEYS = {
     "hit_ratio",

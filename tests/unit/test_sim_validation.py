@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from conductor.core.scheduler import Admission, Policy, SchedulerConfig, Slo
-from kvc.sim.cluster import ClusterConfig, simulate
-from kvc.sim.metrics import RequestRecord, SimResult, summarize, top_decile_mean
-from kvc.sim.profile import Profile, load_profile
-from kvc.sim.trace import TraceRequest, read_trace, theoretical_hit_ratio
-from kvc.sim.workload import SyntheticSpec, generate
+from kvc_sim.cluster import ClusterConfig, simulate
+from kvc_sim.metrics import RequestRecord, SimResult, summarize, top_decile_mean
+from kvc_sim.profile import Profile, load_profile
+from kvc_sim.trace import TraceRequest, read_trace, theoretical_hit_ratio
+from kvc_sim.workload import SyntheticSpec, generate
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl"

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvc.models import CORPUS_PATH, DEFAULT_MODEL_DIR
-from kvc.models.build_tiny_llama import build
 from kvc.tokenization import ChatTemplateError, ChatTokenizer, IncrementalDetokenizer
+from tools.build_tiny_llama import build
 
 MIXED_TEXT = (
     "The lighthouse keeper wrote: “Wind NW, fresh.” — naïve café, 3.14159 ≈ π.\n"
@@ -297,7 +297,7 @@ def test_model_folder_is_not_stale(tmp_path: Path) -> None:
     assert sorted(p.name for p in written) == shipped
     for path in written:
         assert path.read_bytes() == (DEFAULT_MODEL_DIR / path.name).read_bytes(), (
-            f"{path.name} is stale: run `python -m kvc.models.build_tiny_llama`"
+            f"{path.name} is stale: run `python -m tools.build_tiny_llama`"
         )
 
 
@@ -308,7 +308,7 @@ def test_corpus_size() -> None:
 def test_tokenization_does_not_import_torch_or_transformers() -> None:
     code = (
         "import sys\n"
-        "import kvc.tokenization, kvc.models.build_tiny_llama\n"
+        "import kvc.tokenization, tools.build_tiny_llama\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     result = subprocess.run(

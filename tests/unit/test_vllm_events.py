@@ -17,7 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from conductor.core.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import BlockKey, compute_block_keys
 from node_agent.engines.base import CacheCleared, CacheRemoved, CacheStored, EngineCacheEvent
 from node_agent.engines.vllm import salt_for_tenant
 from node_agent.engines.vllm_events import KvEventDecoder, KvEventSubscriber

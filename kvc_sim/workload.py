@@ -32,7 +32,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvc.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from kvc_sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["SyntheticSpec", "generate"]
 

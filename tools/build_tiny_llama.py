@@ -1,6 +1,6 @@
 """Regenerate the ``tiny-llama`` model folder from ``corpus.txt``.
 
-Usage: ``python -m kvc.models.build_tiny_llama [--out DIR]`` (default: the
+Usage: ``python -m tools.build_tiny_llama [--out DIR]`` (default: the
 folder shipped in the package).
 
 Everything is derived deterministically from the corpus and the constants

@@ -42,9 +42,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from conductor.core.block_keys import BlockKey
 from conductor.core.prefix_index import NodeId
-from kvc.sim.profile import Profile
+from kvc.block_keys import BlockKey
+from kvc_sim.profile import Profile
 from node_agent.blocks.pool import (
     AllBlocksCleared,
     BlockPool,

@@ -24,10 +24,10 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from conductor.core.cost_model import DecodePrior, PrefillPrior
 from conductor.core.scheduler import Admission, Policy, SchedulerConfig, Slo
-from kvc.sim.cluster import ClusterConfig
-from kvc.sim.profile import Profile, SimConfigError, load_profile, read_config_json
+from kvc.priors import DecodePrior, PrefillPrior
+from kvc_sim.cluster import ClusterConfig
+from kvc_sim.profile import Profile, SimConfigError, load_profile, read_config_json
 
 __all__ = [
     "RunSpec",
@@ -172,7 +172,7 @@ def _fields(config: ClusterConfig | SchedulerSpec) -> dict[str, Any]:
 
 
 def bundled_scenarios() -> list[str]:
-    folder = resources.files("kvc.sim") / "scenarios"
+    folder = resources.files("kvc_sim") / "scenarios"
     return sorted(
         p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json")
     )

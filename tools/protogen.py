@@ -1,6 +1,6 @@
 """Generate the Python gRPC stubs for the wire contract in ``proto/``.
 
-Run with ``make proto`` (or ``python -m kvc.protogen [--out DIR]``). The output is
+Run with ``make proto`` (or ``python -m tools.protogen [--out DIR]``). The output is
 deterministic for pinned ``grpcio-tools`` and ``mypy-protobuf`` versions (see the
 ``dev`` extra), so ``tests/unit/test_proto_stubs.py`` regenerates into a temporary
 folder and fails when the committed stubs in ``kvc/v1/`` are stale.

@@ -69,7 +69,7 @@ class Supervisor:
 
     def spawn(self, name: str, args: list[str]) -> None:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvc.cli", *args],
+            [sys.executable, "-m", "kvc_cli", *args],
             preexec_fn=_die_with_parent(),
         )
         self.children.append((name, proc))

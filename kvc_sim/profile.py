@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from conductor.core.cost_model import DecodePrior, PrefillPrior
+from kvc.priors import DecodePrior, PrefillPrior
 
 __all__ = [
     "DecodeSpec",
@@ -213,7 +213,7 @@ def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
 
 
 def bundled_profiles() -> list[str]:
-    folder = resources.files("kvc.sim") / "profiles"
+    folder = resources.files("kvc_sim") / "profiles"
     return sorted(
         p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json")
     )
@@ -225,7 +225,7 @@ def read_config_json(name_or_path: str, folder: str) -> tuple[dict[str, Any], st
         if path.suffix == ".json" and path.exists():
             text, where = path.read_text(), str(path)
         else:
-            res = resources.files("kvc.sim") / folder / f"{name_or_path}.json"
+            res = resources.files("kvc_sim") / folder / f"{name_or_path}.json"
             text, where = res.read_text(), f"{folder}/{name_or_path}.json"
     except (FileNotFoundError, OSError) as exc:
         raise SimConfigError(f"no {folder[:-1]} named {name_or_path!r}") from exc

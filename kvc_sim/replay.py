@@ -35,11 +35,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvc.sim.cluster import simulate
-from kvc.sim.metrics import SimResult, summarize
-from kvc.sim.plots import PlotRun, SweepPoint, write_plots
-from kvc.sim.scenario import RunSpec, Scenario
-from kvc.sim.trace import TraceRequest, trace_stats
+from kvc_sim.cluster import simulate
+from kvc_sim.metrics import SimResult, summarize
+from kvc_sim.plots import PlotRun, SweepPoint, write_plots
+from kvc_sim.scenario import RunSpec, Scenario
+from kvc_sim.trace import TraceRequest, trace_stats
 
 __all__ = ["ProgressLine", "ReplayOptions", "machine", "run_scenario"]
 

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import sys
 
-from kvc.settings_cli import SettingsError, add_settings_arguments, settings_from_args
+from kvc_cli.settings_cli import SettingsError, add_settings_arguments, settings_from_args
 
 
 def _setup_logging(level: str) -> None:
@@ -45,7 +45,7 @@ def _run_agent(ns: argparse.Namespace) -> int:
 
 
 def _run_demo(ns: argparse.Namespace) -> int:
-    from kvc.demo import DemoOptions, run_demo
+    from kvc_cli.demo import DemoOptions, run_demo
 
     return run_demo(
         DemoOptions(
@@ -62,7 +62,7 @@ def _run_demo(ns: argparse.Namespace) -> int:
 
 
 def _run_probe(ns: argparse.Namespace) -> int:
-    from kvc.probe import main as probe_main
+    from kvc_cli.probe import main as probe_main
 
     return probe_main(ns.url, ns.timeout_s)
 
@@ -70,10 +70,10 @@ def _run_probe(ns: argparse.Namespace) -> int:
 def _run_bench_replay(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvc.sim.profile import SimConfigError
-    from kvc.sim.replay import ProgressLine, ReplayOptions, run_scenario
-    from kvc.sim.scenario import load_scenario
-    from kvc.sim.trace import TraceError, read_trace
+    from kvc_sim.profile import SimConfigError
+    from kvc_sim.replay import ProgressLine, ReplayOptions, run_scenario
+    from kvc_sim.scenario import load_scenario
+    from kvc_sim.trace import TraceError, read_trace
 
     try:
         scenario = load_scenario(ns.scenario)
@@ -184,7 +184,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -15,7 +15,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2
 
-AGENT_SERVICE = "kvc.v1.NodeAgent"
+from kvc.wire import SERVICE_NAME
 
 
 async def _grpc_serving(address: str, timeout_s: float) -> bool:
@@ -27,7 +27,7 @@ async def _grpc_serving(address: str, timeout_s: float) -> bool:
         )
         try:
             resp = await check(
-                health_pb2.HealthCheckRequest(service=AGENT_SERVICE), timeout=timeout_s
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout_s
             )
         except grpc.aio.AioRpcError:
             return False

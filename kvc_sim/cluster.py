@@ -65,7 +65,6 @@ from typing import ClassVar
 
 from pydantic import ConfigDict
 
-from conductor.core.block_keys import BlockKey
 from conductor.core.placement import (
     FailureKind,
     PlacementLoop,
@@ -82,8 +81,9 @@ from conductor.core.scheduler import (
     ScheduleRequest,
     Slo,
 )
-from kvc.sim.engine import EventLoop
-from kvc.sim.instances import (
+from kvc.block_keys import BlockKey
+from kvc_sim.engine import EventLoop
+from kvc_sim.instances import (
     DecodeInstance,
     DecodeSeq,
     IndexEvent,
@@ -92,9 +92,9 @@ from kvc.sim.instances import (
     TimingNoise,
     reserve_transfer,
 )
-from kvc.sim.metrics import LoadSample, Outcome, RequestRecord, SimResult, top_decile_mean
-from kvc.sim.profile import Profile
-from kvc.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, cached_tokens
+from kvc_sim.metrics import LoadSample, Outcome, RequestRecord, SimResult, top_decile_mean
+from kvc_sim.profile import Profile
+from kvc_sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, cached_tokens
 from node_agent.blocks.pool import AllocateParams, CapacityExhausted, TxMode
 
 __all__ = ["MODEL", "TENANT", "Cluster", "ClusterConfig", "simulate"]

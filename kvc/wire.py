@@ -1,0 +1,30 @@
+"""Constants of the conductor ↔ node-agent wire that both sides must agree on.
+
+The message types themselves are the generated stubs in ``kvc.v1``; this module holds
+what the stubs cannot: the gRPC service name both health checks use, the trailing-metadata
+key that carries a structured ``ErrorInfo``, the message-size limit of every channel and
+server, and the mapping of node roles (``kvc.roles``) to the wire's ``NodeRole`` enum.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from kvc.roles import NodeRole
+from kvc.v1 import node_agent_pb2 as pb
+
+#: Full name of the agent's gRPC service, also its name in the gRPC health service.
+SERVICE_NAME: Final = pb.DESCRIPTOR.services_by_name["NodeAgent"].full_name
+
+#: Trailing-metadata key of a serialized ``kvc.v1.ErrorInfo`` (binary: ``-bin``).
+ERROR_INFO_KEY: Final = "kvc-error-info-bin"
+
+#: Largest gRPC message either side sends or accepts (KV chunks stay well below it).
+MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
+
+ROLE_TO_PB: Final[dict[NodeRole, pb.NodeRole.ValueType]] = {
+    "prefill": pb.NODE_ROLE_PREFILL,
+    "decode": pb.NODE_ROLE_DECODE,
+    "both": pb.NODE_ROLE_BOTH,
+}
+ROLE_FROM_PB: Final[dict[pb.NodeRole.ValueType, NodeRole]] = {v: k for k, v in ROLE_TO_PB.items()}

@@ -1,0 +1,1 @@
+"""Repository tools (not installed): stub generation, docs generation, model building."""
