@@ -60,7 +60,9 @@ from conductor.errors import (
 )
 from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.priors import DecodePrior, PrefillPrior
+from kvc.sampling import Sampling
 from kvc.v1 import node_agent_pb2 as pb
+from kvc.wire import sampling_to_pb
 
 log = logging.getLogger("conductor.dispatch")
 
@@ -68,21 +70,11 @@ _FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingSpec:
-    temperature: float
-    top_p: float
-    max_tokens: int
-    seed: int | None
-    stop: tuple[str, ...]
-    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
-
-
-@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
     tenant: str
     prompt_ids: tuple[int, ...]
-    sampling: SamplingSpec
+    sampling: Sampling
     slo: Slo
 
 
@@ -596,20 +588,11 @@ class Dispatcher:
             else:
                 tx_id = ""  # shorter than one block: nothing to own, no Tx needed
             cached_tokens = max(reused_blocks, migrated) * block_size
-            sampling = pb.SamplingParams(
-                temperature=req.sampling.temperature,
-                top_p=req.sampling.top_p,
-                max_tokens=req.sampling.max_tokens,
-                stop=list(req.sampling.stop),
-                ignore_eos=req.sampling.ignore_eos,
-            )
-            if req.sampling.seed is not None:
-                sampling.seed = req.sampling.seed
             gen = pb.GenerateRequest(
                 request_id=req.request_id,
                 tenant=req.tenant,
                 prompt_token_ids=req.prompt_ids,
-                sampling=sampling,
+                sampling=sampling_to_pb(req.sampling),
             )
             if disaggregated:
                 pre = await prefill.stub.Prefill(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Final
 
 from kvc.roles import NodeRole
+from kvc.sampling import Sampling
 from kvc.v1 import node_agent_pb2 as pb
 
 #: Full name of the agent's gRPC service, also its name in the gRPC health service.
@@ -28,3 +29,28 @@ ROLE_TO_PB: Final[dict[NodeRole, pb.NodeRole.ValueType]] = {
     "both": pb.NODE_ROLE_BOTH,
 }
 ROLE_FROM_PB: Final[dict[pb.NodeRole.ValueType, NodeRole]] = {v: k for k, v in ROLE_TO_PB.items()}
+
+
+def sampling_to_pb(sampling: Sampling) -> pb.SamplingParams:
+    message = pb.SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_tokens,
+        stop=list(sampling.stop),
+        ignore_eos=sampling.ignore_eos,
+    )
+    if sampling.seed is not None:
+        message.seed = sampling.seed
+    return message
+
+
+def sampling_from_pb(message: pb.SamplingParams) -> Sampling:
+    """Unset fields take the API's defaults: ``top_p`` 1, ``max_tokens`` 16."""
+    return Sampling(
+        temperature=message.temperature,
+        top_p=message.top_p if message.top_p > 0 else 1.0,
+        max_tokens=message.max_tokens or 16,
+        seed=message.seed if message.HasField("seed") else None,
+        stop=tuple(message.stop),
+        ignore_eos=message.ignore_eos,
+    )

@@ -44,7 +44,13 @@ from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.registry import AgentRecord, connect, keep_registered
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
-from kvc.wire import ERROR_INFO_KEY, MAX_MESSAGE_BYTES, ROLE_TO_PB, SERVICE_NAME
+from kvc.wire import (
+    ERROR_INFO_KEY,
+    MAX_MESSAGE_BYTES,
+    ROLE_TO_PB,
+    SERVICE_NAME,
+    sampling_from_pb,
+)
 from node_agent.blocks.events import EventLog
 from node_agent.blocks.pool import (
     AllBlocksCleared,
@@ -73,7 +79,6 @@ from node_agent.engines.base import (
     GenerateJob,
     PrefillJob,
     PromptRejected,
-    Sampling,
 )
 from node_agent.engines.embedded import KvCache, KvLayout
 from node_agent.metrics import AgentMetrics, MetricsHttpServer
@@ -870,15 +875,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         prompt = tuple(request.prompt_token_ids)
-        sp = request.sampling
-        sampling = Sampling(
-            temperature=sp.temperature,
-            top_p=sp.top_p if sp.top_p > 0 else 1.0,
-            max_tokens=sp.max_tokens or 16,
-            seed=sp.seed if sp.HasField("seed") else None,
-            stop=tuple(sp.stop),
-            ignore_eos=sp.ignore_eos,
-        )
+        sampling = sampling_from_pb(request.sampling)
         timings = pb.GenerateTimings()
         cached = 0
         try:

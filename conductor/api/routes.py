@@ -48,7 +48,6 @@ from conductor.core.scheduler import Slo
 from conductor.dispatch import (
     GenerationRequest,
     GenerationStream,
-    SamplingSpec,
     TokenDelta,
     UsageCounts,
 )
@@ -65,6 +64,7 @@ from conductor.errors import (
 from conductor.metrics import rejection_reason
 from conductor.state import AppState
 from conductor.tenants import Tenant
+from kvc.sampling import Sampling
 from kvc.tokenization import ChatTemplateError
 
 log = logging.getLogger("conductor.api")
@@ -206,7 +206,7 @@ async def _admit(
     tenant: Tenant,
     prompt_ids: list[int],
     max_tokens_requested: int | None,
-    sampling: Callable[[int], SamplingSpec],
+    sampling: Callable[[int], Sampling],
     prompt_param: str,
     slo: Slo,
 ) -> _Admitted:
@@ -383,8 +383,8 @@ async def chat_completions(
         raise InvalidRequest(str(exc), param="messages") from exc
     explicit = body.max_completion_tokens or body.max_tokens
 
-    def sampling(max_tokens: int) -> SamplingSpec:
-        return SamplingSpec(
+    def sampling(max_tokens: int) -> Sampling:
+        return Sampling(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             max_tokens=max_tokens,
@@ -479,8 +479,8 @@ async def completions(
             )
         prompt_ids = list(prompt)
 
-    def sampling(max_tokens: int) -> SamplingSpec:
-        return SamplingSpec(
+    def sampling(max_tokens: int) -> Sampling:
+        return Sampling(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             max_tokens=max_tokens,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from kvc.block_keys import BlockKey
+from kvc.sampling import Sampling
 from node_agent.engines.embedded import KvCache, KvLayout
 
 
@@ -41,16 +42,6 @@ class EngineInfo:
     # True for engines with their own paged KV cache (vLLM): the agent's pool is then a
     # capacity ledger plus a mirror of the engine's cache, and prefill runs in generate().
     owns_kv_cache: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 16
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
 
 
 @dataclass(frozen=True, slots=True)

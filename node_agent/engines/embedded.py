@@ -30,12 +30,13 @@ from typing import Any, Final
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from kvc.sampling import Sampling
+
 __all__ = [
     "EmbeddedModel",
     "KvCache",
     "KvLayout",
     "Sampler",
-    "SamplingParams",
 ]
 
 _DTYPES: Final[dict[str, torch.dtype]] = {
@@ -387,25 +388,14 @@ class EmbeddedModel:
         return logits, updated
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Token selection: temperature 0 is greedy; ``seed`` makes sampling repeatable."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
 class Sampler:
     """Picks the next token from logits; one per request (it owns the RNG)."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: Sampling) -> None:
+        if not params.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0.0 < params.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
         self.params = params
         self._generator = torch.Generator(device="cpu")
         if params.seed is not None:

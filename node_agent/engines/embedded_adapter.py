@@ -45,7 +45,7 @@ from node_agent.engines.base import (
     split_prefix,
     validate_prompt,
 )
-from node_agent.engines.embedded import EmbeddedModel, KvCache, Sampler, SamplingParams
+from node_agent.engines.embedded import EmbeddedModel, KvCache, Sampler
 from node_agent.stopping import StopStringMatcher
 
 T = TypeVar("T")
@@ -213,11 +213,7 @@ class EmbeddedEngineAdapter:
                 raise PromptRejected(
                     f"prefix KV covers {past.num_tokens} tokens, prompt prefix has {len(prefix)}"
                 )
-            sampler = Sampler(
-                SamplingParams(
-                    temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed
-                )
-            )
+            sampler = Sampler(sampling)
             detok = IncrementalDetokenizer(self._tokenizer)
             stops = StopStringMatcher(sampling.stop)
             eos = frozenset() if sampling.ignore_eos else self._info.eos_token_ids

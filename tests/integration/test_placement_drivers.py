@@ -16,9 +16,10 @@ import pytest
 
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import Admission, Policy, SchedulerConfig, Slo
-from conductor.dispatch import GenerationRequest, SamplingSpec
+from conductor.dispatch import GenerationRequest
 from conductor.errors import ConductorError
 from kvc.block_keys import BlockKey, compute_block_keys
+from kvc.sampling import Sampling
 from kvc_sim.cluster import TENANT, Cluster, ClusterConfig
 from kvc_sim.profile import load_profile
 from kvc_sim.trace import TraceRequest
@@ -92,7 +93,7 @@ async def _live(scenario: Scenario, start_agent: AgentFactory, conductor: Conduc
             request_id=f"drv-{scenario.p0}-{scenario.d0}",
             tenant=TENANT,
             prompt_ids=prompt,
-            sampling=SamplingSpec(temperature=0.0, top_p=1.0, max_tokens=2, seed=None, stop=()),
+            sampling=Sampling(temperature=0.0, top_p=1.0, max_tokens=2, seed=None, stop=()),
             slo=Slo(ttft_s=600.0, tbt_s=10.0),
         )
         try:

@@ -22,9 +22,10 @@ import torch
 
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.priors import DecodePrior, PrefillPrior
+from kvc.sampling import Sampling
 from kvc.tokenization import ChatTokenizer
 from node_agent.calibration import CalibrationPlan, calibrate, host_lock
-from node_agent.engines.base import GenerateJob, PrefillJob, Sampling
+from node_agent.engines.base import GenerateJob, PrefillJob
 from node_agent.engines.embedded_adapter import EmbeddedEngineAdapter
 from node_agent.engines.vllm import (
     CALIBRATION_SALT,

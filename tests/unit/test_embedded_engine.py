@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from kvc.models import CORPUS_PATH, DEFAULT_MODEL_DIR
+from kvc.sampling import Sampling
 from kvc.tokenization import ChatTokenizer
-from node_agent.engines.embedded import EmbeddedModel, KvCache, KvLayout, Sampler, SamplingParams
+from node_agent.engines.embedded import EmbeddedModel, KvCache, KvLayout, Sampler
 
 BLOCK = 32
 
@@ -194,22 +195,22 @@ def test_dynamic_cache_round_trip(model: EmbeddedModel, prompt: list[int]) -> No
 
 def test_sampling(model: EmbeddedModel, prompt: list[int]) -> None:
     logits, _ = model.forward(prompt[:20])
-    greedy_sampler = Sampler(SamplingParams(temperature=0.0))
+    greedy_sampler = Sampler(Sampling(temperature=0.0))
     assert greedy_sampler.sample(logits) == int(torch.argmax(logits).item())
 
     def draws(seed: int) -> list[int]:
-        sampler = Sampler(SamplingParams(temperature=1.5, top_p=0.95, seed=seed))
+        sampler = Sampler(Sampling(temperature=1.5, top_p=0.95, seed=seed))
         return [sampler.sample(logits) for _ in range(50)]
 
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
     assert len(set(draws(7))) > 5
-    narrow = Sampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=1))
+    narrow = Sampler(Sampling(temperature=1.0, top_p=1e-6, seed=1))
     assert {narrow.sample(logits) for _ in range(10)} == {int(torch.argmax(logits).item())}
     with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1.0)
+        Sampler(Sampling(temperature=-1.0))
     with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0.0)
+        Sampler(Sampling(top_p=0.0))
 
 
 def test_loads_a_hugging_face_folder_with_real_weights(

@@ -1,0 +1,21 @@
+"""How tokens are chosen: one type from the API request to the engine's sampler.
+
+The conductor builds it from an OpenAI or Anthropic request, sends it as
+``kvc.v1.SamplingParams`` (``kvc.wire.sampling_to_pb`` / ``sampling_from_pb``), and the
+node agent hands it to its engine. Range checks live where the values come in (the API
+schemas) and where they are used (an engine's sampler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling: (0, 1]
+    max_tokens: int = 16
+    seed: int | None = None  # makes sampling repeatable
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
