@@ -67,10 +67,10 @@ from kvc.priors import DecodePrior, PrefillPrior, fit_decode_prior, fit_prefill_
 from node_agent.engines.base import (
     DecodeProbe,
     EngineAdapter,
-    EngineError,
     PrefillProbe,
     PrefillProbeResult,
 )
+from node_agent.errors import EngineError
 
 log = logging.getLogger("node_agent.calibration")
 

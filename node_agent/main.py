@@ -10,7 +10,8 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from kvc.tokenization import ChatTokenizer
-from node_agent.engines.base import EngineAdapter, EngineError
+from node_agent.engines.base import EngineAdapter
+from node_agent.errors import EngineError
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
 

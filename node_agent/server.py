@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from redis.asyncio import Redis
 
@@ -73,14 +72,20 @@ from node_agent.engines.base import (
     CacheMirroringEngine,
     CacheStored,
     EngineAdapter,
-    EngineBusy,
     EngineCacheEvent,
-    EngineError,
     GenerateJob,
     PrefillJob,
-    PromptRejected,
 )
-from node_agent.engines.embedded import KvCache, KvLayout
+from node_agent.errors import (
+    ContentMissing,
+    Draining,
+    EngineBusy,
+    EngineError,
+    NotStaged,
+    PromptRejected,
+    TransferError,
+)
+from node_agent.kv import KvCodec, KvContent, KvLayout
 from node_agent.metrics import AgentMetrics, MetricsHttpServer
 from node_agent.settings import AgentSettings
 
@@ -93,25 +98,9 @@ Context = grpc.aio.ServicerContext[object, object]
 KvStream = grpc.aio.UnaryStreamCall[Any, pb.KvChunk]  # any request type
 
 
-class Draining(EngineError):
-    """The agent is draining: it finishes in-flight work but takes no new work."""
-
-
-class TransferError(Exception):
-    """A KV transfer from a peer failed (connection, checksum, size, layout)."""
-
-
-class NotStaged(Exception):
-    """FetchKv for a request with no staged prefill (never, expired, or fetched)."""
-
-
-class ContentMissing(Exception):
-    """ReadBlocks of blocks whose KV was never computed here (allocated or committed bare)."""
-
-
 @dataclass(slots=True)
 class _Staged:
-    kv: KvCache | None
+    kv: KvContent | None
     num_tokens: int
     nbytes: int
     expires_at: float
@@ -513,7 +502,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         prompt: tuple[int, ...],
         *,
         for_generate: bool = False,
-    ) -> tuple[KvCache | None, int, int, float]:
+    ) -> tuple[KvContent | None, int, int, float]:
         """Compute KV of prompt[:-1] into the Tx's blocks. Returns (kv, cached, computed, s).
 
         An engine that owns its KV cache (vLLM) prefills inside ``generate``: for a local
@@ -632,7 +621,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             yield msg
 
     async def _stream_kv(
-        self, kv: KvCache | None, num_tokens: int, max_chunk_bytes: int
+        self, kv: KvContent | None, num_tokens: int, max_chunk_bytes: int
     ) -> AsyncIterator[pb.KvChunk]:
         """The sending half of every KV transfer: layout and sizes up front, CRC32 per chunk.
 
@@ -693,7 +682,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                     time.perf_counter() - started
                 )
 
-    async def _read_tx_blocks(self, tx_id: str, keys: tuple[int, ...]) -> KvCache:
+    async def _read_tx_blocks(self, tx_id: str, keys: tuple[int, ...]) -> KvContent:
         """KV of the open Tx's first ``len(keys)`` blocks, which must hold exactly ``keys``."""
         if not keys:
             raise InvalidArgument("block_keys must not be empty")
@@ -713,7 +702,8 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             raise ContentMissing(
                 f"{missing} of the {len(keys)} blocks of transaction {tx_id!r} hold no KV"
             )
-        return await asyncio.to_thread(KvCache.concat, [p for p in payloads if p is not None])
+        codec = _codec(self._engine)
+        return await asyncio.to_thread(codec.concat, [p for p in payloads if p is not None])
 
     async def PullBlocks(
         self, request: pb.PullBlocksRequest, context: Context
@@ -756,7 +746,6 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 request.source_address,
                 lambda peer: peer.ReadBlocks(read, timeout=lease_left),
                 expected_tokens=n * bs,
-                device=self._engine.info.device,
             )
         except TransferError:
             self.metrics.transfer_failures.labels("migration").inc()
@@ -802,7 +791,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             self._peers[address] = channel
         return pb_grpc.NodeAgentStub(channel)
 
-    async def _fetch_kv(self, source: pb.KvSource) -> tuple[KvCache | None, float, int]:
+    async def _fetch_kv(self, source: pb.KvSource) -> tuple[KvContent | None, float, int]:
         """Pull a staged prefill from a peer (FetchKv)."""
         request = pb.FetchKvRequest(request_id=source.request_id)
         try:
@@ -823,8 +812,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         open_stream: Callable[[pb_grpc.NodeAgentAsyncStub], KvStream],
         *,
         expected_tokens: int,
-        device: torch.device | None = None,
-    ) -> tuple[KvCache | None, float, int]:
+    ) -> tuple[KvContent | None, float, int]:
         """The receiving half of every KV transfer: verify layout, size, order, checksums.
 
         Returns (kv of ``expected_tokens`` tokens or None for zero, seconds, bytes).
@@ -867,7 +855,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         kv = None
         if expected_tokens:
             kv = await asyncio.to_thread(
-                KvCache.from_bytes, own, bytes(buffer), expected_tokens, device
+                _codec(self._engine).from_bytes, own, bytes(buffer), expected_tokens
             )
         return kv, time.perf_counter() - started, len(buffer)
 
@@ -880,7 +868,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         cached = 0
         try:
             self._refuse_if_draining()
-            prefix_kv: KvCache | None = None
+            prefix_kv: KvContent | None = None
             transfer: dict[str, Any] | None = None
             if request.HasField("kv_source"):
                 self._require_role("decode", "both")
@@ -951,8 +939,19 @@ def _engine_transfer(source: pb.KvSource, owns_kv_cache: bool) -> dict[str, Any]
     return params
 
 
-def _as_kv(payload: object) -> KvCache | None:
-    return payload if isinstance(payload, KvCache) else None
+def _as_kv(payload: object) -> KvContent | None:
+    return payload if isinstance(payload, KvContent) else None
+
+
+def _codec(engine: EngineAdapter) -> KvCodec:
+    """The engine's KV codec; an engine without one cannot take KV from a peer."""
+    codec = engine.kv_codec
+    if codec is None:
+        raise PromptRejected(
+            f"this node's engine ({engine.info.engine}) keeps KV in its own process: "
+            "it cannot take KV from a peer"
+        )
+    return codec
 
 
 def _version() -> str:

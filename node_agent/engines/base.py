@@ -15,19 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvc.block_keys import BlockKey
 from kvc.sampling import Sampling
-from node_agent.engines.embedded import KvCache, KvLayout
-
-
-class EngineError(Exception):
-    """An engine could not do what was asked (bad prompt, capacity, failure)."""
-
-
-class PromptRejected(EngineError):
-    """The prompt is invalid for this engine (token ids, length)."""
-
-
-class EngineBusy(EngineError):
-    """The engine's bounded queues are full; retry later or elsewhere."""
+from node_agent.errors import PromptRejected
+from node_agent.kv import KvCodec, KvContent, KvLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +27,7 @@ class EngineInfo:
     vocab_size: int
     kv_layout: KvLayout
     eos_token_ids: frozenset[int]
-    device: str = "cpu"  # where KV tensors live (torch device string)
+    device: str = "cpu"  # where the engine computes (a torch device string for embedded)
     # True for engines with their own paged KV cache (vLLM): the agent's pool is then a
     # capacity ledger plus a mirror of the engine's cache, and prefill runs in generate().
     owns_kv_cache: bool = False
@@ -55,17 +44,17 @@ class PrefillJob:
     request_id: str
     prompt_ids: tuple[int, ...]
     block_size: int
-    block_payloads: tuple[KvCache | None, ...]
+    block_payloads: tuple[KvContent | None, ...]
     tenant: str = ""  # isolates prefix caching in engines that key it (vLLM cache_salt)
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillOutcome:
-    kv: KvCache | None  # KV of prompt[:-1]; None for a one-token prompt
+    kv: KvContent | None  # KV of prompt[:-1]; None for a one-token prompt
     cached_tokens: int
     computed_tokens: int
     prefill_s: float
-    new_block_payloads: dict[int, KvCache] = field(default_factory=dict)
+    new_block_payloads: dict[int, KvContent] = field(default_factory=dict)
     # Engine-to-engine KV hand-off (vLLM's kv_transfer_params): what the decode engine
     # needs to pull this prefill's KV itself; None when the KV is in ``kv``.
     engine_transfer_params: Mapping[str, Any] | None = None
@@ -76,7 +65,7 @@ class GenerateJob:
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: Sampling
-    prefix_kv: KvCache | None  # KV of prompt[:-1] when already known
+    prefix_kv: KvContent | None  # KV of prompt[:-1] when already known
     tenant: str = ""  # isolates prefix caching in engines that key it (vLLM cache_salt)
     engine_transfer_params: Mapping[str, Any] | None = None  # from the prefill engine
 
@@ -160,6 +149,12 @@ class EngineAdapter(Protocol):
 
     @property
     def info(self) -> EngineInfo: ...
+
+    @property
+    def kv_codec(self) -> KvCodec | None:
+        """Builds this engine's KV content from peers' bytes; None for an engine that
+        keeps KV in its own process (vLLM): it neither sends nor takes pool KV."""
+        ...
 
     def load(self) -> EngineLoad: ...
 

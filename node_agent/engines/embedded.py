@@ -23,7 +23,6 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -31,12 +30,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from kvc.sampling import Sampling
+from node_agent.kv import KvContent, KvLayout
 
 __all__ = [
     "EmbeddedModel",
     "KvCache",
-    "KvLayout",
     "Sampler",
+    "TensorKvCodec",
 ]
 
 _DTYPES: Final[dict[str, torch.dtype]] = {
@@ -52,37 +52,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
         if candidate == dtype:
             return name
     raise ValueError(f"unsupported KV dtype {dtype}")
-
-
-@dataclass(frozen=True, slots=True)
-class KvLayout:
-    """Shape of one token's KV: what two nodes must agree on to exchange blocks."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # "float32" | "float16" | "bfloat16"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(
-                f"unsupported KV dtype {self.dtype!r}; expected one of {list(_DTYPES)}"
-            )
-        if min(self.num_layers, self.num_kv_heads, self.head_dim) <= 0:
-            raise ValueError(f"KV layout dimensions must be positive: {self}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-    @property
-    def itemsize(self) -> int:
-        return int(_DTYPES[self.dtype].itemsize)
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Keys and values of all layers for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
 
 
 class KvCache:
@@ -212,10 +181,10 @@ class KvCache:
         target = torch.device(device if device is not None else "cpu")
         shape = (1, layout.num_kv_heads, num_tokens, layout.head_dim)
         if num_tokens == 0:
-            empty = torch.empty(shape, dtype=layout.torch_dtype, device=target)
+            empty = torch.empty(shape, dtype=_DTYPES[layout.dtype], device=target)
             return KvCache([(empty, empty.clone()) for _ in range(layout.num_layers)])
         # bytearray: a private, writable copy (torch warns on read-only buffers).
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(layout.torch_dtype)
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(_DTYPES[layout.dtype])
         per_tensor = layout.num_kv_heads * num_tokens * layout.head_dim
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in range(layout.num_layers):
@@ -248,6 +217,28 @@ class KvCache:
         else:
             pairs.extend((entry[0], entry[1]) for entry in cache)
         return KvCache(pairs)
+
+
+class TensorKvCodec:
+    """The ``KvCodec`` of the embedded engine: tensors on the engine's ``device``."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+
+    def concat(self, parts: Sequence[KvContent]) -> KvCache:
+        return KvCache.concat([tensor_kv(part) for part in parts])
+
+    def from_bytes(
+        self, layout: KvLayout, data: bytes | bytearray | memoryview, num_tokens: int
+    ) -> KvCache:
+        return KvCache.from_bytes(layout, data, num_tokens, self.device)
+
+
+def tensor_kv(content: KvContent) -> KvCache:
+    """``content`` as the tensors it is; content of another engine is a programming error."""
+    if not isinstance(content, KvCache):
+        raise TypeError(f"the embedded engine cannot use {type(content).__name__} as KV")
+    return content
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -32,7 +32,6 @@ from kvc.tokenization import ChatTokenizer, IncrementalDetokenizer
 from node_agent.engines.base import (
     DecodeProbe,
     DecodeProbeResult,
-    EngineBusy,
     EngineInfo,
     EngineLoad,
     GenerateJob,
@@ -41,11 +40,12 @@ from node_agent.engines.base import (
     PrefillOutcome,
     PrefillProbe,
     PrefillProbeResult,
-    PromptRejected,
     split_prefix,
     validate_prompt,
 )
-from node_agent.engines.embedded import EmbeddedModel, KvCache, Sampler
+from node_agent.engines.embedded import EmbeddedModel, KvCache, Sampler, TensorKvCodec, tensor_kv
+from node_agent.errors import EngineBusy, PromptRejected
+from node_agent.kv import KvContent
 from node_agent.stopping import StopStringMatcher
 
 T = TypeVar("T")
@@ -80,10 +80,15 @@ class EmbeddedEngineAdapter:
             eos_token_ids=tokenizer.eos_token_ids,
             device=str(model.device),
         )
+        self._codec = TensorKvCodec(model.device)
 
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    @property
+    def kv_codec(self) -> TensorKvCodec:
+        return self._codec
 
     def load(self) -> EngineLoad:
         return EngineLoad(
@@ -110,7 +115,7 @@ class EmbeddedEngineAdapter:
         for payload in job.block_payloads:
             if payload is None:
                 break
-            reused.append(payload)
+            reused.append(tensor_kv(payload))
         cached_tokens = len(reused) * bs
         to_compute = tuple(prefix[cached_tokens:])
         if self._queued_prefills >= self._max_queued_prefills:
@@ -132,7 +137,7 @@ class EmbeddedEngineAdapter:
         finally:
             self._queued_prefills -= 1
             self._queued_prefill_tokens -= len(to_compute)
-        new_payloads: dict[int, KvCache] = {}
+        new_payloads: dict[int, KvContent] = {}
         if kv is not None:
             for i in range(len(reused), len(job.block_payloads)):
                 new_payloads[i] = kv.slice(i * bs, (i + 1) * bs)
@@ -200,7 +205,7 @@ class EmbeddedEngineAdapter:
         self._running += 1
         try:
             prefix, last = split_prefix(job.prompt_ids)
-            past = job.prefix_kv
+            past = None if job.prefix_kv is None else tensor_kv(job.prefix_kv)
             if past is None and prefix:
                 self._queued_prefill_tokens += len(prefix)
                 try:

@@ -68,9 +68,7 @@ from kvc.tokenization import ChatTokenizer, IncrementalDetokenizer
 from node_agent.engines.base import (
     DecodeProbe,
     DecodeProbeResult,
-    EngineBusy,
     EngineCacheSink,
-    EngineError,
     EngineInfo,
     EngineLoad,
     GenerateJob,
@@ -79,11 +77,11 @@ from node_agent.engines.base import (
     PrefillOutcome,
     PrefillProbe,
     PrefillProbeResult,
-    PromptRejected,
     validate_prompt,
 )
-from node_agent.engines.embedded import KvLayout
 from node_agent.engines.vllm_events import KvEventDecoder, KvEventSubscriber
+from node_agent.errors import EngineBusy, EngineError, PromptRejected
+from node_agent.kv import KvCodec, KvLayout
 from node_agent.settings import AgentSettings
 from node_agent.stopping import StopStringMatcher
 
@@ -393,6 +391,11 @@ class VllmEngineAdapter:
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    @property
+    def kv_codec(self) -> KvCodec | None:
+        """None: vLLM's KV stays in vLLM (P/D hands it over engine to engine)."""
+        return None
 
     def load(self) -> EngineLoad:
         return EngineLoad(

@@ -15,7 +15,8 @@ import torch
 from kvc.models import CORPUS_PATH, DEFAULT_MODEL_DIR
 from kvc.sampling import Sampling
 from kvc.tokenization import ChatTokenizer
-from node_agent.engines.embedded import EmbeddedModel, KvCache, KvLayout, Sampler
+from node_agent.engines.embedded import EmbeddedModel, KvCache, Sampler
+from node_agent.kv import KvLayout
 
 BLOCK = 32
 
