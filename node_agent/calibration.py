@@ -74,7 +74,7 @@ from node_agent.errors import EngineError
 
 log = logging.getLogger("node_agent.calibration")
 
-__all__ = ["Calibration", "CalibrationPlan", "calibrate", "host_lock"]
+__all__ = ["Calibration", "CalibrationPlan", "calibrate", "calibrate_before_serving", "host_lock"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,3 +298,38 @@ async def _measure(
     for total, cached in plan.cached_prefills:
         if total <= limit and 0 < cached < total:
             await prefill(total, cached)
+
+
+_AGENT_CACHE_SHARE = 0.125  # of an engine-owned cache's tokens calibration may fill
+
+
+async def calibrate_before_serving(
+    engine: EngineAdapter, *, cache_capacity_tokens: int, budget_s: float
+) -> Calibration | None:
+    """An agent's start-up calibration; whatever goes wrong, None (it serves without).
+
+    An engine with its own prefix cache (vLLM) keeps calibration's blocks (under a
+    salt no tenant has) until it evicts them: calibration may send at most
+    ``_AGENT_CACHE_SHARE`` of ``cache_capacity_tokens``, so little of a warm cache is
+    displaced. An engine that computes in this process takes turns with this host's
+    other agents (``host_lock``); the wait counts against ``budget_s``.
+    """
+    info = engine.info
+    started = time.monotonic()
+    turn: contextlib.AbstractAsyncContextManager[bool]
+    cache_tokens: int | None = None
+    if info.owns_kv_cache:  # vLLM computes in its own server; its cache is bounded
+        cache_tokens = int(cache_capacity_tokens * _AGENT_CACHE_SHARE)
+        turn = contextlib.nullcontext(True)
+    else:
+        turn = host_lock(f"calibration-{info.device}", budget_s)
+    try:
+        async with turn as held:
+            if not held:
+                log.warning("calibration skipped: other agents of this host took %.1f s", budget_s)
+                return None
+            left_s = budget_s - (time.monotonic() - started)
+            return await calibrate(engine, left_s, cache_tokens=cache_tokens)
+    except Exception:
+        log.warning("engine calibration failed; serving without", exc_info=True)
+        return None

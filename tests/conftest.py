@@ -18,6 +18,7 @@ from kvc.roles import NodeRole
 from node_agent.main import build_engine
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
+from node_agent.transfer.transport import KvTransport
 
 MODEL = "tiny-llama"
 
@@ -42,10 +43,13 @@ async def start_agent() -> AsyncIterator[AgentFactory]:
     """Start real agents (grpc.aio on 127.0.0.1:0); all are stopped at teardown."""
     started: list[AgentServer] = []
 
-    async def start(role: NodeRole = "both", **overrides: Any) -> AgentServer:
+    async def start(
+        role: NodeRole = "both", *, transport: KvTransport | None = None, **overrides: Any
+    ) -> AgentServer:
+        """An agent with these settings; ``transport`` replaces its KV transport (faults)."""
         overrides.setdefault("calibrate", False)  # tests/*/test_agent_calibration.py
         settings = AgentSettings(role=role, port=0, load_interval_s=0.05, **overrides)
-        server = AgentServer(settings, build_engine(settings))
+        server = AgentServer(settings, build_engine(settings), transport=transport)
         await server.start()
         started.append(server)
         return server

@@ -146,7 +146,7 @@ async def test_a_vllm_mirror_is_bounded_by_vllms_own_kv_usage() -> None:
     await server.start()
     try:
         service = server.service
-        await service.apply_engine_cache_events(
+        await service.events.apply_engine_cache_events(
             [CacheStored(tuple(BlockKey(k) for k in keys_for(CAPACITY, offset=5)), None)]
         )
         await wait_until(lambda: engine.load().kv_usage_ratio == 0.25)  # polled

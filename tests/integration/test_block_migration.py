@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -23,7 +23,9 @@ from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.blocks.pool import BlockPoolError, BlockState
 from node_agent.engines.embedded import KvCache
+from node_agent.kv import KvLayout
 from node_agent.server import AgentServer
+from node_agent.transfer.transport import GrpcKvTransport, KvRequest
 from tests.conftest import MODEL, AgentFactory, assert_no_locks, wait_until
 
 BS = 32
@@ -59,6 +61,29 @@ def alloc(
 
 
 Stubs = Callable[[AgentServer], "pb_grpc.NodeAgentAsyncStub"]
+
+
+class SlowToFinish:
+    """A KV transport whose received streams end only once ``until()`` holds."""
+
+    def __init__(self) -> None:
+        self._real = GrpcKvTransport()
+        self.until: Callable[[], bool] = lambda: True
+
+    def send(
+        self, data: bytes, *, layout: KvLayout, num_tokens: int, chunk_bytes: int
+    ) -> AsyncIterator[pb.KvChunk]:
+        return self._real.send(data, layout=layout, num_tokens=num_tokens, chunk_bytes=chunk_bytes)
+
+    async def receive(
+        self, address: str, request: KvRequest, *, timeout_s: float | None = None
+    ) -> AsyncGenerator[pb.KvChunk, None]:
+        async for chunk in self._real.receive(address, request, timeout_s=timeout_s):
+            yield chunk
+        await wait_until(self.until)
+
+    async def aclose(self) -> None:
+        await self._real.aclose()
 
 
 @pytest.fixture
@@ -312,10 +337,12 @@ async def test_failed_pulls_change_nothing_on_the_destination(
 
 
 async def test_pull_after_the_destination_lease_expired_is_refused(
-    start_agent: AgentFactory, stubs: Stubs, monkeypatch: pytest.MonkeyPatch
+    start_agent: AgentFactory, stubs: Stubs
 ) -> None:
+    slow = SlowToFinish()
     src, dst = await asyncio.gather(
-        start_agent("prefill", capacity_blocks=32), start_agent("prefill", capacity_blocks=32)
+        start_agent("prefill", capacity_blocks=32),
+        start_agent("prefill", capacity_blocks=32, transport=slow),
     )
     s, p = stubs(src), stubs(dst)
     await cache_prompt(s, S_PROMPT, "s-warm")
@@ -333,14 +360,7 @@ async def test_pull_after_the_destination_lease_expired_is_refused(
 
     # Expired during the transfer: nothing may be written into the freed blocks.
     service = dst.service
-    receive = service._receive_kv
-
-    async def slow_receive(*args: Any, **kwargs: Any) -> Any:
-        result = await receive(*args, **kwargs)
-        await wait_until(lambda: not tx_open(dst, "T_dst2"))  # the lease runs out meanwhile
-        return result
-
-    monkeypatch.setattr(service, "_receive_kv", slow_receive)
+    slow.until = lambda: not tx_open(dst, "T_dst2")  # the lease runs out meanwhile
     await p.TxAllocate(alloc("T_dst2", keys, lease_s=0.6))
     request.tx_id = "T_dst2"
     details = await expect_code(p.PullBlocks(request), grpc.StatusCode.FAILED_PRECONDITION)

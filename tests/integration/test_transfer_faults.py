@@ -3,8 +3,7 @@ decode node, nothing committed on the prefill node, no lock left once leases end
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 import pytest
@@ -13,10 +12,41 @@ from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import ERROR_INFO_KEY
+from node_agent.kv import KvLayout
 from node_agent.server import AgentServer
+from node_agent.transfer.transport import GrpcKvTransport, KvRequest
 from tests.conftest import MODEL, AgentFactory, ConductorFactory, assert_no_locks, chat_body
 
 PROMPT = [(7 * i) % 1900 + 20 for i in range(300)]  # 299 tokens of KV ≈ 600 KB: many chunks
+
+
+class LinkDropsAfter:
+    """A KV transport whose sending link drops after ``chunks`` chunks (0: at once)."""
+
+    def __init__(self, chunks: int) -> None:
+        self._chunks = chunks
+        self._real = GrpcKvTransport()
+
+    async def send(
+        self, data: bytes, *, layout: KvLayout, num_tokens: int, chunk_bytes: int
+    ) -> AsyncIterator[pb.KvChunk]:
+        sent = 0
+        stream = self._real.send(
+            data, layout=layout, num_tokens=num_tokens, chunk_bytes=chunk_bytes
+        )
+        async for chunk in stream:
+            if sent == self._chunks:
+                raise ConnectionResetError("link dropped")
+            sent += 1
+            yield chunk
+
+    def receive(
+        self, address: str, request: KvRequest, *, timeout_s: float | None = None
+    ) -> AsyncGenerator[pb.KvChunk, None]:
+        return self._real.receive(address, request, timeout_s=timeout_s)
+
+    async def aclose(self) -> None:
+        await self._real.aclose()
 
 
 async def stage(prefill: AgentServer, stub: pb_grpc.NodeAgentAsyncStub, rid: str) -> None:
@@ -57,22 +87,11 @@ async def test_prefill_node_gone_before_the_fetch(start_agent: AgentFactory) -> 
     assert_no_locks(decode)
 
 
-async def test_transfer_cut_mid_stream(
-    start_agent: AgentFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    prefill = await start_agent("prefill", transfer_chunk_bytes=4096)
+async def test_transfer_cut_mid_stream(start_agent: AgentFactory) -> None:
+    prefill = await start_agent(
+        "prefill", transport=LinkDropsAfter(chunks=2), transfer_chunk_bytes=4096
+    )
     decode = await start_agent("decode")
-    original = prefill.service._stream_kv
-
-    async def cut_after_two_chunks(*args: Any) -> AsyncIterator[pb.KvChunk]:
-        sent = 0
-        async for chunk in original(*args):
-            if sent == 2:
-                raise ConnectionResetError("link dropped")
-            sent += 1
-            yield chunk
-
-    monkeypatch.setattr(prefill.service, "_stream_kv", cut_after_two_chunks)
     async with (
         grpc.aio.insecure_channel(prefill.address) as pch,
         grpc.aio.insecure_channel(decode.address) as dch,
@@ -92,18 +111,10 @@ async def test_transfer_cut_mid_stream(
 
 
 async def test_conductor_reports_a_broken_handoff_and_leaks_nothing(
-    start_agent: AgentFactory, conductor: ConductorFactory, monkeypatch: pytest.MonkeyPatch
+    start_agent: AgentFactory, conductor: ConductorFactory
 ) -> None:
-    prefill = await start_agent("prefill")
+    prefill = await start_agent("prefill", transport=LinkDropsAfter(chunks=0))
     decode = await start_agent("decode")
-
-    async def refuse(*args: Any) -> AsyncIterator[pb.KvChunk]:
-        chunks: tuple[pb.KvChunk, ...] = ()  # an async generator failing before its first chunk
-        for chunk in chunks:
-            yield chunk
-        raise ConnectionResetError("link dropped")
-
-    monkeypatch.setattr(prefill.service, "_stream_kv", refuse)
     async with conductor([prefill, decode]) as c:
         resp = await c.client.post("/v1/chat/completions", json=chat_body("hello " * 80))
         assert resp.status_code == 502

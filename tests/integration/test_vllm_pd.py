@@ -168,7 +168,7 @@ async def test_disaggregated_request_carries_kv_transfer_params(
     assert p_id == d_id != ""
     assert p_body["prompt"] == d_body["prompt"]
     assert p_body["cache_salt"] == d_body["cache_salt"]
-    assert prefill.service._staged == {}  # nothing waits for a FetchKv
+    assert len(prefill.service.staging) == 0  # nothing waits for a FetchKv
     assert_no_locks(prefill, decode)
     assert prefill.service.pool.stats().cached_blocks > 0  # the Tx was committed
 

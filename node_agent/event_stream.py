@@ -1,0 +1,194 @@
+"""The agent's event stream: what conductors follow to keep their shadow of this node.
+
+Every pool mutation's events (``BlockPool.take_events()``) are drained into the
+``EventLog`` (a per-epoch, monotonically numbered, bounded replay buffer) and woken
+``WatchEvents`` subscribers read from there: a subscriber that fell behind the buffer
+gets ``resync_required`` and rebuilds from ``Snapshot``. Load updates (queue, running
+requests, free and allocatable blocks, the last prefill) are events too, published by
+the housekeeping loop when they changed. An engine that owns its KV cache (vLLM)
+reports its changes through ``apply_engine_cache_events``: mirrored into the pool,
+then published like any other mutation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from kvc.v1 import node_agent_pb2 as pb
+from node_agent.blocks.events import EventLog
+from node_agent.blocks.pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
+from node_agent.engines.base import CacheCleared, CacheStored, EngineAdapter, EngineCacheEvent
+from node_agent.metrics import AgentMetrics
+
+__all__ = ["EventPublisher", "LastPrefill"]
+
+_WATCH_POLL_S = 5.0  # a subscriber re-checks for shutdown at least this often
+
+
+@dataclass(frozen=True, slots=True)
+class LastPrefill:
+    """The most recent prefill this agent ran (reported in every load update)."""
+
+    seconds: float = 0.0
+    computed_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class EventPublisher:
+    """Owns the event log of one agent epoch and wakes its ``WatchEvents`` streams."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        engine: EngineAdapter,
+        metrics: AgentMetrics,
+        *,
+        max_buffered: int,
+    ) -> None:
+        self._pool = pool
+        self._engine = engine
+        self._metrics = metrics
+        self.epoch = uuid.uuid4().hex
+        self._log: EventLog[pb.Event] = EventLog(epoch=self.epoch, max_buffered=max_buffered)
+        self._new_events = asyncio.Condition()
+        self._last_load: pb.LoadUpdate | None = None
+        self._closed = False
+        self.last_prefill = LastPrefill()
+
+    @property
+    def last_seq(self) -> int:
+        return self._log.last_seq
+
+    # ------------------------------------------------------------------ publishing
+    def _append(self, event: pb.Event) -> None:
+        event.time_s = time.time()
+        event.seq = self._log.append(event)
+        self._metrics.record_event(event.WhichOneof("kind"))
+
+    def publish_pool_events(self) -> None:
+        """Append what the pool changed since the last call (not yet waking anyone)."""
+        for ev in self._pool.take_events():
+            if isinstance(ev, BlockStored):
+                stored = pb.BlockStored(block_keys=list(ev.keys))
+                if ev.parent_key is not None:
+                    stored.parent_key = ev.parent_key
+                    stored.has_parent = True
+                self._append(pb.Event(stored=stored))
+            elif isinstance(ev, BlockRemoved):
+                self._append(pb.Event(removed=pb.BlockRemoved(block_keys=list(ev.keys))))
+            elif isinstance(ev, AllBlocksCleared):
+                self._append(pb.Event(cleared=pb.AllBlocksCleared()))
+
+    def publish_load(self) -> None:
+        """Append a load update when it differs from the last one published."""
+        load = self.load_update()
+        if load != self._last_load:
+            self._append(pb.Event(load=load))
+            self._last_load = load
+
+    async def notify(self) -> None:
+        """Wake every ``WatchEvents`` stream."""
+        async with self._new_events:
+            self._new_events.notify_all()
+
+    async def after_mutation(self) -> None:
+        """Publish the pool's events and wake the subscribers: after every pool change."""
+        self.publish_pool_events()
+        await self.notify()
+
+    async def apply_engine_cache_events(self, events: Sequence[EngineCacheEvent]) -> None:
+        """Mirror an engine-owned KV cache (vLLM's KV events) into the pool; publish it."""
+        for ev in events:
+            if isinstance(ev, CacheStored):
+                self._pool.mirror_stored(ev.keys, ev.parent_key)
+            elif isinstance(ev, CacheCleared):
+                self._pool.mirror_clear()
+            else:
+                self._pool.mirror_removed(ev.keys)
+        await self.after_mutation()
+
+    async def close(self) -> None:
+        """End every ``WatchEvents`` stream (at their next wake-up: now)."""
+        self._closed = True
+        await self.notify()
+
+    # ------------------------------------------------------------------ load
+    def allocatable_blocks(self) -> int:
+        """Blocks an allocation could obtain now: free plus evictable (cached, unlocked).
+
+        An engine that owns its cache (vLLM) and reports its KV usage bounds it too:
+        its usage counts the blocks its running requests hold, which the mirror only
+        learns of once they are cached. (vLLM counts its evictable cached blocks as
+        free, so a warm but idle vLLM reports ~0 usage and does not lower this.)
+        """
+        stats = self._pool.stats()
+        obtainable = stats.free_blocks + stats.evictable_blocks
+        usage = self._engine.load().kv_usage_ratio
+        if usage > 0.0:
+            engine_free = math.floor((1.0 - min(usage, 1.0)) * stats.capacity_blocks)
+            obtainable = min(obtainable, max(engine_free, stats.free_blocks))
+        return obtainable
+
+    def load_update(self) -> pb.LoadUpdate:
+        load = self._engine.load()
+        stats = self._pool.stats()
+        last = self.last_prefill
+        return pb.LoadUpdate(
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            running_requests=load.running_requests,
+            waiting_requests=load.waiting_requests,
+            free_blocks=stats.free_blocks,
+            allocatable_blocks=self.allocatable_blocks(),
+            kv_usage_ratio=max(
+                1.0 - stats.free_blocks / stats.capacity_blocks, load.kv_usage_ratio
+            ),
+            last_prefill_s=last.seconds,
+            last_prefill_tokens=last.computed_tokens,
+            last_prefill_cached_tokens=last.cached_tokens,
+        )
+
+    # ------------------------------------------------------------------ reading
+    def snapshot(self, node: pb.NodeInfo) -> pb.SnapshotResponse:
+        """The full state a conductor (re)builds its shadow from, at ``last_seq``."""
+        self._pool.expire_leases()
+        self.publish_pool_events()
+        return pb.SnapshotResponse(
+            node=node,
+            epoch=self.epoch,
+            seq=self._log.last_seq,
+            cached_keys=list(self._pool.cached_keys()),
+            load=self.load_update(),
+        )
+
+    async def watch(self, epoch: str, from_seq: int) -> AsyncIterator[pb.EventBatch]:
+        """Batches from ``from_seq`` on, as they are published, until the agent stops.
+
+        Another epoch, or a ``from_seq`` the buffer no longer holds, gets one batch with
+        ``resync_required`` and the stream ends.
+        """
+        if epoch and epoch != self.epoch:
+            yield pb.EventBatch(epoch=self.epoch, resync_required=True)
+            return
+        next_seq = max(1, from_seq)
+        self._metrics.watch_subscribers.inc()
+        try:
+            while not self._closed:
+                batch = self._log.since(next_seq)
+                if batch is None:
+                    yield pb.EventBatch(epoch=self.epoch, resync_required=True)
+                    return
+                if batch:
+                    next_seq = batch[-1][0] + 1
+                    yield pb.EventBatch(epoch=self.epoch, events=[ev for _, ev in batch])
+                    continue
+                async with self._new_events:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._new_events.wait(), timeout=_WATCH_POLL_S)
+        finally:
+            self._metrics.watch_subscribers.dec()

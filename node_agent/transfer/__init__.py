@@ -1,0 +1,1 @@
+"""KV transfer between agents: staging, sending, receiving, over a ``KvTransport``."""

@@ -1,0 +1,135 @@
+"""The receiving half of KV transfer: a decode node's hand-off (``FetchKv``) and a
+prefix migration into this node's own blocks (``PullBlocks`` → the source's
+``ReadBlocks``).
+
+Every transfer is verified the same way before anything is used: the peer's layout
+equals this node's, the announced size is ``expected_tokens`` of it, chunks arrive in
+order with good checksums, and no more and no fewer bytes than announced. Any failure,
+the peer's refusal included, is a ``TransferError``. A migration writes nothing until
+everything was received and verified, and only into blocks of a still-open transaction
+that still lack content, so a failed pull leaves this node's pool exactly as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import zlib
+
+from kvc.v1 import node_agent_pb2 as pb
+from node_agent.agent_state import AgentState
+from node_agent.blocks.pool import InvalidArgument
+from node_agent.errors import TransferError
+from node_agent.kv import KvContent
+from node_agent.transfer.transport import KvRequest, KvTransport
+
+__all__ = ["KvReceiver"]
+
+
+class KvReceiver:
+    def __init__(self, state: AgentState, transport: KvTransport) -> None:
+        self._state = state
+        self._transport = transport
+
+    async def fetch(self, source: pb.KvSource) -> tuple[KvContent | None, float, int]:
+        """Pull a staged prefill from a peer: (kv, seconds, bytes)."""
+        request = pb.FetchKvRequest(request_id=source.request_id)
+        try:
+            kv, seconds, nbytes = await self._receive(
+                source.address, request, expected_tokens=source.num_tokens
+            )
+        except TransferError:
+            self._state.metrics.transfer_failures.labels("handoff").inc()
+            raise
+        self._state.metrics.record_transfer("received", "handoff", nbytes, seconds)
+        return kv, seconds, nbytes
+
+    async def pull_blocks(self, request: pb.PullBlocksRequest) -> tuple[int, int, float]:
+        """Copy the first ``num_blocks`` blocks of our Tx from the source's Tx:
+        (blocks copied, bytes, seconds)."""
+        state = self._state
+        if not request.source_address or not request.source_tx_id:
+            raise InvalidArgument("source_address and source_tx_id are required")
+        if request.num_blocks == 0:
+            raise InvalidArgument("num_blocks must be > 0")
+        tx = state.pool.get_tx(request.tx_id)
+        n = request.num_blocks
+        if n > len(tx.handles):
+            raise InvalidArgument(
+                f"transaction {request.tx_id!r} holds {len(tx.handles)} blocks, num_blocks is {n}"
+            )
+        handles = tx.handles[:n]
+        wanted = [i for i, h in enumerate(handles) if state.needs_content(h)]
+        if not wanted:
+            return 0, 0, 0.0  # everything is here already: no transfer
+        keys = [k for h in handles if (k := state.pool.block_key(h)) is not None]
+        lease_left = max(0.001, tx.lease_deadline - state.clock())
+        read = pb.ReadBlocksRequest(tx_id=request.source_tx_id, block_keys=keys)
+        bs = state.settings.block_size
+        try:
+            kv, transfer_s, nbytes = await self._receive(
+                request.source_address, read, expected_tokens=n * bs, timeout_s=lease_left
+            )
+        except TransferError:
+            state.metrics.transfer_failures.labels("migration").inc()
+            await state.require_open(request.tx_id)  # our lease ran out: report that instead
+            raise
+        state.metrics.record_transfer("received", "migration", nbytes, transfer_s)
+        assert kv is not None  # n > 0 blocks of > 0 tokens
+        blocks = await asyncio.to_thread(
+            lambda: {i: kv.slice(i * bs, (i + 1) * bs) for i in wanted}
+        )
+        # The lease may have run out during the transfer: then the handles may
+        # belong to someone else now and must not be written (as in Prefill).
+        await state.require_open(request.tx_id)
+        copied = 0
+        for i, block in blocks.items():
+            # Re-checked: a concurrent Prefill may have filled it meanwhile.
+            if state.needs_content(handles[i]) and state.pool.set_payload(handles[i], block):
+                copied += 1
+        return copied, nbytes, transfer_s
+
+    async def _receive(
+        self,
+        address: str,
+        request: KvRequest,
+        *,
+        expected_tokens: int,
+        timeout_s: float | None = None,
+    ) -> tuple[KvContent | None, float, int]:
+        """Receive and verify: (kv of ``expected_tokens`` tokens or None for zero, seconds,
+        bytes)."""
+        codec = self._state.codec() if expected_tokens else None
+        started = time.perf_counter()
+        own = self._state.engine.info.kv_layout
+        buffer = bytearray()
+        expected_total = -1
+        stream = self._transport.receive(address, request, timeout_s=timeout_s)
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                if expected_total < 0:
+                    lay = chunk.layout
+                    theirs = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
+                    if theirs != (own.num_layers, own.num_kv_heads, own.head_dim, own.dtype):
+                        raise TransferError("peer KV layout differs from this node's model")
+                    if chunk.num_tokens != expected_tokens:
+                        raise TransferError(
+                            f"peer sends {chunk.num_tokens} tokens, expected {expected_tokens}"
+                        )
+                    expected_total = chunk.total_bytes
+                    if expected_total != expected_tokens * own.bytes_per_token:
+                        raise TransferError("peer announced a KV size that does not match")
+                if chunk.offset != len(buffer):
+                    raise TransferError("KV chunk out of order")
+                if zlib.crc32(chunk.data) != chunk.crc32:
+                    raise TransferError(f"KV chunk at offset {chunk.offset} failed its checksum")
+                buffer.extend(chunk.data)
+                if len(buffer) > expected_total:
+                    raise TransferError("peer sent more KV than announced")
+        if len(buffer) != expected_total:
+            raise TransferError("KV transfer ended early")
+        kv = None
+        if codec is not None:
+            kv = await asyncio.to_thread(codec.from_bytes, own, bytes(buffer), expected_tokens)
+        return kv, time.perf_counter() - started, len(buffer)

@@ -1,0 +1,110 @@
+"""The sending half of KV transfer: a staged prefill (``FetchKv``) or the KV of an open
+transaction's blocks (``ReadBlocks``), streamed through the ``KvTransport``.
+
+Bytes sent are counted even of a transfer cut short; the duration only of complete ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from kvc.v1 import node_agent_pb2 as pb
+from node_agent.agent_state import AgentState
+from node_agent.blocks.pool import BlockPoolError, InvalidArgument
+from node_agent.errors import ContentMissing, NotStaged
+from node_agent.kv import KvContent
+from node_agent.transfer.staging import StagingArea
+from node_agent.transfer.transport import KvTransport
+
+__all__ = ["KvSender"]
+
+_MIN_CHUNK_BYTES = 4096
+
+
+class KvSender:
+    def __init__(self, state: AgentState, staging: StagingArea, transport: KvTransport) -> None:
+        self._state = state
+        self._staging = staging
+        self._transport = transport
+
+    async def fetch_kv(self, request: pb.FetchKvRequest) -> AsyncIterator[pb.KvChunk]:
+        """Stream a staged prefill, claimed first so that a retry cannot double-serve it."""
+        staged = self._staging.claim(request.request_id)
+        if staged is None:
+            raise NotStaged(f"no staged KV for request {request.request_id!r}")
+        stream = self._stream(staged.kv, staged.num_tokens, request.max_chunk_bytes)
+        async for msg in self._count_sent(stream, "handoff"):
+            yield msg
+
+    async def read_blocks(self, request: pb.ReadBlocksRequest) -> AsyncIterator[pb.KvChunk]:
+        """Stream the KV of the first blocks of an open Tx (any role may serve)."""
+        try:
+            kv = await self._read_tx_blocks(request.tx_id, tuple(request.block_keys))
+        except (BlockPoolError, ContentMissing):
+            await self._state.events.after_mutation()  # the lookup may have expired leases
+            raise
+        num_tokens = len(request.block_keys) * self._state.settings.block_size
+        stream = self._stream(kv, num_tokens, request.max_chunk_bytes)
+        async for msg in self._count_sent(stream, "migration"):
+            yield msg
+
+    def _stream(
+        self, kv: KvContent | None, num_tokens: int, max_chunk_bytes: int
+    ) -> AsyncIterator[pb.KvChunk]:
+        limit = self._state.settings.transfer_chunk_bytes
+        chunk_bytes = max(_MIN_CHUNK_BYTES, min(max_chunk_bytes or limit, limit))
+        return self._framed(kv, num_tokens, chunk_bytes)
+
+    async def _framed(
+        self, kv: KvContent | None, num_tokens: int, chunk_bytes: int
+    ) -> AsyncIterator[pb.KvChunk]:
+        data = await asyncio.to_thread(kv.to_bytes) if kv is not None else b""
+        layout = self._state.engine.info.kv_layout
+        async for msg in self._transport.send(
+            data, layout=layout, num_tokens=num_tokens, chunk_bytes=chunk_bytes
+        ):
+            yield msg
+
+    async def _count_sent(
+        self, stream: AsyncIterator[pb.KvChunk], kind: str
+    ) -> AsyncIterator[pb.KvChunk]:
+        """Pass chunks through, counting bytes sent (even of a transfer cut short)."""
+        metrics = self._state.metrics
+        started = time.perf_counter()
+        sent = 0
+        complete = False
+        try:
+            async for msg in stream:
+                sent += len(msg.data)
+                yield msg
+            complete = True
+        finally:
+            metrics.transfer_bytes.labels("sent", kind).inc(sent)
+            if complete:
+                metrics.transfer_seconds.labels("sent", kind).observe(time.perf_counter() - started)
+
+    async def _read_tx_blocks(self, tx_id: str, keys: tuple[int, ...]) -> KvContent:
+        """KV of the open Tx's first ``len(keys)`` blocks, which must hold exactly ``keys``."""
+        state = self._state
+        if not keys:
+            raise InvalidArgument("block_keys must not be empty")
+        handles = state.pool.get_tx(tx_id).handles
+        if len(keys) > len(handles):
+            raise InvalidArgument(
+                f"transaction {tx_id!r} holds {len(handles)} blocks, {len(keys)} were asked for"
+            )
+        if any(state.pool.block_key(h) != k for h, k in zip(handles, keys, strict=False)):
+            raise InvalidArgument(f"transaction {tx_id!r} holds other blocks than those asked for")
+        # Taken now, before any await: payloads are immutable, so what is streamed
+        # stays the content of these keys even if the lease ran out meanwhile.
+        payloads = [state.content(h) for h in handles[: len(keys)]]
+        bs = state.settings.block_size
+        missing = sum(p is None or p.num_tokens != bs for p in payloads)
+        if missing:
+            raise ContentMissing(
+                f"{missing} of the {len(keys)} blocks of transaction {tx_id!r} hold no KV"
+            )
+        codec = state.codec()
+        return await asyncio.to_thread(codec.concat, [p for p in payloads if p is not None])
