@@ -23,13 +23,14 @@ T = TypeVar("T")
 def build_engine(settings: AgentSettings) -> EngineAdapter:
     """The engine adapter the settings name: the embedded transformer, or vLLM."""
     if settings.engine == "vllm":
-        from node_agent.engines.vllm import VllmConfig, VllmEngineAdapter
+        from node_agent.engines.vllm.adapter import VllmEngineAdapter
+        from node_agent.engines.vllm.config import VllmConfig
 
         tokenizer = ChatTokenizer.from_dir(settings.model)
         return VllmEngineAdapter(VllmConfig.from_settings(settings), tokenizer)
 
-    from node_agent.engines.embedded import EmbeddedModel
-    from node_agent.engines.embedded_adapter import EmbeddedEngineAdapter
+    from node_agent.engines.embedded.adapter import EmbeddedEngineAdapter
+    from node_agent.engines.embedded.model import EmbeddedModel
 
     model = EmbeddedModel.load(
         settings.model, device=settings.device, threads=settings.threads or None
@@ -49,7 +50,7 @@ async def start_engine(engine: EngineAdapter, settings: AgentSettings) -> AgentS
     The pool's block size and capacity become the engine's own, so a TxAllocate
     refuses what the engine cannot hold. Other engines need nothing: ``settings``.
     """
-    from node_agent.engines.vllm import VllmEngineAdapter
+    from node_agent.engines.vllm.adapter import VllmEngineAdapter
 
     if not isinstance(engine, VllmEngineAdapter):
         return settings
@@ -87,7 +88,7 @@ async def _unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
 async def _stop_when_engine_fails(engine: EngineAdapter, stop: asyncio.Event) -> str:
     """An agent without its engine has nothing to serve: a launched vLLM that exits
     stops the agent too, which then exits non-zero (its supervisor restarts both)."""
-    from node_agent.engines.vllm import VllmEngineAdapter
+    from node_agent.engines.vllm.adapter import VllmEngineAdapter
 
     if not isinstance(engine, VllmEngineAdapter):
         await stop.wait()

@@ -17,7 +17,8 @@ from kvc.tokenization import ChatTokenizer
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.engines.base import CacheStored
-from node_agent.engines.vllm import VllmConfig, VllmEngineAdapter
+from node_agent.engines.vllm.adapter import VllmEngineAdapter
+from node_agent.engines.vllm.config import VllmConfig
 from node_agent.main import start_engine
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings

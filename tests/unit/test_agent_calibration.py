@@ -26,14 +26,10 @@ from kvc.sampling import Sampling
 from kvc.tokenization import ChatTokenizer
 from node_agent.calibration import CalibrationPlan, calibrate, host_lock
 from node_agent.engines.base import GenerateJob, PrefillJob
-from node_agent.engines.embedded_adapter import EmbeddedEngineAdapter
-from node_agent.engines.vllm import (
-    CALIBRATION_SALT,
-    VllmConfig,
-    VllmEngineAdapter,
-    salt_for_tenant,
-)
-from node_agent.engines.vllm_events import KvEventDecoder
+from node_agent.engines.embedded.adapter import EmbeddedEngineAdapter
+from node_agent.engines.vllm.adapter import VllmEngineAdapter
+from node_agent.engines.vllm.config import CALIBRATION_SALT, VllmConfig, salt_for_tenant
+from node_agent.engines.vllm.events import KvEventDecoder
 from node_agent.main import build_engine, start_engine
 from node_agent.settings import AgentSettings
 

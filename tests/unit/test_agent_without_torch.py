@@ -21,7 +21,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 """
 
-MODULES = ("node_agent.main", "node_agent.server", "node_agent.engines.vllm")
+MODULES = ("node_agent.main", "node_agent.server", "node_agent.engines.vllm.adapter")
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -40,7 +40,7 @@ def test_imports_without_torch_and_transformers(module: str) -> None:
 
 
 def test_the_blocker_blocks() -> None:
-    code = BLOCKER + "import node_agent.engines.embedded\n"
+    code = BLOCKER + "import node_agent.engines.embedded.model\n"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )

@@ -15,7 +15,9 @@ import torch
 from kvc.models import CORPUS_PATH, DEFAULT_MODEL_DIR
 from kvc.sampling import Sampling
 from kvc.tokenization import ChatTokenizer
-from node_agent.engines.embedded import EmbeddedModel, KvCache, Sampler
+from node_agent.engines.embedded.kv_tensors import KvCache
+from node_agent.engines.embedded.model import EmbeddedModel
+from node_agent.engines.embedded.sampler import Sampler
 from node_agent.kv import KvLayout
 
 BLOCK = 32
@@ -87,7 +89,7 @@ def test_weights_identical_in_another_process(model: EmbeddedModel) -> None:
     code = (
         "import hashlib, torch\n"
         "from kvc.models import DEFAULT_MODEL_DIR\n"
-        "from node_agent.engines.embedded import EmbeddedModel\n"
+        "from node_agent.engines.embedded.model import EmbeddedModel\n"
         "m = EmbeddedModel.load(DEFAULT_MODEL_DIR, device='cpu')\n"
         "d = hashlib.sha256()\n"
         "for n, t in sorted(m.model.state_dict().items()):\n"

@@ -19,8 +19,8 @@ import zmq.asyncio
 
 from kvc.block_keys import BlockKey, compute_block_keys
 from node_agent.engines.base import CacheCleared, CacheRemoved, CacheStored, EngineCacheEvent
-from node_agent.engines.vllm import salt_for_tenant
-from node_agent.engines.vllm_events import KvEventDecoder, KvEventSubscriber
+from node_agent.engines.vllm.config import salt_for_tenant
+from node_agent.engines.vllm.events import KvEventDecoder, KvEventSubscriber
 
 BS = 4
 MODEL = "tiny-llama"

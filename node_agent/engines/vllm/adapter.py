@@ -8,7 +8,7 @@ The agent stays in its own environment and talks to vLLM over HTTP and ZMQ only:
   usage the client sees), ``cache_salt`` = tenant (vLLM's prefix cache is per tenant, as
   the canonical block keys are) and ``vllm_xargs.kv_cache_report_mode = "full"`` (vLLM
   re-announces reused prefix blocks, which heals the mirror after any gap);
-* the KV cache mirror: vLLM's KV events (``vllm_events``) re-keyed to canonical block
+* the KV cache mirror: vLLM's KV events (``events``) re-keyed to canonical block
   keys and pushed into the agent's pool through the ``CacheMirroringEngine`` sink;
 * capacity and load: the pool's capacity is vLLM's KV block count (usable blocks, read
   from ``vllm:cache_config_info``; a launched vLLM gets ``--num-gpu-blocks-override``),
@@ -29,10 +29,9 @@ usage. Prefill is the latency of a ``max_tokens=1`` completion (vLLM's time to f
 token, as the agent reports ``prefill_s`` for a vLLM Generate); decode is the spacing of
 streamed tokens of concurrent streams.
 
-Launch mode starts ``<vllm_python> -m vllm.entrypoints.openai.api_server`` in its own
-process group on 127.0.0.1, with vLLM's caches in a private temp dir and KV events on
-private ipc sockets unless configured; ``aclose`` sends SIGTERM (vLLM stops its engine
-core and workers), waits, and kills whatever of the group is left.
+Launch mode (``node_agent.engines.vllm.process``) starts vLLM in its own process group;
+``aclose`` stops it. Salts, geometry and layout: ``node_agent.engines.vllm.config``; the
+KV-event mirror: ``node_agent.engines.vllm.events``.
 
 Errors: vLLM's 400 → ``PromptRejected``, 429/503 or too many generations →
 ``EngineBusy``, anything else → ``EngineError``.
@@ -42,27 +41,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import hashlib
 import itertools
 import json
 import logging
-import os
-import shutil
-import signal
-import socket
 import statistics
-import sys
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Final
+from dataclasses import replace
+from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvc.tokenization import ChatTokenizer, IncrementalDetokenizer
 from node_agent.engines.base import (
@@ -79,266 +68,25 @@ from node_agent.engines.base import (
     PrefillProbeResult,
     validate_prompt,
 )
-from node_agent.engines.vllm_events import KvEventDecoder, KvEventSubscriber
+from node_agent.engines.vllm.config import (
+    CALIBRATION_SALT,
+    HASHED_SALT_PREFIX,
+    RESERVED_SALT_PREFIX,
+    KvGeometry,
+    VllmConfig,
+    model_layout,
+    salt_for_tenant,
+)
+from node_agent.engines.vllm.events import KvEventDecoder, KvEventSubscriber
+from node_agent.engines.vllm.http_parsing import metric_values, sse_data
+from node_agent.engines.vllm.process import VllmProcess
 from node_agent.errors import EngineBusy, EngineError, PromptRejected
-from node_agent.kv import KvCodec, KvLayout
-from node_agent.settings import AgentSettings
+from node_agent.kv import KvCodec
 from node_agent.stopping import StopStringMatcher
 
 log = logging.getLogger("node_agent.vllm")
 
-__all__ = [
-    "CALIBRATION_SALT",
-    "KvGeometry",
-    "VllmConfig",
-    "VllmEngineAdapter",
-    "salt_for_tenant",
-]
-
-_SALT_MAX_LEN: Final = 128
-_SALT_FORBIDDEN: Final = frozenset("@/\\\x00")
-_HASHED_SALT_PREFIX: Final = "kvc-t-"
-_RESERVED_SALT_PREFIX: Final = "__kvc"  # salts of the agent's own requests
-CALIBRATION_SALT: Final = "__kvc_calibration__"
-_STOP_WAIT_S: Final = 20.0
-_DTYPES: Final = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
-
-
-def salt_for_tenant(tenant: str) -> str | None:
-    """vLLM's ``cache_salt`` for a tenant: the tenant itself where vLLM accepts it.
-
-    vLLM takes at most 128 characters and none of ``@ / \\ NUL``; other tenants get a
-    stable digest, as do tenants starting with ``__kvc`` (salts reserved for the agent's
-    own requests, e.g. ``CALIBRATION_SALT``). The empty tenant sends no salt.
-    """
-    if not tenant:
-        return None
-    if (
-        len(tenant) <= _SALT_MAX_LEN
-        and not _SALT_FORBIDDEN.intersection(tenant)
-        and not tenant.startswith(_RESERVED_SALT_PREFIX)
-    ):
-        return tenant
-    digest = hashlib.blake2b(tenant.encode("utf-8"), digest_size=16).hexdigest()
-    return _HASHED_SALT_PREFIX + digest
-
-
-@dataclass(frozen=True, slots=True)
-class KvGeometry:
-    """What the agent's pool must match: vLLM's block size and usable block count."""
-
-    block_size: int
-    capacity_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class VllmConfig:
-    model_dir: Path
-    served_model_name: str
-    block_size: int
-    capacity_blocks: int  # usable blocks asked of a launched vLLM
-    url: str = ""  # attach to this server; empty: launch one
-    python: str = ""
-    port: int = 0
-    launch_args: tuple[str, ...] = ()
-    startup_timeout_s: float = 300.0
-    kv_events_endpoint: str = ""
-    kv_events_replay_endpoint: str = ""
-    kv_events_topic: str = "kv-events"
-    pd_connector: str = "none"
-    max_running: int = 16
-    metrics_interval_s: float = 0.5
-    request_timeout_s: float = 600.0
-
-    @classmethod
-    def from_settings(cls, settings: AgentSettings) -> VllmConfig:
-        return cls(
-            model_dir=settings.model,
-            served_model_name=settings.resolved_served_model_name(),
-            block_size=settings.block_size,
-            capacity_blocks=settings.capacity_blocks,
-            url=settings.vllm_url,
-            python=settings.vllm_python,
-            port=settings.vllm_port,
-            launch_args=tuple(settings.vllm_launch_arg_list()),
-            startup_timeout_s=settings.vllm_startup_timeout_s,
-            kv_events_endpoint=settings.kv_events_endpoint,
-            kv_events_replay_endpoint=settings.kv_events_replay_endpoint,
-            kv_events_topic=settings.kv_events_topic,
-            pd_connector=settings.pd_connector,
-            max_running=settings.max_running,
-            metrics_interval_s=settings.load_interval_s,
-        )
-
-
-def _model_layout(model_dir: Path, launch_args: tuple[str, ...]) -> tuple[KvLayout, int, int]:
-    """(KV layout, vocab size, max positions) from the model's config.json.
-
-    The dtype follows ``--dtype`` when the launch arguments set it; it only feeds the
-    conductor's transfer-cost estimate (vLLM's KV never leaves vLLM here).
-    """
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    text = config.get("text_config", config)
-    heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-    dtype = _DTYPES.get(str(text.get("torch_dtype", "bfloat16")), "bfloat16")
-    if "--dtype" in launch_args:
-        i = launch_args.index("--dtype")
-        if i + 1 < len(launch_args):
-            dtype = _DTYPES.get(launch_args[i + 1], dtype)
-    layout = KvLayout(
-        num_layers=int(text["num_hidden_layers"]),
-        num_kv_heads=int(text.get("num_key_value_heads", heads)),
-        head_dim=head_dim,
-        dtype=dtype,
-    )
-    return layout, int(text["vocab_size"]), int(text.get("max_position_embeddings", 2048))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """Linux: SIGTERM the launched vLLM when the agent dies without cleaning up."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _bind_form(endpoint: str) -> str:
-    """What vLLM must be given to *bind* the endpoint the agent connects to."""
-    if endpoint.startswith("tcp://"):
-        return "tcp://*:" + endpoint.rsplit(":", 1)[1]
-    return endpoint
-
-
-class VllmProcess:
-    """A vLLM OpenAI server the agent launched; owns its temp dir and process group."""
-
-    def __init__(self, config: VllmConfig) -> None:
-        self._config = config
-        self._tmp = Path(tempfile.mkdtemp(prefix="kvc-vllm-"))
-        self.port = config.port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.events_endpoint = config.kv_events_endpoint or f"ipc://{self._tmp}/kv-events"
-        self.replay_endpoint = config.kv_events_replay_endpoint or f"ipc://{self._tmp}/kv-replay"
-        self._proc: asyncio.subprocess.Process | None = None
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self._proc is None else self._proc.returncode
-
-    async def wait(self) -> int:
-        assert self._proc is not None
-        return await self._proc.wait()
-
-    def command(self) -> list[str]:
-        c = self._config
-        events = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": _bind_form(self.events_endpoint),
-            "replay_endpoint": _bind_form(self.replay_endpoint),
-            "topic": c.kv_events_topic,
-        }
-        args = [
-            c.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(c.model_dir),
-            "--served-model-name", c.served_model_name,
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-            "--block-size", str(c.block_size),
-            # vLLM keeps one block back (its null block): ask for one more.
-            "--num-gpu-blocks-override", str(c.capacity_blocks + 1),
-            "--enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-            "--kv-events-config", json.dumps(events),
-        ]  # fmt: skip
-        if (c.model_dir / "kvc_init.json").is_file() and "--load-format" not in c.launch_args:
-            args += ["--load-format", "dummy"]  # a random-weights model folder (tiny-llama)
-        return [*args, *c.launch_args]
-
-    def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        for name, sub in (("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
-            env.setdefault(name, str(self._tmp / sub))
-        tmp = self._tmp / "tmp"
-        tmp.mkdir(exist_ok=True)
-        env.setdefault("TMPDIR", str(tmp))
-        for name, value in (
-            ("HF_HUB_OFFLINE", "1"),
-            ("VLLM_NO_USAGE_STATS", "1"),
-            ("DO_NOT_TRACK", "1"),
-            ("PYTHONUNBUFFERED", "1"),
-        ):
-            env.setdefault(name, value)
-        return env
-
-    async def start(self) -> None:
-        command = self.command()
-        log.info("launching vLLM: %s", " ".join(command))
-        self._proc = await asyncio.create_subprocess_exec(
-            *command,
-            env=self.environment(),
-            stdin=asyncio.subprocess.DEVNULL,
-            start_new_session=True,  # its own process group: stopped as one
-            preexec_fn=_die_with_parent,
-        )
-
-    async def stop(self) -> None:
-        proc = self._proc
-        try:
-            if proc is None:
-                return
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(proc.wait(), timeout=_STOP_WAIT_S)
-                except TimeoutError:
-                    log.warning("vLLM ignored SIGTERM for %.0f s; killing it", _STOP_WAIT_S)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    await proc.wait()
-            await self._reap_group(proc.pid)
-        finally:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-
-    @staticmethod
-    async def _reap_group(pgid: int) -> None:
-        """Give vLLM's engine core and workers a moment to exit, then kill what is left."""
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            await asyncio.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-
-
-async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
-    """The ``data:`` payloads of a server-sent-event stream, up to ``[DONE]``."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        yield data
-
-
-def _metric_values(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
-    return out
+__all__ = ["VllmEngineAdapter"]
 
 
 class VllmEngineAdapter:
@@ -354,7 +102,7 @@ class VllmEngineAdapter:
         self._config = config
         self._transport = transport
         self._tokenizer = tokenizer
-        layout, vocab, max_len = _model_layout(config.model_dir, config.launch_args)
+        layout, vocab, max_len = model_layout(config.model_dir, config.launch_args)
         self._info = EngineInfo(
             model=config.served_model_name,
             engine="vllm",
@@ -468,7 +216,7 @@ class VllmEngineAdapter:
             )
         max_len = int(model.get("max_model_len") or self._info.max_model_len)
         self._info = replace(self._info, max_model_len=max_len)
-        metrics = _metric_values((await self._http.get("/metrics")).text)
+        metrics = metric_values((await self._http.get("/metrics")).text)
         (labels, _), *_ = metrics.get("vllm:cache_config_info") or [({}, 0.0)]
         block_size = int(labels.get("block_size") or self._config.block_size)
         gpu_blocks = labels.get("num_gpu_blocks")
@@ -530,7 +278,7 @@ class VllmEngineAdapter:
         assert self._http is not None
         while not self._stop.is_set():
             try:
-                metrics = _metric_values((await self._http.get("/metrics")).text)
+                metrics = metric_values((await self._http.get("/metrics")).text)
                 self._vllm_running = int(
                     sum(v for _, v in metrics.get("vllm:num_requests_running", []))
                 )
@@ -560,9 +308,9 @@ class VllmEngineAdapter:
         tenant = self._tenants_by_salt.get(salt)
         if tenant is not None:
             return tenant
-        if salt.startswith(_HASHED_SALT_PREFIX):
+        if salt.startswith(HASHED_SALT_PREFIX):
             return None  # a digest of a tenant this agent has not seen: unknown
-        if salt.startswith(_RESERVED_SALT_PREFIX):
+        if salt.startswith(RESERVED_SALT_PREFIX):
             return None  # the agent's own requests (calibration): never mirrored
         return salt
 
@@ -714,7 +462,7 @@ class VllmEngineAdapter:
                 "POST", "/v1/completions", json=body, headers={"X-Request-Id": job.request_id}
             ) as response:
                 await self._raise_for_status(response)
-                async for data in _sse_data(response):
+                async for data in sse_data(response):
                     chunk = json.loads(data)
                     if "error" in chunk:
                         raise EngineError(f"vLLM failed the request: {chunk['error']}")
@@ -800,7 +548,7 @@ class VllmEngineAdapter:
             try:
                 async with http.stream("POST", "/v1/completions", json=body) as response:
                     await self._raise_for_status(response)
-                    async for data in _sse_data(response):
+                    async for data in sse_data(response):
                         chunk = json.loads(data)
                         if "error" in chunk:
                             raise EngineError(

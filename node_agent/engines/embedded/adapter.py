@@ -1,4 +1,4 @@
-"""Engine adapter for the embedded transformer (``node_agent.engines.embedded``).
+"""Engine adapter for the embedded transformer (``node_agent.engines.embedded.model``).
 
 Compute runs on one dedicated engine thread, so forwards never block the agent's
 event loop and never run concurrently on the same model. Requests interleave at
@@ -43,7 +43,9 @@ from node_agent.engines.base import (
     split_prefix,
     validate_prompt,
 )
-from node_agent.engines.embedded import EmbeddedModel, KvCache, Sampler, TensorKvCodec, tensor_kv
+from node_agent.engines.embedded.kv_tensors import KvCache, TensorKvCodec, tensor_kv
+from node_agent.engines.embedded.model import EmbeddedModel
+from node_agent.engines.embedded.sampler import Sampler
 from node_agent.errors import EngineBusy, PromptRejected
 from node_agent.kv import KvContent
 from node_agent.stopping import StopStringMatcher

@@ -1,0 +1,219 @@
+"""The embedded engine's KV content: per-layer torch tensors (``KvCache``), and the codec
+(``TensorKvCodec``) the agent builds that content with from peers' bytes.
+
+``KvCache.to_bytes``/``from_bytes`` are the wire format for KV transfer (layer-major,
+key then value, native little-endian dtype); ``slice`` and ``concat`` cut and join token
+ranges, so pool blocks are compact copies that never alias a larger cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+import torch
+from transformers import DynamicCache
+
+from node_agent.kv import KvContent, KvLayout
+
+__all__ = ["TORCH_DTYPES", "KvCache", "TensorKvCodec", "dtype_name", "tensor_kv"]
+
+TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, candidate in TORCH_DTYPES.items():
+        if candidate == dtype:
+            return name
+    raise ValueError(f"unsupported KV dtype {dtype}")
+
+
+class KvCache:
+    """Per-layer (key, value) tensors of a token range, each ``[1, kv_heads, seq, head_dim]``.
+
+    Treated as immutable: no method writes into the tensors, and ``slice``
+    returns compact copies so a pooled block never pins (or aliases) the
+    storage of the larger cache it was cut from.
+    """
+
+    __slots__ = ("_layers",)
+
+    def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not layers:
+            raise ValueError("a KV cache needs at least one layer")
+        first_key = layers[0][0]
+        for index, (key, value) in enumerate(layers):
+            if key.dim() != 4 or key.shape != value.shape:
+                raise ValueError(
+                    f"layer {index}: key {tuple(key.shape)} and value {tuple(value.shape)} "
+                    "must both be [1, kv_heads, seq, head_dim]"
+                )
+            if key.shape != first_key.shape or key.dtype != first_key.dtype:
+                raise ValueError(f"layer {index} differs in shape or dtype from layer 0")
+            if value.dtype != key.dtype:
+                raise ValueError(f"layer {index}: key and value dtypes differ")
+        if first_key.shape[0] != 1:
+            raise ValueError(f"batch size must be 1, got {first_key.shape[0]}")
+        self._layers: tuple[tuple[torch.Tensor, torch.Tensor], ...] = tuple(
+            (key, value) for key, value in layers
+        )
+
+    @property
+    def layers(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        return self._layers
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._layers[0][0].shape[2])
+
+    @property
+    def layout(self) -> KvLayout:
+        key = self._layers[0][0]
+        return KvLayout(
+            num_layers=len(self._layers),
+            num_kv_heads=int(key.shape[1]),
+            head_dim=int(key.shape[3]),
+            dtype=dtype_name(key.dtype),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self._layers[0][0].device
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_tokens * self.layout.bytes_per_token
+
+    def __repr__(self) -> str:
+        return f"KvCache(num_tokens={self.num_tokens}, layout={self.layout}, device={self.device})"
+
+    def slice(self, start: int, end: int) -> KvCache:
+        """Tokens ``[start, end)`` as a compact copy."""
+        if not 0 <= start <= end <= self.num_tokens:
+            raise ValueError(f"slice [{start}, {end}) outside [0, {self.num_tokens}]")
+        return KvCache(
+            [
+                (key[:, :, start:end, :].clone(), value[:, :, start:end, :].clone())
+                for key, value in self._layers
+            ]
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[KvCache]) -> KvCache:
+        """Join consecutive token ranges into one cache (always a fresh copy)."""
+        if not parts:
+            raise ValueError("concat needs at least one part")
+        layout = parts[0].layout
+        device = parts[0].device
+        for index, part in enumerate(parts[1:], start=1):
+            if part.layout != layout:
+                raise ValueError(f"part {index} has layout {part.layout}, expected {layout}")
+            if part.device != device:
+                raise ValueError(f"part {index} is on {part.device}, expected {device}")
+        return KvCache(
+            [
+                (
+                    torch.cat([part._layers[i][0] for part in parts], dim=2),
+                    torch.cat([part._layers[i][1] for part in parts], dim=2),
+                )
+                for i in range(layout.num_layers)
+            ]
+        )
+
+    def to(self, device: str | torch.device) -> KvCache:
+        """This cache on ``device`` (``self`` when already there)."""
+        target = torch.device(device)
+        if self.device == target:
+            return self
+        return KvCache([(key.to(target), value.to(target)) for key, value in self._layers])
+
+    def to_bytes(self) -> bytes:
+        """Layer-major, key then value, each ``[kv_heads, seq, head_dim]`` C-order, native dtype."""
+        if self.num_tokens == 0:
+            return b""
+        flat = [t.reshape(-1) for pair in self._layers for t in pair]
+        joined = torch.cat(flat).cpu()
+        return bytes(joined.view(torch.uint8).numpy().tobytes())
+
+    @staticmethod
+    def from_bytes(
+        layout: KvLayout,
+        data: bytes | bytearray | memoryview,
+        num_tokens: int,
+        device: str | torch.device | None = None,
+    ) -> KvCache:
+        """Rebuild a cache written by ``to_bytes``; ``device`` None means CPU."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        expected = layout.bytes_per_token * num_tokens
+        size = len(memoryview(data).cast("B"))
+        if size != expected:
+            raise ValueError(
+                f"KV payload has {size} bytes but {num_tokens} tokens of layout "
+                f"{layout} need {expected} ({layout.bytes_per_token} bytes per token)"
+            )
+        target = torch.device(device if device is not None else "cpu")
+        shape = (1, layout.num_kv_heads, num_tokens, layout.head_dim)
+        if num_tokens == 0:
+            empty = torch.empty(shape, dtype=TORCH_DTYPES[layout.dtype], device=target)
+            return KvCache([(empty, empty.clone()) for _ in range(layout.num_layers)])
+        # bytearray: a private, writable copy (torch warns on read-only buffers).
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(TORCH_DTYPES[layout.dtype])
+        per_tensor = layout.num_kv_heads * num_tokens * layout.head_dim
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in range(layout.num_layers):
+            base = 2 * layer * per_tensor
+            key = flat[base : base + per_tensor].view(shape)
+            value = flat[base + per_tensor : base + 2 * per_tensor].view(shape)
+            layers.append((key.to(target), value.to(target)))
+        return KvCache(layers)
+
+    def to_dynamic_cache(self, config: Any = None) -> DynamicCache:
+        """A transformers ``DynamicCache`` holding a copy of this KV.
+
+        ``DynamicLayer.update`` concatenates into new tensors, so running a
+        model on the result never writes into this cache's tensors.
+        """
+        pairs = [(key, value) for key, value in self._layers]
+        return DynamicCache(ddp_cache_data=pairs, config=config)
+
+    @staticmethod
+    def from_model_cache(cache: Any) -> KvCache:
+        """Wrap a model's cache (``DynamicCache`` or legacy tuple of (k, v))."""
+        layers = getattr(cache, "layers", None)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if layers is not None:
+            for index, layer in enumerate(layers):
+                key, value = getattr(layer, "keys", None), getattr(layer, "values", None)
+                if key is None or value is None:
+                    raise ValueError(f"cache layer {index} holds no KV")
+                pairs.append((key, value))
+        else:
+            pairs.extend((entry[0], entry[1]) for entry in cache)
+        return KvCache(pairs)
+
+
+class TensorKvCodec:
+    """The ``KvCodec`` of the embedded engine: tensors on the engine's ``device``."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+
+    def concat(self, parts: Sequence[KvContent]) -> KvCache:
+        return KvCache.concat([tensor_kv(part) for part in parts])
+
+    def from_bytes(
+        self, layout: KvLayout, data: bytes | bytearray | memoryview, num_tokens: int
+    ) -> KvCache:
+        return KvCache.from_bytes(layout, data, num_tokens, self.device)
+
+
+def tensor_kv(content: KvContent) -> KvCache:
+    """``content`` as the tensors it is; content of another engine is a programming error."""
+    if not isinstance(content, KvCache):
+        raise TypeError(f"the embedded engine cannot use {type(content).__name__} as KV")
+    return content
