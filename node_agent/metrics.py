@@ -9,13 +9,15 @@ a transaction id ever becomes a label. Each agent has its own registry, so sever
 agents can live in one process (the integration tests do).
 
 Pool and engine gauges are sampled by ``refresh`` (the housekeeping loop and every
-scrape call it); events are counted where they happen in ``node_agent/server.py``.
+scrape call it); events are counted where they happen (``node_agent/server.py`` and
+the parts it delegates to).
 
-The exposition server is a few lines of asyncio on the agent's own event loop
-(``asyncio.start_server``): no thread, no second loop, no framework. It answers
-``GET``/``HEAD /metrics`` and nothing else; every connection is bounded by a read
-timeout and a header-size limit and closed after one response, and at most
-``MAX_CONNECTIONS`` are served at once (more are closed unanswered).
+The registry also holds ``prometheus_client``'s process, platform and GC collectors
+(``process_resident_memory_bytes``, ``python_info``, ``python_gc_…``): the agent's own
+resource use next to its work. ``MetricsServer`` exposes the registry with
+``prometheus_client``'s ASGI app under uvicorn, on the agent's own event loop (no
+thread, no second loop); it answers ``GET``/``HEAD /metrics`` and nothing else, at most
+``MAX_CONNECTIONS`` scrapes at once.
 """
 
 from __future__ import annotations
@@ -23,9 +25,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+import socket
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+import uvicorn
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    make_asgi_app,
+)
 from prometheus_client.exposition import choose_encoder
 
 from node_agent.blocks.pool import (
@@ -39,6 +54,10 @@ from node_agent.blocks.pool import (
 from node_agent.engines.base import EngineLoad
 
 log = logging.getLogger("node_agent.metrics")
+
+Scope = MutableMapping[str, Any]
+ASGIReceive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+ASGISend = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 TX_OPS = ("allocate", "lock_only", "commit", "abort")
 # "draining": refused because the agent is draining (shutdown or the Drain RPC).
@@ -76,6 +95,9 @@ class AgentMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.info = Info(
             "node_agent",
             "This agent's configured role, engine and served model name (value 1).",
@@ -235,18 +257,14 @@ class AgentMetrics:
         return encoder(self.registry), content_type
 
 
-class MetricsHttpServer:
-    """``GET /metrics`` over HTTP/1.x on the running event loop.
+class MetricsServer:
+    """``GET``/``HEAD /metrics`` served by uvicorn on the running event loop.
 
-    ``before_scrape`` runs first on every scrape (the agent samples its gauges there).
-    Requests are tiny and rare (one per scrape interval per Prometheus), so one
-    response per connection and a hand-written parser are enough; anything that is
-    not a well-formed ``GET``/``HEAD`` within the limits gets a 4xx and is closed.
+    The body is ``prometheus_client``'s ASGI app over the agent's registry (the format
+    the scraper's ``Accept`` asks for, uncompressed); ``before_scrape`` runs first on
+    every scrape (the agent samples its gauges there). Any other path is a 404, any
+    other method a 405. ``port`` is the bound port (``port=0`` picks a free one).
     """
-
-    MAX_HEADER_BYTES = 16 * 1024
-    READ_TIMEOUT_S = 5.0
-    MAX_CONNECTIONS = 16
 
     def __init__(
         self,
@@ -256,77 +274,93 @@ class MetricsHttpServer:
         port: int,
         before_scrape: Callable[[], None] | None = None,
     ) -> None:
-        self._metrics = metrics
+        self._exposition = make_asgi_app(metrics.registry, disable_compression=True)
+        self._before_scrape = before_scrape
         self._host = host
         self._port = port
-        self._before_scrape = before_scrape
-        self._server: asyncio.Server | None = None
-        self._connections = 0
+        self._server: _Uvicorn | None = None
+        self._task: asyncio.Task[None] | None = None
         self.port = 0
 
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(
-            self._handle, self._host, self._port, limit=self.MAX_HEADER_BYTES
-        )
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self.port
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._connections >= self.MAX_CONNECTIONS:
-            writer.close()
+    async def _app(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> None:
+        if scope["type"] != "http":
             return
-        self._connections += 1
-        try:
-            await self._serve_one(reader, writer)
-        finally:
-            self._connections -= 1
-
-    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.timeout(self.READ_TIMEOUT_S):
-                head = await reader.readuntil(b"\r\n\r\n")
-            status, body, content_type, send_body = self._respond(head)
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            status, body, content_type, send_body = "400 Bad Request", b"", "text/plain", False
-        except ConnectionError:
-            writer.close()
+        if scope["path"] != "/metrics":
+            await _respond(send, 404, b"not found: try /metrics\n")
             return
-        headers = (
-            f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-        )
-        with contextlib.suppress(ConnectionError):
-            writer.write(headers.encode("latin-1") + (body if send_body else b""))
-            await writer.drain()
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-
-    def _respond(self, head: bytes) -> tuple[str, bytes, str, bool]:
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            return "400 Bad Request", b"", "text/plain", True
-        method, target, _ = parts
-        if method not in ("GET", "HEAD"):
-            return "405 Method Not Allowed", b"", "text/plain", True
-        if target.split("?", 1)[0] != "/metrics":
-            return "404 Not Found", b"not found: try /metrics\n", "text/plain", method == "GET"
-        accept = ""
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            if name.strip().lower() == "accept":
-                accept = value.strip()
+        if scope["method"] not in ("GET", "HEAD"):
+            await _respond(send, 405, b"")
+            return
         if self._before_scrape is not None:
             try:
                 self._before_scrape()
             except Exception:  # a failed sample must not cost the whole scrape
                 log.exception("sampling metrics before a scrape failed")
-        body, content_type = self._metrics.exposition(accept)
-        return "200 OK", body, content_type, method == "GET"
+        await self._exposition(scope, receive, _with_content_length(send))
+
+    async def start(self) -> int:
+        sock = socket.create_server((self._host, self._port), reuse_port=False)
+        self.port = int(sock.getsockname()[1])
+        config = uvicorn.Config(
+            self._app,
+            interface="asgi3",
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=5,
+            limit_concurrency=MAX_CONNECTIONS,
+        )
+        self._server = _Uvicorn(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="metrics")
+        async with asyncio.timeout(_START_TIMEOUT_S):
+            while not self._server.started:
+                if self._task.done():
+                    await self._task  # raises why it could not start
+                await asyncio.sleep(0.005)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+        self._server = None
+        self._task = None
+
+
+MAX_CONNECTIONS = 16  # concurrent scrapes; more get a 503
+_START_TIMEOUT_S = 10.0
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers: SIGTERM belongs to the agent (it drains)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _with_content_length(send: ASGISend) -> ASGISend:
+    """``send`` for an app that answers in one body message: the response start is held
+    back until the body is known, then sent with its ``Content-Length``."""
+    start: MutableMapping[str, Any] | None = None
+
+    async def sized_send(message: MutableMapping[str, Any]) -> None:
+        nonlocal start
+        if message["type"] == "http.response.start":
+            start = message
+            return
+        if start is not None and message["type"] == "http.response.body":
+            length = str(len(message.get("body", b""))).encode()
+            start["headers"] = [*start.get("headers", []), (b"content-length", length)]
+            await send(start)
+            start = None
+        await send(message)
+
+    return sized_send
+
+
+async def _respond(send: ASGISend, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -53,7 +53,7 @@ from node_agent.engines.base import CacheMirroringEngine, EngineAdapter
 from node_agent.errors import Draining
 from node_agent.event_stream import EventPublisher
 from node_agent.generation import Generation
-from node_agent.metrics import AgentMetrics, MetricsHttpServer
+from node_agent.metrics import AgentMetrics, MetricsServer
 from node_agent.rpc_errors import AGENT_ERRORS, Context, maps_errors
 from node_agent.settings import AgentSettings
 from node_agent.transfer.receiver import KvReceiver
@@ -344,7 +344,7 @@ class AgentServer:
         self._redis: Redis | None = None
         self._registration: asyncio.Task[None] | None = None
         self.port = 0
-        self.metrics_server: MetricsHttpServer | None = None
+        self.metrics_server: MetricsServer | None = None
 
     @property
     def address(self) -> str:
@@ -372,7 +372,7 @@ class AgentServer:
                 )
             )
         if self.settings.metrics_port:
-            self.metrics_server = MetricsHttpServer(
+            self.metrics_server = MetricsServer(
                 self.service.metrics,
                 host=self.settings.metrics_host or self.settings.host,
                 port=self.settings.metrics_port,
