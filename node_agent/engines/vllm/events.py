@@ -34,7 +34,8 @@ Sequence (``KvEventSubscriber``)
     heals as soon as requests touch those prefixes again.
 
 Knobs
-    ``max_tracked`` (engine hashes remembered, oldest dropped first), ``replay_timeout_s``.
+    ``max_tracked`` (engine hashes remembered, oldest dropped first), ``replay_timeout_s``;
+    reconnects back off exponentially from 0.1 s to 5 s (tenacity).
 
 Complexity
     O(tokens) per stored event (one BLAKE2b per block), O(1) per removed block.
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -53,6 +55,7 @@ from typing import Any
 import msgpack
 import zmq
 import zmq.asyncio
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from kvc.block_keys import BlockKey, compute_block_keys
 from node_agent.engines.base import (
@@ -70,6 +73,19 @@ __all__ = ["KvEventDecoder", "KvEventSubscriber", "SubscriberStats"]
 EngineBlockHash = int | bytes
 _END_SEQ = -1
 _MAIN_MEDIUM = (None, "GPU")  # vLLM names its primary KV tier "GPU" on every device
+_RECONNECTABLE = (zmq.ZMQError, ValueError, msgpack.UnpackException)
+_BACKOFF_FIRST_S = 0.1
+_BACKOFF_MAX_S = 5.0
+
+
+async def _sleep_unless_stopped(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+
+
+def _log_reconnect(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    log.warning("KV event subscriber: %s; reconnecting", exc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,27 +304,38 @@ class KvEventSubscriber:
             self._ctx.term()  # every socket is closed by now (linger 0)
 
     async def _run(self, stop: asyncio.Event) -> None:
-        backoff = 0.1
+        """Sessions until ``stop``; failed ones are retried after 0.1, 0.2, 0.4, … 5 s
+        (interrupted by ``stop``), and a session that ended cleanly resets the delay."""
         while not stop.is_set():
-            self._reconnect.clear()
-            sub = self._ctx.socket(zmq.SUB)
-            try:
-                sub.setsockopt(zmq.LINGER, 0)
-                sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-                sub.connect(self._endpoint)
-                self.stats.connected = True
-                await asyncio.sleep(self._settle_s)  # let the subscription reach the PUB
-                await self._catch_up()
-                await self._receive(sub, stop)
-                backoff = 0.1
-            except (zmq.ZMQError, ValueError, msgpack.UnpackException) as exc:
-                log.warning("KV event subscriber: %s; reconnecting", exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=backoff)
-                backoff = min(5.0, backoff * 2)
-            finally:
-                self.stats.connected = False
-                sub.close(linger=0)
+            retrying = AsyncRetrying(
+                retry=retry_if_exception_type(_RECONNECTABLE),
+                wait=wait_exponential(multiplier=_BACKOFF_FIRST_S, max=_BACKOFF_MAX_S),
+                stop=lambda _: stop.is_set(),
+                sleep=functools.partial(_sleep_unless_stopped, stop),
+                before_sleep=_log_reconnect,
+                retry_error_callback=lambda _: None,  # stopped while failing: end quietly
+            )
+            async for attempt in retrying:
+                with attempt:
+                    await self._session(stop)
+
+    async def _session(self, stop: asyncio.Event) -> None:
+        """Connect, catch up by replay, then apply live batches until stop or reconnect."""
+        if stop.is_set():
+            return
+        self._reconnect.clear()
+        sub = self._ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            sub.connect(self._endpoint)
+            self.stats.connected = True
+            await asyncio.sleep(self._settle_s)  # let the subscription reach the PUB
+            await self._catch_up()
+            await self._receive(sub, stop)
+        finally:
+            self.stats.connected = False
+            sub.close(linger=0)
 
     async def _receive(self, sub: zmq.asyncio.Socket, stop: asyncio.Event) -> None:
         stopping = asyncio.ensure_future(stop.wait())
