@@ -68,6 +68,9 @@ TRANSFER_KINDS = ("handoff", "migration")  # prefill → decode; prefix pulled b
 TOKEN_SOURCES = ("computed", "cached")
 EVENT_KINDS = ("stored", "removed", "cleared", "load")
 
+MAX_CONNECTIONS = 16  # concurrent scrapes of /metrics; more get a 503
+_START_TIMEOUT_S = 10.0
+
 _PREFILL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -326,10 +329,6 @@ class MetricsServer:
             await self._task
         self._server = None
         self._task = None
-
-
-MAX_CONNECTIONS = 16  # concurrent scrapes; more get a 503
-_START_TIMEOUT_S = 10.0
 
 
 class _Uvicorn(uvicorn.Server):
