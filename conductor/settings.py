@@ -1,16 +1,27 @@
-"""Conductor settings: environment (``KVC_CONDUCTOR_*``) and CLI flags, validated once."""
+"""Conductor settings: environment (``KVC_CONDUCTOR_*``) and CLI flags, validated once.
+
+Each field's ``json_schema_extra`` group is its section of ``kvc conductor --help`` and
+of docs/configuration.md.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import Field, field_validator
+from pydantic.config import JsonDict
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from conductor.core.scheduler import Admission, Policy, SchedulerConfig
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.priors import DecodePrior, PrefillPrior
+
+_HTTP: Final[JsonDict] = {"group": "HTTP server"}
+_AGENTS: Final[JsonDict] = {"group": "node agents"}
+_TENANTS: Final[JsonDict] = {"group": "tenants, API keys and rate limits"}
+_SCHEDULING: Final[JsonDict] = {"group": "scheduling and admission"}
+_PRIORS: Final[JsonDict] = {"group": "cost-model priors (until measured)"}
 
 
 def _split_csv(value: Any) -> Any:
@@ -22,96 +33,167 @@ def _split_csv(value: Any) -> Any:
 class ConductorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVC_CONDUCTOR_", extra="forbid")
 
-    host: str = Field("127.0.0.1", description="HTTP bind address")
-    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
-    agents: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Node agent gRPC addresses, comma-separated host:port"
-    )
+    host: str = Field("127.0.0.1", description="HTTP bind address", json_schema_extra=_HTTP)
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port", json_schema_extra=_HTTP)
     model: Path = Field(
-        DEFAULT_MODEL_DIR, description="Model folder with the tokenizer and chat template"
+        DEFAULT_MODEL_DIR,
+        description="Model folder with the tokenizer and chat template",
+        json_schema_extra=_HTTP,
     )
-    served_model_name: str = Field("", description="Model name clients use; default folder name")
-    api_keys: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Accepted bearer keys, comma-separated (empty: no auth)"
+    served_model_name: str = Field(
+        "", description="Model name clients use; default folder name", json_schema_extra=_HTTP
     )
-    default_tenant: str = Field("default", description="Tenant of unauthenticated requests")
-    tenants_file: Path | None = Field(
-        None, description="JSON/YAML file: tenants with their API keys and rate limits"
+    default_max_tokens: int = Field(
+        256, ge=1, description="max_tokens when a request omits it", json_schema_extra=_HTTP
     )
-    api_keys_in_redis: bool = Field(
-        False, description="Also resolve API keys from Redis (kvc:apikey:<sha256>)"
-    )
-    admin_keys: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Bearer keys for /admin endpoints (empty: admin off)"
-    )
-    default_requests_per_minute: int = Field(
-        0, ge=0, description="Per-tenant request limit when a tenant sets none (0: unlimited)"
-    )
-    default_tokens_per_minute: int = Field(
-        0, ge=0, description="Per-tenant token limit (prompt + max_tokens) (0: unlimited)"
-    )
-    redis_url: str = Field(
-        "", description="Redis for the node registry, rate limits and keys (empty: none)"
-    )
-    drain_delay_s: float = Field(
-        5.0, ge=0, description="On SIGTERM, report not-ready this long before closing"
-    )
-    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
-    lease_s: float = Field(30.0, gt=0, le=600, description="Lease on node-side block locks")
     max_inflight_requests: int = Field(
         1024,
         ge=1,
         description="Requests in flight (waiting or generating) on this conductor before 429; "
         "a memory bound: the SLO-aware queue is max_waiting_requests",
+        json_schema_extra=_HTTP,
     )
     max_request_bytes: int = Field(
-        8 * 1024 * 1024, ge=1024, description="Largest accepted request body (413 above)"
+        8 * 1024 * 1024,
+        ge=1024,
+        description="Largest accepted request body (413 above)",
+        json_schema_extra=_HTTP,
     )
-    request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one generation")
-    rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of one unary agent call")
-    agent_poll_interval_s: float = Field(2.0, gt=0, description="Agent health/info poll period")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Deadline of one generation", json_schema_extra=_HTTP
+    )
+    drain_delay_s: float = Field(
+        5.0,
+        ge=0,
+        description="On SIGTERM, report not-ready this long before closing",
+        json_schema_extra=_HTTP,
+    )
+
+    agents: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Node agent gRPC addresses, comma-separated host:port",
+        json_schema_extra=_AGENTS,
+    )
+    redis_url: str = Field(
+        "",
+        description="Redis for the node registry, rate limits and keys (empty: none)",
+        json_schema_extra=_AGENTS,
+    )
+    rpc_timeout_s: float = Field(
+        30.0, gt=0, description="Deadline of one unary agent call", json_schema_extra=_AGENTS
+    )
+    agent_poll_interval_s: float = Field(
+        2.0, gt=0, description="Agent health/info poll period", json_schema_extra=_AGENTS
+    )
+    lease_s: float = Field(
+        30.0, gt=0, le=600, description="Lease on node-side block locks", json_schema_extra=_AGENTS
+    )
+
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Accepted bearer keys, comma-separated (empty: no auth)",
+        json_schema_extra=_TENANTS,
+    )
+    default_tenant: str = Field(
+        "default", description="Tenant of unauthenticated requests", json_schema_extra=_TENANTS
+    )
+    tenants_file: Path | None = Field(
+        None,
+        description="JSON/YAML file: tenants with their API keys and rate limits",
+        json_schema_extra=_TENANTS,
+    )
+    api_keys_in_redis: bool = Field(
+        False,
+        description="Also resolve API keys from Redis (kvc:apikey:<sha256>)",
+        json_schema_extra=_TENANTS,
+    )
+    admin_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Bearer keys for /admin endpoints (empty: admin off)",
+        json_schema_extra=_TENANTS,
+    )
+    default_requests_per_minute: int = Field(
+        0,
+        ge=0,
+        description="Per-tenant request limit when a tenant sets none (0: unlimited)",
+        json_schema_extra=_TENANTS,
+    )
+    default_tokens_per_minute: int = Field(
+        0,
+        ge=0,
+        description="Per-tenant token limit (prompt + max_tokens) (0: unlimited)",
+        json_schema_extra=_TENANTS,
+    )
+
     policy: Literal["round_robin", "least_loaded", "local_prefix", "kv_centric", "kv_adaptive"] = (
         Field(
             "kv_centric",
             description="Scheduling policy (kv_centric = Mooncake Algorithm 1; kv_adaptive "
             "also counts in-flight prefixes and pulls only at break-even)",
+            json_schema_extra=_SCHEDULING,
         )
     )
     admission: Literal["none", "early", "predictive"] = Field(
-        "predictive", description="SLO admission: none | early | predictive (decode load forecast)"
+        "predictive",
+        description="SLO admission (predictive also forecasts decode load)",
+        json_schema_extra=_SCHEDULING,
     )
-    ttft_slo_s: float = Field(30.0, gt=0, description="Default time-to-first-token SLO")
-    tbt_slo_s: float = Field(0.2, gt=0, description="Default time-between-tokens SLO")
+    ttft_slo_s: float = Field(
+        30.0, gt=0, description="Default time-to-first-token SLO", json_schema_extra=_SCHEDULING
+    )
+    tbt_slo_s: float = Field(
+        0.2, gt=0, description="Default time-between-tokens SLO", json_schema_extra=_SCHEDULING
+    )
     kvcache_balancing_threshold: float = Field(
-        2.0, ge=1.0, description="Pull a remote prefix when best/local prefix exceeds this ratio"
+        2.0,
+        ge=1.0,
+        description="Pull a remote prefix when best/local prefix exceeds this ratio",
+        json_schema_extra=_SCHEDULING,
     )
     output_length_prior_tokens: float = Field(
         256.0,
         gt=0,
         description="Prior mean output length (tokens) until lengths are learned per tenant",
+        json_schema_extra=_SCHEDULING,
     )
     max_waiting_requests: int = Field(
         64,
         ge=0,
         description="Requests that may wait here for decode capacity when waiting still "
         "meets their TTFT SLO (0: refuse instead of waiting)",
+        json_schema_extra=_SCHEDULING,
     )
-    prefill_prior_fixed_s: float = Field(0.002, ge=0, description="Prefill time prior: fixed")
+
+    prefill_prior_fixed_s: float = Field(
+        0.002, ge=0, description="Prefill time prior: fixed", json_schema_extra=_PRIORS
+    )
     prefill_prior_per_token_s: float = Field(
-        2e-5, ge=0, description="Prefill time prior: per uncached token"
+        2e-5, ge=0, description="Prefill time prior: per uncached token", json_schema_extra=_PRIORS
     )
     prefill_prior_per_token_context_s: float = Field(
-        1e-9, ge=0, description="Prefill time prior: per uncached token × context token"
+        1e-9,
+        ge=0,
+        description="Prefill time prior: per uncached token × context token",
+        json_schema_extra=_PRIORS,
     )
-    decode_prior_fixed_s: float = Field(0.002, ge=0, description="TBT prior: fixed")
-    decode_prior_per_request_s: float = Field(5e-4, ge=0, description="TBT prior: per request")
+    decode_prior_fixed_s: float = Field(
+        0.002, ge=0, description="TBT prior: fixed", json_schema_extra=_PRIORS
+    )
+    decode_prior_per_request_s: float = Field(
+        5e-4, ge=0, description="TBT prior: per request", json_schema_extra=_PRIORS
+    )
     decode_prior_per_context_token_s: float = Field(
-        1e-7, ge=0, description="TBT prior: per KV token in the batch"
+        1e-7, ge=0, description="TBT prior: per KV token in the batch", json_schema_extra=_PRIORS
     )
     transfer_bandwidth_bytes_per_s: float = Field(
-        1e9, gt=0, description="KV transfer bandwidth prior between nodes"
+        1e9,
+        gt=0,
+        description="KV transfer bandwidth prior between nodes",
+        json_schema_extra=_PRIORS,
     )
-    transfer_latency_s: float = Field(0.001, ge=0, description="KV transfer latency prior")
+    transfer_latency_s: float = Field(
+        0.001, ge=0, description="KV transfer latency prior", json_schema_extra=_PRIORS
+    )
 
     @field_validator("agents", "api_keys", "admin_keys", mode="before")
     @classmethod

@@ -6,17 +6,47 @@
   kvc probe URL           health probe for containers (http://… or grpc://host:port)
   kvc bench replay ...    replay a Mooncake trace on the simulated fleet (docs/simulator.md)
 
-Every setting is a flag and an environment variable; ``--help`` lists them.
+Every setting of the conductor and the agent is a flag and an environment variable
+(pydantic-settings' CLI source adds them, kvc_cli.settings_cli); ``--help`` lists them,
+grouped, with their choices and defaults. ``--log-level`` (or ``KVC_LOG_LEVEL``) goes
+before or after the subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import sys
+from typing import Literal
 
-from kvc_cli.settings_cli import SettingsError, add_settings_arguments, settings_from_args
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvc_cli.settings_cli import InvalidSettings, SettingsCommand, settings_from_args
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+class LoggingSettings(BaseSettings):
+    """Log verbosity of every ``kvc`` command: ``--log-level`` or ``KVC_LOG_LEVEL``."""
+
+    model_config = SettingsConfigDict(env_prefix="KVC_", extra="forbid")
+
+    log_level: LogLevel = Field("INFO", description="Log level, any case")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kv-conductor")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def _setup_logging(level: str) -> None:
@@ -27,15 +57,15 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def _run_conductor(ns: argparse.Namespace) -> int:
+def _run_conductor(ns: argparse.Namespace, log_level: LogLevel) -> int:
     from conductor.main import serve
     from conductor.settings import ConductorSettings
 
-    serve(settings_from_args(ConductorSettings, ns), ns.log_level)
+    serve(settings_from_args(ConductorSettings, ns), log_level)
     return 0
 
 
-def _run_agent(ns: argparse.Namespace) -> int:
+def _run_agent(ns: argparse.Namespace, log_level: LogLevel) -> int:
     from node_agent.main import serve
     from node_agent.settings import AgentSettings
 
@@ -44,7 +74,7 @@ def _run_agent(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _run_demo(ns: argparse.Namespace) -> int:
+def _run_demo(ns: argparse.Namespace, log_level: LogLevel) -> int:
     from kvc_cli.demo import DemoOptions, run_demo
 
     return run_demo(
@@ -55,19 +85,19 @@ def _run_demo(ns: argparse.Namespace) -> int:
             decode_port=ns.decode_port,
             prefill_metrics_port=ns.prefill_metrics_port,
             decode_metrics_port=ns.decode_metrics_port,
-            log_level=ns.log_level,
+            log_level=log_level,
             startup_timeout_s=ns.startup_timeout_s,
         )
     )
 
 
-def _run_probe(ns: argparse.Namespace) -> int:
+def _run_probe(ns: argparse.Namespace, log_level: LogLevel) -> int:
     from kvc_cli.probe import main as probe_main
 
     return probe_main(ns.url, ns.timeout_s)
 
 
-def _run_bench_replay(ns: argparse.Namespace) -> int:
+def _run_bench_replay(ns: argparse.Namespace, log_level: LogLevel) -> int:
     from pathlib import Path
 
     from kvc_sim.profile import SimConfigError
@@ -118,17 +148,25 @@ def build_parser() -> argparse.ArgumentParser:
     from node_agent.settings import AgentSettings
 
     parser = argparse.ArgumentParser(prog="kvc", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.set_defaults(logging_command=SettingsCommand(parser, LoggingSettings))
     sub = parser.add_subparsers(dest="command", required=True)
-    p_conductor = sub.add_parser("conductor", help="run the conductor (OpenAI API over HTTP)")
-    add_settings_arguments(p_conductor, ConductorSettings)
-    p_conductor.set_defaults(func=_run_conductor)
-    p_agent = sub.add_parser("agent", help="run a node agent (gRPC) around an engine")
-    add_settings_arguments(p_agent, AgentSettings)
-    p_agent.set_defaults(func=_run_agent)
-    p_demo = sub.add_parser(
-        "demo", help="conductor on 127.0.0.1:8000 with a prefill and a decode agent"
+
+    def command(
+        name: str, help_text: str, parent: argparse._SubParsersAction[argparse.ArgumentParser] = sub
+    ) -> argparse.ArgumentParser:
+        """A subcommand that also takes ``--log-level`` after its name."""
+        p = parent.add_parser(name, help=help_text, description=help_text)
+        SettingsCommand(p, LoggingSettings)
+        return p
+
+    p_conductor = command("conductor", "run the conductor (OpenAI API over HTTP)")
+    p_conductor.set_defaults(
+        func=_run_conductor, settings_command=SettingsCommand(p_conductor, ConductorSettings)
     )
+    p_agent = command("agent", "run a node agent (gRPC) around an engine")
+    p_agent.set_defaults(func=_run_agent, settings_command=SettingsCommand(p_agent, AgentSettings))
+    p_demo = command("demo", "conductor on 127.0.0.1:8000 with a prefill and a decode agent")
     p_demo.add_argument("--host", default="127.0.0.1")
     p_demo.add_argument("--port", type=int, default=8000)
     p_demo.add_argument("--prefill-port", type=int, default=50061)
@@ -143,17 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p_demo.add_argument("--startup-timeout-s", type=float, default=180.0)
     p_demo.set_defaults(func=_run_demo)
-    p_probe = sub.add_parser(
-        "probe", help="health probe: http://host:port/health or grpc://host:port"
-    )
+    p_probe = command("probe", "health probe: http://host:port/health or grpc://host:port")
     p_probe.add_argument("url")
     p_probe.add_argument("--timeout-s", type=float, default=3.0)
     p_probe.set_defaults(func=_run_probe)
-    p_bench = sub.add_parser("bench", help="benchmarks: trace replay on the simulator")
+    p_bench = command("bench", "benchmarks: trace replay on the simulator")
     bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)
-    p_replay = bench_sub.add_parser(
+    p_replay = command(
         "replay",
-        help="replay a Mooncake trace through the simulated fleet (same scheduler code)",
+        "replay a Mooncake trace through the simulated fleet (same scheduler code)",
+        bench_sub,
     )
     p_replay.add_argument("--trace", required=True, help="Mooncake JSONL trace file")
     p_replay.add_argument(
@@ -175,10 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    _setup_logging(ns.log_level)
     try:
-        code: int = ns.func(ns)
-    except SettingsError as exc:
+        log_level = ns.logging_command.load(ns).log_level
+        _setup_logging(log_level)
+        code: int = ns.func(ns, log_level)
+    except InvalidSettings as exc:
         print(f"kvc {ns.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

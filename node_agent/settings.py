@@ -1,106 +1,198 @@
-"""Node agent settings: environment (``KVC_AGENT_*``) and CLI flags, validated once."""
+"""Node agent settings: environment (``KVC_AGENT_*``) and CLI flags, validated once.
+
+Each field's ``json_schema_extra`` group is its section of ``kvc agent --help`` and of
+docs/configuration.md.
+"""
 
 from __future__ import annotations
 
 import shlex
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field, model_validator
+from pydantic.config import JsonDict
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.roles import NodeRole
 
+_NODE: Final[JsonDict] = {"group": "node: gRPC server, registry, metrics"}
+_ENGINE: Final[JsonDict] = {"group": "engine"}
+_BLOCKS: Final[JsonDict] = {"group": "KV blocks and transfer"}
+_VLLM: Final[JsonDict] = {"group": "vLLM engine (--engine vllm, docs/engines.md)"}
+
 
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVC_AGENT_", extra="forbid")
 
-    node_id: str = Field("", description="Stable node name; default host:port")
-    role: NodeRole = Field("both", description="prefill | decode | both")
-    host: str = Field("127.0.0.1", description="Address the gRPC server binds")
-    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one)")
+    node_id: str = Field(
+        "", description="Stable node name; default host:port", json_schema_extra=_NODE
+    )
+    role: NodeRole = Field(
+        "both", description="What the conductor schedules here", json_schema_extra=_NODE
+    )
+    host: str = Field(
+        "127.0.0.1", description="Address the gRPC server binds", json_schema_extra=_NODE
+    )
+    port: int = Field(
+        50051,
+        ge=0,
+        le=65535,
+        description="gRPC port (0 = pick a free one)",
+        json_schema_extra=_NODE,
+    )
     advertise_address: str = Field(
-        "", description="host:port peers and conductors dial; default host:port"
+        "",
+        description="host:port peers and conductors dial; default host:port",
+        json_schema_extra=_NODE,
     )
     metrics_host: str = Field(
-        "", description="Address the Prometheus /metrics HTTP server binds; default: host"
+        "",
+        description="Address the Prometheus /metrics HTTP server binds; default: host",
+        json_schema_extra=_NODE,
     )
     # Off by default: several agents often share a host (kvc demo, tests), where one
     # fixed port would collide. Deployments set it (compose and the Helm chart use 9464).
     metrics_port: int = Field(
-        0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 = no metrics server)"
+        0,
+        ge=0,
+        le=65535,
+        description="Prometheus /metrics HTTP port (0 = no metrics server)",
+        json_schema_extra=_NODE,
     )
-    engine: Literal["embedded", "vllm"] = Field(
-        "embedded", description="Inference engine adapter: embedded (in-process) or vllm"
+    redis_url: str = Field(
+        "", description="Redis to register in (empty: no registry)", json_schema_extra=_NODE
     )
-    model: Path = Field(DEFAULT_MODEL_DIR, description="Model folder (Hugging Face layout)")
-    served_model_name: str = Field("", description="Model name clients use; default folder name")
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch default)")
-    block_size: int = Field(32, ge=1, le=4096, description="Tokens per KV block")
-    capacity_blocks: int = Field(4096, ge=1, description="KV block pool size in blocks")
-    max_lease_s: float = Field(600.0, gt=0, description="Longest Tx lease a conductor may ask")
-    max_running: int = Field(16, ge=1, description="Concurrent generations before busy")
-    max_staged_bytes: int = Field(
-        512 * 1024 * 1024, ge=1, description="KV bytes staged for decode nodes to fetch"
-    )
-    stage_ttl_s: float = Field(30.0, gt=0, description="Staged KV expires unfetched after this")
-    event_buffer: int = Field(65536, ge=16, description="Events kept for WatchEvents resume")
-    load_interval_s: float = Field(0.5, gt=0, description="Load update period")
-    shutdown_grace_s: float = Field(
-        30.0, ge=0, description="On SIGTERM, time in-flight work gets before Txs are aborted"
-    )
-    redis_url: str = Field("", description="Redis to register in (empty: no registry)")
     registry_ttl_s: float = Field(
-        10.0, gt=0, description="Registry record TTL; refreshed every third of it"
+        10.0,
+        gt=0,
+        description="Registry record TTL; refreshed every third of it",
+        json_schema_extra=_NODE,
     )
-    transfer_chunk_bytes: int = Field(
-        1024 * 1024, ge=4096, le=3 * 1024 * 1024, description="KV transfer chunk size"
+    event_buffer: int = Field(
+        65536, ge=16, description="Events kept for WatchEvents resume", json_schema_extra=_NODE
+    )
+    load_interval_s: float = Field(
+        0.5, gt=0, description="Load update period", json_schema_extra=_NODE
+    )
+    shutdown_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM, time in-flight work gets before Txs are aborted",
+        json_schema_extra=_NODE,
+    )
+
+    engine: Literal["embedded", "vllm"] = Field(
+        "embedded",
+        description="Inference engine adapter: embedded (in-process) or vllm",
+        json_schema_extra=_ENGINE,
+    )
+    model: Path = Field(
+        DEFAULT_MODEL_DIR,
+        description="Model folder (Hugging Face layout)",
+        json_schema_extra=_ENGINE,
+    )
+    served_model_name: str = Field(
+        "", description="Model name clients use; default folder name", json_schema_extra=_ENGINE
+    )
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N", json_schema_extra=_ENGINE)
+    threads: int = Field(
+        0, ge=0, description="torch CPU threads (0 = torch default)", json_schema_extra=_ENGINE
+    )
+    max_running: int = Field(
+        16, ge=1, description="Concurrent generations before busy", json_schema_extra=_ENGINE
     )
     calibrate: bool = Field(
-        True, description="Measure the engine at start and report the fit to conductors"
+        True,
+        description="Measure the engine at start and report the fit to conductors",
+        json_schema_extra=_ENGINE,
     )
     calibration_budget_s: float = Field(
         10.0,
         gt=0,
         le=600,
         description="Hard bound on the start-up calibration; it fits what was measured by then",
+        json_schema_extra=_ENGINE,
+    )
+
+    block_size: int = Field(
+        32, ge=1, le=4096, description="Tokens per KV block", json_schema_extra=_BLOCKS
+    )
+    capacity_blocks: int = Field(
+        4096, ge=1, description="KV block pool size in blocks", json_schema_extra=_BLOCKS
+    )
+    max_lease_s: float = Field(
+        600.0, gt=0, description="Longest Tx lease a conductor may ask", json_schema_extra=_BLOCKS
+    )
+    max_staged_bytes: int = Field(
+        512 * 1024 * 1024,
+        ge=1,
+        description="KV bytes staged for decode nodes to fetch",
+        json_schema_extra=_BLOCKS,
+    )
+    stage_ttl_s: float = Field(
+        30.0, gt=0, description="Staged KV expires unfetched after this", json_schema_extra=_BLOCKS
+    )
+    transfer_chunk_bytes: int = Field(
+        1024 * 1024,
+        ge=4096,
+        le=3 * 1024 * 1024,
+        description="KV transfer chunk size",
+        json_schema_extra=_BLOCKS,
     )
 
     # engine=vllm (docs/engines.md): the agent launches vLLM with vllm_python, or attaches
     # to vllm_url; either way it talks HTTP (generation, /metrics) and ZMQ (KV events).
     vllm_url: str = Field(
-        "", description="vLLM OpenAI server to attach to (http://host:port); empty: launch one"
+        "",
+        description="vLLM OpenAI server to attach to (http://host:port); empty: launch one",
+        json_schema_extra=_VLLM,
     )
     vllm_python: str = Field(
-        "", description="Python that has vllm installed, to launch it (e.g. .venv-vllm/bin/python)"
+        "",
+        description="Python that has vllm installed, to launch it (e.g. .venv-vllm/bin/python)",
+        json_schema_extra=_VLLM,
     )
     vllm_port: int = Field(
-        0, ge=0, le=65535, description="HTTP port of a launched vLLM on 127.0.0.1 (0 = a free one)"
+        0,
+        ge=0,
+        le=65535,
+        description="HTTP port of a launched vLLM on 127.0.0.1 (0 = a free one)",
+        json_schema_extra=_VLLM,
     )
     vllm_launch_args: str = Field(
-        "", description="Extra arguments for a launched vLLM, shell-quoted (e.g. '--enforce-eager')"
+        "",
+        description="Extra arguments for a launched vLLM, shell-quoted (e.g. '--enforce-eager')",
+        json_schema_extra=_VLLM,
     )
     vllm_startup_timeout_s: float = Field(
-        300.0, gt=0, description="How long a launched or attached vLLM may take to become healthy"
+        300.0,
+        gt=0,
+        description="How long a launched or attached vLLM may take to become healthy",
+        json_schema_extra=_VLLM,
     )
     kv_events_endpoint: str = Field(
         "",
         description="ZMQ endpoint of vLLM's KV-event publisher (tcp://host:port or ipc://path), "
         "bound by vLLM; launch: empty = a private ipc socket; attach: empty = no cache mirror",
+        json_schema_extra=_VLLM,
     )
     kv_events_replay_endpoint: str = Field(
         "",
         description="ZMQ endpoint of vLLM's KV-event replay socket, to fill sequence gaps "
         "(attach: empty = a gap clears the mirror; launch: empty = a private ipc socket)",
+        json_schema_extra=_VLLM,
     )
-    kv_events_topic: str = Field("kv-events", description="Topic of vLLM's KV events")
+    kv_events_topic: str = Field(
+        "kv-events", description="Topic of vLLM's KV events", json_schema_extra=_VLLM
+    )
     pd_connector: Literal["none", "nixl"] = Field(
         "none",
         description="vLLM prefill/decode hand-off via kv_transfer_params (nixl: vLLM's "
         "NixlConnector, GPUs only); none: vLLM nodes run role both",
+        json_schema_extra=_VLLM,
     )
 
     @model_validator(mode="after")
