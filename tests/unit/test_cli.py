@@ -51,6 +51,9 @@ def test_configuration_doc_is_fresh() -> None:
     assert DOC_PATH.read_text() == render(), "run `python -m tools.settings_doc` and commit"
 
 
+REPLAY_ARGS = ["--trace", "t", "--scenario", "s", "--out", "o"]
+
+
 def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([*argv, "--help"])
@@ -101,8 +104,7 @@ def test_switches_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None
         (["--log-level", "debug", "probe", "x"], None, "DEBUG"),
         (["probe", "x", "--log-level", "ERROR"], None, "ERROR"),
         (
-            ["--log-level", "DEBUG", "bench", "replay", "--log-level", "warning"]
-            + ["--trace", "t", "--scenario", "s", "--out", "o"],
+            ["--log-level", "DEBUG", "bench", "replay", "--log-level", "warning", *REPLAY_ARGS],
             None,
             "WARNING",
         ),
