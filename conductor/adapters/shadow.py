@@ -3,7 +3,8 @@
 Per agent, one supervised task: ``Snapshot`` → ``reset_node`` → ``WatchEvents`` from the
 snapshot's sequence number + 1, applying each event. A ``resync_required`` batch, a
 sequence gap, a new epoch (the agent restarted) or a broken stream leads back to a
-snapshot, after a capped, jittered backoff when the agent is unreachable. The shadow may
+snapshot; when the agent is unreachable, after a backoff (tenacity) of 0.1, 0.2, 0.4 … s
+up to 5 s, equal jitter (half of each wait fixed, half random). The shadow may
 be stale, never authoritative: agents re-check keys on every Tx, so staleness costs a
 recompute, not a wrong answer. Load updates in the stream refresh the agent's load.
 """
@@ -12,12 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import random
 import time
 from collections.abc import Callable
 
 import grpc
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    wait_exponential,
+    wait_random_exponential,
+)
 
 from conductor.adapters.agents import AgentFleet, AgentHandle
 from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
@@ -27,6 +35,13 @@ from kvc.v1 import node_agent_pb2 as pb
 log = logging.getLogger("conductor.shadow")
 
 LagObserver = Callable[[float], None]
+
+_BACKOFF_FIRST_S = 0.1
+
+
+async def _sleep_unless_stopped(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
 
 
 class ShadowSync:
@@ -66,19 +81,31 @@ class ShadowSync:
                     await task
 
     async def _follow(self, agent: AgentHandle, stop: asyncio.Event) -> None:
+        """Sync sessions until ``stop``. A failed one drops the node from the index and is
+        retried after the backoff (interrupted by ``stop``); one that ended cleanly (a
+        resync) starts the next at once and resets the backoff."""
         node = NodeId(agent.address)
-        backoff = 0.1
+        half_max_s = self._max_backoff_s / 2
         while not stop.is_set():
-            try:
-                await self._sync_once(agent, node, stop)
-                backoff = 0.1
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.CANCELLED:
-                    log.debug("shadow of %s: %s", agent.address, exc.details())
-                self._index.remove_node(node)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=backoff * random.uniform(0.5, 1.0))
-                backoff = min(self._max_backoff_s, backoff * 2)
+            retrying = AsyncRetrying(
+                retry=retry_if_exception_type(grpc.aio.AioRpcError),
+                # Equal jitter: min(max, 0.1 s × 2^n) × uniform(0.5, 1).
+                wait=wait_exponential(multiplier=_BACKOFF_FIRST_S / 2, max=half_max_s)
+                + wait_random_exponential(multiplier=_BACKOFF_FIRST_S / 2, max=half_max_s),
+                stop=lambda _: stop.is_set(),
+                sleep=functools.partial(_sleep_unless_stopped, stop),
+                after=functools.partial(self._lost, agent, node),
+                retry_error_callback=lambda _: None,  # stopped while failing: end quietly
+            )
+            async for attempt in retrying:
+                with attempt:
+                    await self._sync_once(agent, node, stop)
+
+    def _lost(self, agent: AgentHandle, node: NodeId, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() != grpc.StatusCode.CANCELLED:
+            log.debug("shadow of %s: %s", agent.address, exc.details())
+        self._index.remove_node(node)
 
     async def _sync_once(self, agent: AgentHandle, node: NodeId, stop: asyncio.Event) -> None:
         snap = await agent.stub.Snapshot(pb.SnapshotRequest(), timeout=self._fleet.rpc_timeout_s)
