@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 
 from pydantic import BaseModel, ValidationError
@@ -93,7 +92,3 @@ async def keep_registered(
             await asyncio.wait_for(stop.wait(), timeout=ttl_s / 3)
     with contextlib.suppress(RedisError, OSError):
         await withdraw(redis, make_record().node_id)
-
-
-def now_s() -> float:
-    return time.time()

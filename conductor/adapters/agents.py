@@ -239,14 +239,8 @@ class AgentFleet:
         new = [self.add(a) for a in sorted(addresses - set(self._agents))]
         await asyncio.gather(*(self.refresh_one(a) for a in new))
 
-    def __len__(self) -> int:
-        return len(self._agents)
-
     def get(self, address: str) -> AgentHandle:
         return self._agents[address]
-
-    def __contains__(self, address: object) -> bool:
-        return address in self._agents
 
     def handles(self) -> list[AgentHandle]:
         return list(self._agents.values())
@@ -294,16 +288,6 @@ class AgentFleet:
             await self.refresh_all()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval_s)
-
-    async def wait_ready(self, timeout_s: float) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while loop.time() < deadline:
-            await self.refresh_all()
-            if self.ready():
-                return True
-            await asyncio.sleep(0.1)
-        return self.ready()
 
     async def aclose(self) -> None:
         for channel in [*(a.channel for a in self._agents.values()), *self._closing]:

@@ -37,6 +37,8 @@ log = logging.getLogger("conductor.shadow")
 LagObserver = Callable[[float], None]
 
 _BACKOFF_FIRST_S = 0.1
+_BACKOFF_MAX_S = 5.0
+_RECONCILE_S = 0.5  # how soon a follower starts for an agent that joined the fleet
 
 
 async def _sleep_unless_stopped(stop: asyncio.Event, seconds: float) -> None:
@@ -51,15 +53,12 @@ class ShadowSync:
         index: PrefixIndex,
         *,
         on_lag: LagObserver | None = None,
-        max_backoff_s: float = 5.0,
     ) -> None:
         self._fleet = fleet
         self._index = index
         self._on_lag = on_lag
-        self._max_backoff_s = max_backoff_s
-        self.resyncs = 0
 
-    async def run(self, stop: asyncio.Event, reconcile_s: float = 0.5) -> None:
+    async def run(self, stop: asyncio.Event) -> None:
         """Follow every agent in the fleet; start and stop followers as it changes."""
         followers: dict[str, asyncio.Task[None]] = {}
         try:
@@ -72,7 +71,7 @@ class ShadowSync:
                     if address not in followers or followers[address].done():
                         followers[address] = asyncio.create_task(self._follow(agent, stop))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=reconcile_s)
+                    await asyncio.wait_for(stop.wait(), timeout=_RECONCILE_S)
         finally:
             for task in followers.values():
                 task.cancel()
@@ -85,7 +84,7 @@ class ShadowSync:
         retried after the backoff (interrupted by ``stop``); one that ended cleanly (a
         resync) starts the next at once and resets the backoff."""
         node = NodeId(agent.address)
-        half_max_s = self._max_backoff_s / 2
+        half_max_s = _BACKOFF_MAX_S / 2
         while not stop.is_set():
             retrying = AsyncRetrying(
                 retry=retry_if_exception_type(grpc.aio.AioRpcError),
@@ -111,7 +110,6 @@ class ShadowSync:
         snap = await agent.stub.Snapshot(pb.SnapshotRequest(), timeout=self._fleet.rpc_timeout_s)
         self._index.reset_node(node, snap.epoch, snap.seq, [BlockKey(k) for k in snap.cached_keys])
         agent.load = snap.load
-        self.resyncs += 1
         call = agent.stub.WatchEvents(
             pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
         )

@@ -84,7 +84,9 @@ async def test_agents_register_and_conductor_discovers_them(
         resp = await c.client.post("/v1/chat/completions", json=chat_body())
         assert resp.status_code == 200
         await agent.stop(grace_s=0.1)  # a clean stop withdraws the record
-        await wait_until(lambda: agent.address not in c.state.fleet, timeout_s=5)
+        await wait_until(
+            lambda: all(a.address != agent.address for a in c.state.fleet.handles()), timeout_s=5
+        )
         assert (await c.client.get("/ready")).status_code == 503
 
 
