@@ -12,10 +12,10 @@ $(BIN)/activate:
 	$(PY) -m pip install --quiet --upgrade pip
 
 install: $(BIN)/activate
-	$(PY) -m pip install --quiet -e '.[embedded]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[embedded]'
 
 install-dev: $(BIN)/activate
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 
 # Debian packages the test suite needs: redis-server for the Redis tests; prometheus
 # (the server and promtool) for the metrics, alert-rule and Prometheus system tests.

@@ -66,11 +66,16 @@ def _run_conductor(ns: argparse.Namespace, log_level: LogLevel) -> int:
 
 
 def _run_agent(ns: argparse.Namespace, log_level: LogLevel) -> int:
+    from node_agent.errors import EngineError
     from node_agent.main import serve
     from node_agent.settings import AgentSettings
 
     settings = settings_from_args(AgentSettings, ns)
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except EngineError as exc:  # no engine to serve: a missing extra, vLLM that died
+        print(f"kvc agent: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from kvc.tokenization import ChatTokenizer
 from node_agent.engines.base import EngineAdapter
@@ -15,22 +16,46 @@ from node_agent.errors import EngineError
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
 
+if TYPE_CHECKING:
+    from node_agent.engines.vllm.adapter import VllmEngineAdapter
+
 log = logging.getLogger("node_agent")
 
 T = TypeVar("T")
 
 
+def _vllm_adapter(engine: EngineAdapter) -> VllmEngineAdapter | None:
+    """``engine`` as the vLLM adapter, without importing it (and pyzmq, msgpack) when no
+    vLLM adapter was ever built in this process."""
+    module = sys.modules.get("node_agent.engines.vllm.adapter")
+    if module is None or not isinstance(engine, module.VllmEngineAdapter):
+        return None
+    return cast("VllmEngineAdapter", engine)
+
+
+def _missing_extra(extra: str, exc: ImportError) -> EngineError:
+    return EngineError(
+        f"the {extra} engine needs the [{extra}] extra (pip install 'kv-conductor[{extra}]'): {exc}"
+    )
+
+
 def build_engine(settings: AgentSettings) -> EngineAdapter:
     """The engine adapter the settings name: the embedded transformer, or vLLM."""
     if settings.engine == "vllm":
-        from node_agent.engines.vllm.adapter import VllmEngineAdapter
-        from node_agent.engines.vllm.config import VllmConfig
+        try:
+            from node_agent.engines.vllm.adapter import VllmEngineAdapter
+            from node_agent.engines.vllm.config import VllmConfig
+        except ImportError as exc:
+            raise _missing_extra("vllm", exc) from exc
 
         tokenizer = ChatTokenizer.from_dir(settings.model)
         return VllmEngineAdapter(VllmConfig.from_settings(settings), tokenizer)
 
-    from node_agent.engines.embedded.adapter import EmbeddedEngineAdapter
-    from node_agent.engines.embedded.model import EmbeddedModel
+    try:
+        from node_agent.engines.embedded.adapter import EmbeddedEngineAdapter
+        from node_agent.engines.embedded.model import EmbeddedModel
+    except ImportError as exc:
+        raise _missing_extra("embedded", exc) from exc
 
     model = EmbeddedModel.load(
         settings.model, device=settings.device, threads=settings.threads or None
@@ -50,11 +75,10 @@ async def start_engine(engine: EngineAdapter, settings: AgentSettings) -> AgentS
     The pool's block size and capacity become the engine's own, so a TxAllocate
     refuses what the engine cannot hold. Other engines need nothing: ``settings``.
     """
-    from node_agent.engines.vllm.adapter import VllmEngineAdapter
-
-    if not isinstance(engine, VllmEngineAdapter):
+    vllm = _vllm_adapter(engine)
+    if vllm is None:
         return settings
-    geometry = await engine.start()
+    geometry = await vllm.start()
     if (geometry.block_size, geometry.capacity_blocks) != (
         settings.block_size,
         settings.capacity_blocks,
@@ -88,12 +112,11 @@ async def _unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
 async def _stop_when_engine_fails(engine: EngineAdapter, stop: asyncio.Event) -> str:
     """An agent without its engine has nothing to serve: a launched vLLM that exits
     stops the agent too, which then exits non-zero (its supervisor restarts both)."""
-    from node_agent.engines.vllm.adapter import VllmEngineAdapter
-
-    if not isinstance(engine, VllmEngineAdapter):
+    vllm = _vllm_adapter(engine)
+    if vllm is None:
         await stop.wait()
         return ""
-    reason = await engine.wait_failed()
+    reason = await vllm.wait_failed()
     log.error("%s: stopping the agent", reason)
     stop.set()
     return reason

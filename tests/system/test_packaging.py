@@ -1,0 +1,77 @@
+"""The package installs what each role needs and no more, in a clean virtual environment.
+
+A conductor and a node agent in front of vLLM carry no torch: the core install holds the
+conductor, the `[vllm]` extra adds what the vLLM engine adapter imports (pyzmq, msgpack),
+and only the `[embedded]` extra brings torch. The wheel is built from a copy of the
+working tree (no stale `build/`), then installed from this machine's pip indexes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.system
+
+REPO = Path(__file__).resolve().parents[2]
+_NOT_SOURCES = shutil.ignore_patterns(
+    ".git", ".venv*", ".tools", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
+    ".hypothesis", "bench", "tests", "docs", "deploy",
+)  # fmt: skip
+
+
+def _run(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(a) for a in args], capture_output=True, text=True, timeout=600, cwd=cwd, check=False
+    )
+
+
+def _ok(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("src") / "kv-conductor"
+    shutil.copytree(REPO, src, ignore=_NOT_SOURCES)
+    out = tmp_path_factory.mktemp("wheel")
+    _ok(_run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", out, src))
+    (built,) = out.glob("kv_conductor-*.whl")
+    return built
+
+
+def _clean_venv(root: Path) -> Path:
+    venv.EnvBuilder(with_pip=True, system_site_packages=False, clear=True).create(root)
+    return root / "bin" / "python"
+
+
+def _imports(python: Path, *modules: str) -> subprocess.CompletedProcess[str]:
+    return _run(python, "-c", "; ".join(f"import {m}" for m in modules))
+
+
+def test_conductor_and_vllm_sidecar_install_and_import_without_torch(
+    wheel: Path, tmp_path: Path
+) -> None:
+    python = _clean_venv(tmp_path / "venv")
+    _ok(_run(python, "-m", "pip", "install", "--quiet", wheel))
+    _ok(_imports(python, "conductor.app", "conductor.main", "kvc_cli.cli"))
+    for absent in ("torch", "transformers", "zmq", "msgpack"):
+        assert _imports(python, absent).returncode != 0, f"core install carries {absent}"
+
+    # An agent asked for the embedded engine without its extra says which extra it needs.
+    agent = _run(
+        python, "-m", "kvc_cli", "agent", "--engine", "embedded", "--port", "0",
+        "--metrics-port", "0", cwd=tmp_path,
+    )  # fmt: skip
+    assert agent.returncode == 1, agent.stderr[-2000:]
+    assert "kv-conductor[embedded]" in agent.stderr
+
+    _ok(_run(python, "-m", "pip", "install", "--quiet", f"{wheel}[vllm]"))
+    _ok(_imports(python, "node_agent.main", "node_agent.engines.vllm.adapter"))
+    for absent in ("torch", "transformers"):
+        assert _imports(python, absent).returncode != 0, f"the vLLM sidecar carries {absent}"
