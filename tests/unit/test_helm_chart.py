@@ -7,8 +7,9 @@ vLLM engine container beside each agent). The rendered objects are then checked:
 * ``helm lint`` (strict) is clean;
 * every built-in object validates against the official Kubernetes JSON schema
   (``kubernetes-validate``, strict: unknown fields are errors);
-* every kvc command line (conductor and agent args, ``kvc probe`` probes) parses and
-  validates against the real CLI and settings;
+* every kvc command line (conductor and agent args) parses and validates against the
+  real CLI and settings; probes are kubelet's own (HTTP for conductors, gRPC health for
+  agents); values.schema.json refuses wrong values; the Redis URL can come from a Secret;
 * the pieces fit: the conductors' static agent list names exactly the StatefulSet
   pods on their headless Services, each agent advertises its own DNS name, the HPA and
   PDBs select the right pods, the ServiceMonitor reaches both metrics ports with the
@@ -34,7 +35,7 @@ import pytest
 import yaml
 
 from kvc.models import DEFAULT_MODEL_DIR
-from kvc_cli.cli import build_parser
+from kvc.wire import SERVICE_NAME
 from tests.tooling import require_tool, run_tool
 from tests.unit.test_deploy_files import flag, validate_command
 
@@ -54,8 +55,18 @@ CHECKOV_SKIPS = {
 Manifest = dict[str, Any]
 
 
-def render(values_file: Path | None) -> dict[str, str]:
+# Offline rendering knows no cluster APIs: render the Prometheus Operator objects anyway.
+ASSUME_CRDS = {"serviceMonitor": {"assumeCrds": True}, "prometheusRule": {"assumeCrds": True}}
+
+
+def render(values_file: Path | None, assume_crds: bool = True) -> dict[str, str]:
     values = yaml.safe_load(values_file.read_text()) if values_file else {}
+    return render_values(values, assume_crds)
+
+
+def render_values(values: dict[str, Any], assume_crds: bool = True) -> dict[str, str]:
+    if assume_crds:
+        values = {**values, **{k: {**values.get(k, {}), **v} for k, v in ASSUME_CRDS.items()}}
     with helm.Chart.load(str(CHART)) as chart:
         rendered: dict[str, str] = chart.render(values, name=RELEASE, namespace=NAMESPACE)
     return rendered
@@ -142,12 +153,11 @@ def test_conductor_command_and_probes_are_valid(manifests: list[Manifest]) -> No
     validate_kvc(args)
     port = int(flag(args, "--port") or 0)
     assert container["ports"][0]["containerPort"] == port
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        command = container[probe]["exec"]["command"]
-        assert command[:2] == ["kvc", "probe"], probe
-        build_parser().parse_args(command[1:])
-        assert command[2].startswith(f"http://127.0.0.1:{port}/"), command
-    assert container["readinessProbe"]["exec"]["command"][2].endswith("/ready")
+    # kubelet's own HTTP probes: no process per probe in the container.
+    for probe, path in (("startupProbe", "/health"), ("livenessProbe", "/health"),
+                        ("readinessProbe", "/ready")):  # fmt: skip
+        assert container[probe]["httpGet"] == {"path": path, "port": "http"}, probe
+    assert container["image"].startswith("kv-conductor:")
 
 
 def test_agent_commands_and_probes_are_valid(manifests: list[Manifest]) -> None:
@@ -171,9 +181,8 @@ def test_agent_commands_and_probes_are_valid(manifests: list[Manifest]) -> None:
         env = {e["name"]: e for e in container["env"]}
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
         for probe in ("startupProbe", "readinessProbe"):
-            command = container[probe]["exec"]["command"]
-            assert command == ["kvc", "probe", f"grpc://127.0.0.1:{grpc_port}"], probe
-            build_parser().parse_args(command[1:])
+            assert container[probe]["grpc"] == {"port": grpc_port, "service": SERVICE_NAME}
+        assert container["image"].startswith("kv-conductor-agent:")
         # A draining agent is NOT_SERVING but alive: liveness only checks the port.
         assert container["livenessProbe"]["tcpSocket"]["port"] == "grpc"
         validate_kvc(args)
@@ -322,3 +331,40 @@ def test_rendered_chart_passes_checkov(tmp_path: Path) -> None:
 def test_an_engine_container_needs_the_vllm_adapter() -> None:
     with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmError, match="vllm"):
         chart.render({"engine": {"enabled": True}}, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_prometheus_operator_objects_need_their_api() -> None:
+    docs = [d for p, text in render(None, assume_crds=False).items() if p.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]  # fmt: skip
+    assert not {d["kind"] for d in docs} & CRDS
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"serviceMonitor": {"enabled": "yes"}},
+        {"agent": {"engine": "sglang"}},
+        {"nodes": [{"name": "prefill", "role": "prefil"}]},
+        {"redisUrll": "redis://redis:6379/0"},
+    ],
+)
+def test_values_schema_refuses_wrong_values(values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError, match="schema"):
+        render_values(values)
+
+
+def test_redis_url_from_an_existing_secret() -> None:
+    values = {"redis": {"existingSecret": "kvc-redis", "existingSecretKey": "url"}}
+    docs = [d for p, text in render_values(values).items() if p.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]  # fmt: skip
+    seen = set()
+    for _, container in containers(docs):
+        if container["name"] not in ("conductor", "agent"):
+            continue
+        assert not any("redis" in str(a) for a in container["args"]), container["name"]
+        (env,) = [e for e in container["env"] if e["name"].endswith("_REDIS_URL")]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "kvc-redis", "key": "url"}
+        seen.add(env["name"])
+    assert seen == {"KVC_CONDUCTOR_REDIS_URL", "KVC_AGENT_REDIS_URL"}
+    with pytest.raises(helm.HelmError, match="not both"):
+        render_values({**values, "redisUrl": "redis://redis:6379/0"})

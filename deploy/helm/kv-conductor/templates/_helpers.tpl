@@ -29,6 +29,22 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
 {{- end -}}
 
+{{- define "kvc.agentImage" -}}
+{{- printf "%s:%s" .Values.agentImage.repository (.Values.agentImage.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* KVC_<SERVICE>_REDIS_URL from redis.existingSecret; call with (list . "CONDUCTOR"). */}}
+{{- define "kvc.redisSecretEnv" -}}
+{{- $root := index . 0 -}}
+{{- with $root.Values.redis.existingSecret }}
+- name: KVC_{{ index $ 1 }}_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ . | quote }}
+      key: {{ $root.Values.redis.existingSecretKey | quote }}
+{{- end }}
+{{- end -}}
+
 {{- define "kvc.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- .Values.serviceAccount.name | default (include "kvc.fullname" .) -}}
