@@ -17,7 +17,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
 from kvc.roles import NODE_ROLES
 
@@ -99,6 +108,10 @@ class ConductorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # The standard process (memory, CPU, fds) and Python runtime families.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter(
             "conductor_requests_total",
             "Generation requests by endpoint and outcome.",

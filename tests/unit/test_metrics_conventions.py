@@ -25,6 +25,21 @@ from tests.tooling import require_tool, run_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = {"conductor": "conductor_", "node_agent": "node_agent_"}
+# prometheus_client's process, platform and GC collectors: standard names, no prefix.
+STANDARD_FAMILIES = {
+    "process_virtual_memory_bytes",
+    "process_resident_memory_bytes",
+    "process_start_time_seconds",
+    "process_cpu_seconds",
+    "process_open_fds",
+    "process_max_fds",
+    "python_gc_objects_collected",
+    "python_gc_objects_uncollectable",
+    "python_gc_collections",
+    "python_info",
+}
+# Their labels: a GC generation (0-2) and python_info's version fields (one series).
+STANDARD_LABELS = {"generation", "implementation", "major", "minor", "patchlevel", "version"}
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 # Every label a metric may carry, with the values it may take (None: taken from the
@@ -67,7 +82,10 @@ def texts() -> dict[str, str]:
 def test_names_units_and_types(texts: dict[str, str], service: str) -> None:
     fams = families(texts[service])
     assert fams, "nothing exported"
+    assert {"process_resident_memory_bytes", "python_info"} <= set(fams), service
     for name, (mtype, help_text, samples) in fams.items():
+        if name in STANDARD_FAMILIES:
+            continue
         assert name.startswith(PREFIX[service]), name
         assert NAME_RE.match(name), f"{name}: not snake case (and no colons)"
         assert help_text.strip(), f"{name}: no help text"
@@ -93,6 +111,9 @@ def test_labels_are_bounded(texts: dict[str, str], service: str) -> None:
     for name, (_type, _help, samples) in families(texts[service]).items():
         for sample in samples:
             for label, value in sample.labels.items():
+                if name in STANDARD_FAMILIES and label in STANDARD_LABELS:
+                    assert label != "generation" or value in ("0", "1", "2"), (name, value)
+                    continue
                 assert label in ALLOWED_LABELS, (
                     f"{name}: label {label!r} is not a known bounded one"
                 )
