@@ -8,8 +8,12 @@ second signal stops at once. The process exits 0 after a graceful stop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
@@ -19,6 +23,8 @@ from conductor.app import create_app
 from conductor.settings import ConductorSettings
 
 log = logging.getLogger("conductor")
+
+_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class GracefulServer(uvicorn.Server):
@@ -37,11 +43,21 @@ class GracefulServer(uvicorn.Server):
             log.info("draining for %.1f s before closing", self._drain_delay_s)
             return
         super().handle_exit(sig, frame)
-        # uvicorn re-raises the signal after a graceful shutdown (exit code -15);
-        # a drained conductor exits 0 like the agents.
-        captured = getattr(self, "_captured_signals", None)
-        if isinstance(captured, list):
-            captured.clear()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM go to ``handle_exit`` while serving. Unlike uvicorn's own,
+        the signal is not raised again after a graceful shutdown (that exits -15): a
+        drained conductor exits 0 like the agents."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals can only be handled on the main thread
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_until is not None and time.monotonic() >= self._drain_until:
