@@ -94,8 +94,8 @@ class TokenDelta:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
-    """Where a request ran, what it reused and what was predicted, for metrics and tests."""
+class Placed:
+    """Where a request runs and what it reused, for metrics, errors and tests."""
 
     prefill_node: str
     decode_node: str
@@ -103,8 +103,6 @@ class Outcome:
     decode_role: str
     cached_tokens: int  # reused on the prefill node (incl. migrated blocks)
     migrated_tokens: int  # of those, pulled from another node for this request
-    predicted_ttft_s: float  # from the decision (queue + prefill + transfers)
-    predicted_tbt_s: float
     would_have_hit_tokens: int  # prefix another node held at decision time, recomputed
 
 
@@ -189,12 +187,12 @@ class GenerationStream:
         self,
         call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
         first: pb.GenerateResponse,
-        outcome: Outcome,
+        placed: Placed,
         on_close: CloseHook,
     ) -> None:
         self._call = call
         self._pending: pb.GenerateResponse | None = first
-        self.outcome = outcome
+        self.placed = placed
         self._on_close = on_close
         self._closed = False
         self._finished = False
@@ -221,7 +219,7 @@ class GenerationStream:
                 read = await self._call.read()
             except grpc.aio.AioRpcError as exc:
                 await self.aclose()
-                raise _map_error(translate_rpc_error(self.outcome.decode_node, exc)) from exc
+                raise _map_error(translate_rpc_error(self.placed.decode_node, exc)) from exc
             if read is grpc.aio.EOF:
                 await self.aclose()
                 raise UpstreamError("the decode node ended the stream without a finish reason")
@@ -230,7 +228,7 @@ class GenerationStream:
             now = time.perf_counter()
             self._gaps_s.append(now - self._last_token_at)
             self._last_token_at = now
-        delta = _to_delta(msg, self.outcome.cached_tokens)
+        delta = _to_delta(msg, self.placed.cached_tokens)
         self._tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             self._finished = True
@@ -654,30 +652,28 @@ class Dispatcher:
                 raise translate_rpc_error(address, exc) from exc
             raise
 
-        outcome = Outcome(
+        placed = Placed(
             prefill_node=placement.prefill,
             decode_node=placement.decode,
             prefill_role=prefill.role,
             decode_role=decode.role,
             cached_tokens=cached_tokens,
             migrated_tokens=min(migrated * block_size, cached_tokens),
-            predicted_ttft_s=placement.ttft_s,
-            predicted_tbt_s=placement.tbt_s,
             would_have_hit_tokens=loop_state.would_have_hit_blocks * block_size,
         )
         telemetry = self._telemetry
         if telemetry is not None:
-            telemetry.observe_prediction("ttft", outcome.prefill_role, placement.ttft_s, ttft_s)
-            if outcome.would_have_hit_tokens:
-                telemetry.count_would_have_hit(outcome.would_have_hit_tokens)
+            telemetry.observe_prediction("ttft", placed.prefill_role, placement.ttft_s, ttft_s)
+            if placed.would_have_hit_tokens:
+                telemetry.count_would_have_hit(placed.would_have_hit_tokens)
 
         def on_close(gaps_s: list[float], tokens: int, finish_reason: str | None) -> None:
             release_books()
             mean_gap = sum(gaps_s) / len(gaps_s) if gaps_s else None
             if mean_gap is not None and telemetry is not None:
-                telemetry.observe_prediction("tbt", outcome.decode_role, placement.tbt_s, mean_gap)
+                telemetry.observe_prediction("tbt", placed.decode_role, placement.tbt_s, mean_gap)
             loop_state.finished(
                 tokens, stopped=finish_reason == "stop", now_s=self._clock(), mean_gap_s=mean_gap
             )
 
-        return GenerationStream(call, first, outcome, on_close)
+        return GenerationStream(call, first, placed, on_close)

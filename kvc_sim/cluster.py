@@ -88,11 +88,11 @@ from kvc_sim.instances import (
     DecodeSeq,
     IndexEvent,
     PrefillInstance,
-    PrefillJob,
+    QueuedPrefill,
     TimingNoise,
     reserve_transfer,
 )
-from kvc_sim.metrics import LoadSample, Outcome, RequestRecord, SimResult, top_decile_mean
+from kvc_sim.metrics import LoadSample, RequestOutcome, RequestRecord, SimResult, top_decile_mean
 from kvc_sim.profile import Profile
 from kvc_sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, cached_tokens
 from node_agent.blocks.pool import AllocateParams, CapacityExhausted, TxMode
@@ -170,7 +170,7 @@ class _Flight:
     def __init__(self, req: TraceRequest, keys: tuple[BlockKey, ...], output_tokens: int) -> None:
         self.req = req
         self.arrival_s = 0.0  # virtual (speed applied)
-        self.job: PrefillJob | None = None
+        self.job: QueuedPrefill | None = None
         self.keys = keys
         self.output_tokens = output_tokens
         self.loop: RequestPlacement | None = None  # its way through the placement loop
@@ -421,7 +421,7 @@ class Cluster:
             flight.placement = step
             flight.prefill = inst
             flight.decode = self.decode[step.decode]
-            job = PrefillJob(
+            job = QueuedPrefill(
                 request_id=flight.req.request_id,
                 tx_id=tx_id,
                 keys=flight.keys,
@@ -460,7 +460,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ migration
     def _migrate(
-        self, flight: _Flight, job: PrefillJob, placement: Placement, local_blocks: int
+        self, flight: _Flight, job: QueuedPrefill, placement: Placement, local_blocks: int
     ) -> None:
         migration = placement.migration
         assert migration is not None
@@ -595,7 +595,11 @@ class Cluster:
 
     # ------------------------------------------------------------------ records
     def _finish(
-        self, flight: _Flight, outcome: Outcome, reason: str | None, tbt_s: float | None = None
+        self,
+        flight: _Flight,
+        outcome: RequestOutcome,
+        reason: str | None,
+        tbt_s: float | None = None,
     ) -> None:
         self._in_flight -= 1
         placement = flight.placement

@@ -10,7 +10,7 @@ What it models
       Mooncake's hot-spot replication relieves (§4.2).
     * ``PrefillInstance``: the real ``node_agent.blocks.pool.BlockPool`` as its KV cache
       (HBM + DRAM tiers, ``cache_tokens`` in all), an LRU of the keys held in the HBM
-      share (reuse from HBM needs no host-to-device load), a FIFO of ``PrefillJob``s
+      share (reuse from HBM needs no host-to-device load), a FIFO of ``QueuedPrefill``s
       (one prefill at a time; its chunks run back to back), and the event stream the
       conductor's shadow index follows (``drain_events``: epoch + sequence numbers).
     * ``DecodeInstance``: continuous batching. A step of ``b`` requests holding ``k`` KV
@@ -59,7 +59,7 @@ __all__ = [
     "IndexEvent",
     "Nic",
     "PrefillInstance",
-    "PrefillJob",
+    "QueuedPrefill",
     "TimingNoise",
     "reserve_transfer",
 ]
@@ -127,7 +127,7 @@ class IndexEvent:
 
 
 @dataclass(slots=True)
-class PrefillJob:
+class QueuedPrefill:
     """A request queued on a prefill instance, holding an open ALLOCATE tx there."""
 
     request_id: str
@@ -170,8 +170,8 @@ class PrefillInstance:
             profile.prefill.hbm_cache_tokens // block_tokens, capacity_blocks
         )
         self._hbm: OrderedDict[BlockKey, None] = OrderedDict()
-        self.queue: deque[PrefillJob] = deque()
-        self.running: PrefillJob | None = None
+        self.queue: deque[QueuedPrefill] = deque()
+        self.running: QueuedPrefill | None = None
         self.queued_tokens = 0  # prompt tokens of queued + running jobs
         self.nic = Nic()
         self.busy_s = 0.0
@@ -199,11 +199,11 @@ class PrefillInstance:
         return self._seq
 
     # ------------------------------------------------------------------ queue
-    def enqueue(self, job: PrefillJob) -> None:
+    def enqueue(self, job: QueuedPrefill) -> None:
         self.queue.append(job)
         self.queued_tokens += job.input_tokens
 
-    def next_ready(self) -> PrefillJob | None:
+    def next_ready(self) -> QueuedPrefill | None:
         """Pop the head job if the instance is idle and the head may start (FIFO)."""
         if self.running is not None or not self.queue or self.queue[0].migrating:
             return None
@@ -211,12 +211,12 @@ class PrefillInstance:
         self.running = job
         return job
 
-    def finish(self, job: PrefillJob) -> None:
+    def finish(self, job: QueuedPrefill) -> None:
         assert self.running is job
         self.running = None
         self.queued_tokens -= job.input_tokens
 
-    def cached_prefix_blocks(self, job: PrefillJob) -> int:
+    def cached_prefix_blocks(self, job: QueuedPrefill) -> int:
         """Leading blocks whose KV is valid now: migrated ones, then CACHED ones.
 
         Counted at prefill start, not at allocation: a block another queued request was
@@ -232,7 +232,9 @@ class PrefillInstance:
             n += 1
         return n
 
-    def prefill_duration_s(self, job: PrefillJob, cached_blocks: int, cached_tokens: int) -> float:
+    def prefill_duration_s(
+        self, job: QueuedPrefill, cached_blocks: int, cached_tokens: int
+    ) -> float:
         """Truth: compute, overlapped with loading reused DRAM blocks; refreshes the HBM LRU."""
         hbm = self._hbm
         dram_blocks = 0

@@ -29,7 +29,7 @@ from typing import Literal
 
 __all__ = [
     "LoadSample",
-    "Outcome",
+    "RequestOutcome",
     "RequestRecord",
     "SimResult",
     "Summary",
@@ -38,7 +38,7 @@ __all__ = [
     "top_decile_mean",
 ]
 
-Outcome = Literal["completed", "rejected", "rejected_after_prefill"]
+RequestOutcome = Literal["completed", "rejected", "rejected_after_prefill"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,7 @@ class RequestRecord:
     arrival_s: float
     input_tokens: int
     output_tokens: int
-    outcome: Outcome
+    outcome: RequestOutcome
     reject_reason: str | None
     prefill_node: str | None
     decode_node: str | None

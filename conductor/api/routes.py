@@ -149,9 +149,8 @@ class _Admitted:
         if (tbt_s := self.stream.mean_gap_s) is not None:
             m.tbt.labels(self.endpoint).observe(tbt_s)
         if usage is not None:
-            outcome_ = self.stream.outcome
             cached = min(usage.cached_tokens, usage.prompt_tokens)
-            migrated = min(outcome_.migrated_tokens, cached)
+            migrated = min(self.stream.placed.migrated_tokens, cached)
             m.prompt_tokens.inc(usage.prompt_tokens)
             m.prompt_cache_tokens.labels("local").inc(cached - migrated)
             m.prompt_cache_tokens.labels("migrated").inc(migrated)

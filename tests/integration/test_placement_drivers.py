@@ -102,7 +102,7 @@ async def _live(scenario: Scenario, start_agent: AgentFactory, conductor: Conduc
             return f"refused:{exc.code}"
         async for _ in stream:
             pass
-        decision = f"{names[stream.outcome.prefill_node]}>{names[stream.outcome.decode_node]}"
+        decision = f"{names[stream.placed.prefill_node]}>{names[stream.placed.decode_node]}"
     assert_no_locks(*(a for a in (p1, d0)))
     return decision
 
