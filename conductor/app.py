@@ -26,7 +26,8 @@ from conductor.adapters.discovery import run_discovery
 from conductor.adapters.ratelimit import RateLimiter
 from conductor.adapters.shadow import ShadowSync
 from conductor.api.admin import router as admin_router
-from conductor.api.routes import router
+from conductor.api.openai import router as openai_router
+from conductor.api.ops import router as ops_router
 from conductor.core.prefix_index import PrefixIndex
 from conductor.core.scheduler import Scheduler
 from conductor.dispatch import Dispatcher
@@ -257,7 +258,8 @@ def create_app(
         redoc_url=None,
     )
     _install_error_handlers(app)
-    app.include_router(router)
+    app.include_router(openai_router)
+    app.include_router(ops_router)
     app.include_router(admin_router)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_bytes)
     return app

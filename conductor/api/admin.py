@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
 from conductor.adapters.agents import AgentHandle, translate_rpc_error
-from conductor.api.routes import StateDep
+from conductor.api.deps import StateDep
 from conductor.core.prefix_index import NodeId
 from conductor.errors import AuthenticationFailed, NotFound, ServiceUnavailable
 from conductor.state import AppState

@@ -182,3 +182,50 @@ async def test_a_prefix_migration_is_counted_on_both_nodes(start_agent: AgentFac
     assert value(got, "node_agent_kv_transfer_failures_total", kind="migration") == 1
     assert value(got, "node_agent_kv_transfer_failures_total", kind="handoff") == 0
     assert_no_locks(src, dst)
+
+
+async def test_every_request_is_counted_once_with_its_outcome(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """``conductor_requests_total`` has one writer (the request's account): success,
+    streamed or not, client errors before any engine work, and a tenant's 429."""
+    agent = await start_agent("both")
+    async with conductor([agent], default_requests_per_minute=5) as c:
+        ok = await c.client.post("/v1/chat/completions", json=chat_body())
+        assert ok.status_code == 200, ok.text
+        streamed = await c.client.post(
+            "/v1/completions",
+            json={"model": ok.json()["model"], "prompt": "Hi", "max_tokens": 4, "stream": True},
+        )
+        assert streamed.status_code == 200
+        assert "[DONE]" in streamed.text
+        empty = await c.client.post(
+            "/v1/completions", json={"model": ok.json()["model"], "prompt": "", "max_tokens": 4}
+        )
+        assert empty.status_code == 400, empty.text
+        too_long = await c.client.post("/v1/chat/completions", json=chat_body(max_tokens=10**6))
+        assert too_long.status_code == 400, too_long.text
+        budget = 5 - 2  # the two that passed admission; client errors stop before the limiter
+        for _ in range(budget):
+            assert (
+                await c.client.post("/v1/chat/completions", json=chat_body())
+            ).status_code == 200
+        limited = await c.client.post("/v1/chat/completions", json=chat_body())
+        assert limited.status_code == 429, limited.text
+        metrics = (await c.client.get("/metrics")).text
+    counts = {
+        (labels["endpoint"], labels["outcome"]): v
+        for (name, frozen), v in samples(metrics).items()
+        if name == "conductor_requests_total" and v
+        for labels in [dict(frozen)]
+    }
+    assert counts == {
+        ("chat_completions", "success"): 1 + budget,
+        ("completions", "success"): 1,
+        ("completions", "client_error"): 1,
+        ("chat_completions", "client_error"): 1,
+        ("chat_completions", "rejected"): 1,
+    }
+    assert value(metrics, "conductor_rejections_total", reason="tenant_rate_limit") == 1
+    assert value(metrics, "conductor_requests_in_flight") == 0
+    assert_no_locks(agent)

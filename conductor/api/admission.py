@@ -1,0 +1,170 @@
+"""Admission of one generation: bounds, tenant rate limits, the in-flight bound, then
+placement and the first token — all before the HTTP response starts, so every refusal
+is a status code with the OpenAI error envelope.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conductor.api.accounting import RequestAccount
+from conductor.api.schemas import ChatCompletionRequest, CompletionRequest
+from conductor.core.ratelimit import Limit, format_reset
+from conductor.core.scheduler import Slo
+from conductor.dispatch import GenerationRequest, GenerationStream, UsageCounts
+from conductor.errors import (
+    ConductorError,
+    ContextLengthExceeded,
+    InvalidRequest,
+    RateLimited,
+    ServiceUnavailable,
+)
+from conductor.state import AppState
+from conductor.tenants import Tenant
+from kvc.sampling import Sampling
+
+GenerationBody = ChatCompletionRequest | CompletionRequest
+
+
+def sampling_for(body: GenerationBody, max_tokens: int) -> Sampling:
+    """Token selection from either OpenAI request (``ignore_eos``: vLLM's extension)."""
+    return Sampling(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        max_tokens=max_tokens,
+        seed=body.seed,
+        stop=tuple(body.stop_sequences),
+        ignore_eos=(body.model_extra or {}).get("ignore_eos") is True,
+    )
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A generation that has its first token; its account closes exactly once."""
+
+    account: RequestAccount
+    stream: GenerationStream
+    ttft_s: float
+    headers: dict[str, str]  # the tenant's x-ratelimit-* headers
+
+    def finish(self, outcome: str, usage: UsageCounts | None) -> None:
+        self.account.close(outcome, self.stream, usage)
+
+    async def collect(self) -> tuple[str, str, UsageCounts]:
+        """Run a non-streamed generation to its end: (text, finish_reason, usage)."""
+        parts: list[str] = []
+        finish = "stop"
+        usage: UsageCounts | None = None
+        outcome = "cancelled"
+        try:
+            async for delta in self.stream:
+                parts.append(delta.text)
+                if delta.finish_reason is not None:
+                    finish = delta.finish_reason
+                    usage = delta.usage
+            outcome = "success"
+        except ConductorError:
+            outcome = "upstream_error"
+            raise
+        finally:
+            await self.stream.aclose()
+            self.finish(outcome, usage)
+        assert usage is not None
+        return "".join(parts), finish, usage
+
+
+async def check_rate(account: RequestAccount, tenant: Tenant, tokens: int) -> dict[str, str]:
+    """Consume the tenant's request and token budget, or raise 429 with OpenAI's headers."""
+    state = account.state
+    limits = {
+        "requests": Limit(tenant.requests_per_minute),
+        "tokens": Limit(tenant.tokens_per_minute),
+    }
+    decision = await state.limiter.check(tenant.name, limits, {"requests": 1, "tokens": tokens})
+    headers: dict[str, str] = {}
+    for name, dim in decision.dimensions.items():
+        headers[f"x-ratelimit-limit-{name}"] = str(dim.limit)
+        headers[f"x-ratelimit-remaining-{name}"] = str(dim.remaining)
+        headers[f"x-ratelimit-reset-{name}"] = format_reset(dim.reset_s)
+    if decision.allowed:
+        return headers
+    refused = decision.refused_by or "requests"
+    dim = decision.dimensions[refused]
+    unit = "requests per min (RPM)" if refused == "requests" else "tokens per min (TPM)"
+    requested = 1 if refused == "requests" else tokens
+    account.refuse("tenant_rate_limit")
+    state.dispatcher.refusals.log(
+        "tenant_rate_limit", f"tenant {tenant.name!r}",
+        f"{refused} per minute: limit {dim.limit}, remaining {dim.remaining}, "
+        f"requested {requested}; Retry-After {decision.retry_after_s:.1f} s",
+    )  # fmt: skip
+    raise RateLimited(
+        f"Rate limit reached for {unit} of tenant {tenant.name!r}: Limit {dim.limit}, "
+        f"Remaining {dim.remaining}, Requested {requested}. "
+        f"Please try again in {format_reset(decision.retry_after_s)}.",
+        retry_after_s=decision.retry_after_s,
+        reason="tenant_rate_limit",
+        limit_type="tokens" if refused == "tokens" else "requests",
+        headers=headers,
+    )
+
+
+async def admit(
+    state: AppState,
+    endpoint: str,
+    request_id: str,
+    tenant: Tenant,
+    prompt_ids: list[int],
+    body: GenerationBody,
+    max_tokens_requested: int | None,
+    prompt_param: str,
+    slo: Slo,
+) -> Admitted:
+    """Bound, check and place one generation; return once its first token exists."""
+    account = RequestAccount(state, endpoint)
+    max_len = state.max_model_len()
+    if max_len is None:
+        account.refuse("no_capacity")
+        raise ServiceUnavailable("No node serving this model is ready yet.", retry_after_s=2.0)
+    if not prompt_ids:
+        account.close("client_error")
+        raise InvalidRequest("The prompt is empty.", param=prompt_param)
+    room = max_len - len(prompt_ids)
+    if room < 1 or (max_tokens_requested is not None and max_tokens_requested > room):
+        account.close("client_error")
+        raise ContextLengthExceeded(
+            max_context_tokens=max_len,
+            prompt_tokens=len(prompt_ids),
+            max_new_tokens=max_tokens_requested,
+            param=prompt_param,
+        )
+    max_tokens = max_tokens_requested or min(state.settings.default_max_tokens, room)
+    rate_headers = await check_rate(account, tenant, len(prompt_ids) + max_tokens)
+    if state.inflight >= state.settings.max_inflight_requests:
+        account.refuse("conductor_overloaded")
+        state.dispatcher.refusals.log(
+            "conductor_overloaded", request_id,
+            f"{state.inflight} requests in flight, max_inflight_requests "
+            f"{state.settings.max_inflight_requests}; Retry-After 1.0 s",
+        )  # fmt: skip
+        raise RateLimited(
+            "This conductor has too many requests in flight; retry shortly.",
+            retry_after_s=1.0,
+            reason="conductor_overloaded",
+        )
+    account.enter()
+    try:
+        stream = await state.dispatcher.start(
+            GenerationRequest(
+                request_id=request_id,
+                tenant=tenant.name,
+                prompt_ids=tuple(prompt_ids),
+                sampling=sampling_for(body, max_tokens),
+                slo=slo,
+            )
+        )
+    except BaseException as exc:
+        account.failed_to_start(exc)
+        raise
+    ttft_s = account.first_token()
+    return Admitted(account=account, stream=stream, ttft_s=ttft_s, headers=rate_headers)

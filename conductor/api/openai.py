@@ -1,0 +1,239 @@
+"""The OpenAI-compatible generation routes (chat completions, completions) and models.
+
+Both generation routes turn their body into prompt token ids, then share one path:
+``admission.admit`` (bounds, rate limits, placement, first token — every refusal a
+status code with the OpenAI error envelope), then a JSON body (``Admitted.collect``) or
+server-sent events (``sse.sse_response``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from conductor.api.admission import admit
+from conductor.api.deps import StateDep, TenantDep, request_id, request_slo
+from conductor.api.schemas import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceDelta,
+    ChunkChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    chunk_json,
+    new_chat_completion_id,
+    new_completion_id,
+    sse_data,
+)
+from conductor.api.sse import sse_response
+from conductor.dispatch import TokenDelta, UsageCounts
+from conductor.errors import InvalidRequest, ModelNotFound, UnprocessableEntity
+from conductor.state import AppState
+from kvc.tokenization import ChatTemplateError
+
+log = logging.getLogger("conductor.api")
+
+router = APIRouter()
+
+
+def _usage_model(u: UsageCounts) -> Usage:
+    return Usage.from_counts(u.prompt_tokens, u.completion_tokens, cached_tokens=u.cached_tokens)
+
+
+def _check_model(state: AppState, model: str) -> None:
+    if model != state.model_name:
+        raise ModelNotFound(model)
+
+
+def _reject_unsupported(n: int, logprobs: Any) -> None:
+    if n != 1:
+        raise UnprocessableEntity("Only n=1 is supported.", param="n", code="unsupported_value")
+    if logprobs:
+        raise UnprocessableEntity(
+            "logprobs are not supported yet.", param="logprobs", code="unsupported_value"
+        )
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep
+) -> Response:
+    rid = request_id(request)
+    if unknown := body.unknown_fields():
+        log.info("request %s: ignoring unknown fields %s", rid, sorted(unknown))
+    _check_model(state, body.model)
+    _reject_unsupported(body.n, body.logprobs)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    tools = body.tools if isinstance(body.tools, list) else None
+    try:
+        prompt_ids = await asyncio.to_thread(
+            state.tokenizer.chat_token_ids, messages, add_generation_prompt=True, tools=tools
+        )
+    except ChatTemplateError as exc:
+        raise InvalidRequest(str(exc), param="messages") from exc
+
+    adm = await admit(
+        state,
+        "chat_completions",
+        rid,
+        tenant,
+        prompt_ids,
+        body,
+        body.max_completion_tokens or body.max_tokens,
+        "messages",
+        request_slo(request, state),
+    )
+    completion_id = new_chat_completion_id()
+    created = int(time.time())
+    model = state.model_name
+    if not body.stream:
+        text, finish, usage = await adm.collect()
+        response = ChatCompletionResponse(
+            id=completion_id,
+            created=created,
+            model=model,
+            choices=[
+                ChatCompletionChoice(
+                    index=0,
+                    message=ChatCompletionMessage(content=text),
+                    finish_reason=finish,
+                )
+            ],
+            usage=_usage_model(usage),
+        )
+        return JSONResponse(response.model_dump(), headers={"X-Request-Id": rid, **adm.headers})
+
+    include_usage = body.include_usage
+
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        c = ChatCompletionChunk(
+            id=completion_id, created=created, model=model, choices=choices, usage=usage
+        )
+        return sse_data(chunk_json(c, include_usage))
+
+    def make_chunk(delta: TokenDelta | None, usage: UsageCounts | None) -> str | None:
+        if delta is None:
+            if include_usage and usage is not None:
+                return chunk([], _usage_model(usage))
+            return None
+        if not delta.text and delta.finish_reason is None:
+            return None
+        return chunk(
+            [
+                ChunkChoice(
+                    index=0,
+                    delta=ChoiceDelta(content=delta.text or None),
+                    finish_reason=delta.finish_reason,
+                )
+            ]
+        )
+
+    first = chunk([ChunkChoice(index=0, delta=ChoiceDelta(role="assistant", content=""))])
+    return sse_response(adm, make_chunk, first, rid)
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(
+    body: CompletionRequest, request: Request, state: StateDep, tenant: TenantDep
+) -> Response:
+    rid = request_id(request)
+    _check_model(state, body.model)
+    _reject_unsupported(body.n, body.logprobs)
+    if body.echo:
+        raise UnprocessableEntity(
+            "echo is not supported yet.", param="echo", code="unsupported_value"
+        )
+    prompt = body.single_prompt()
+    if prompt is None:
+        raise InvalidRequest("Only a single prompt per request is supported.", param="prompt")
+    if isinstance(prompt, str):
+        prompt_ids = await asyncio.to_thread(state.tokenizer.encode, prompt)
+    else:
+        vocab = state.tokenizer.vocab_size
+        if any(t >= vocab for t in prompt):
+            raise InvalidRequest(
+                f"Token ids must be below the vocabulary size {vocab}.", param="prompt"
+            )
+        prompt_ids = list(prompt)
+
+    adm = await admit(
+        state,
+        "completions",
+        rid,
+        tenant,
+        prompt_ids,
+        body,
+        body.max_tokens,
+        "prompt",
+        request_slo(request, state),
+    )
+    completion_id = new_completion_id()
+    created = int(time.time())
+    model = state.model_name
+    if not body.stream:
+        text, finish, usage = await adm.collect()
+        response = CompletionResponse(
+            id=completion_id,
+            created=created,
+            model=model,
+            choices=[CompletionChoice(text=text, index=0, finish_reason=finish)],
+            usage=_usage_model(usage),
+        )
+        return JSONResponse(response.model_dump(), headers={"X-Request-Id": rid, **adm.headers})
+
+    include_usage = body.include_usage
+
+    def make_chunk(delta: TokenDelta | None, usage: UsageCounts | None) -> str | None:
+        if delta is None:
+            if include_usage and usage is not None:
+                c = CompletionChunk(
+                    id=completion_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=_usage_model(usage),
+                )
+                return sse_data(chunk_json(c, include_usage))
+            return None
+        if not delta.text and delta.finish_reason is None:
+            return None
+        c = CompletionChunk(
+            id=completion_id,
+            created=created,
+            model=model,
+            choices=[
+                CompletionChunkChoice(
+                    text=delta.text,
+                    index=0,
+                    finish_reason=delta.finish_reason,
+                )
+            ],
+        )
+        return sse_data(chunk_json(c, include_usage))
+
+    return sse_response(adm, make_chunk, None, rid)
+
+
+@router.get("/v1/models")
+async def list_models(state: StateDep, _tenant: TenantDep) -> ModelList:
+    return ModelList(data=[state.model_card()])
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, state: StateDep, _tenant: TenantDep) -> ModelCard:
+    _check_model(state, model)
+    return state.model_card()

@@ -1,0 +1,60 @@
+"""Server-sent events framing of a streamed generation (OpenAI's ``stream: true``).
+
+After the first byte the status is 200: a failure ends the stream with an
+``{"error": …}`` event and ``[DONE]``, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
+
+from conductor.api.admission import Admitted
+from conductor.api.schemas import SSE_DONE, sse_data
+from conductor.dispatch import TokenDelta, UsageCounts
+from conductor.errors import ConductorError
+
+# (delta, None) for each token delta, then (None, usage) once at the end; None: no event.
+ChunkMaker = Callable[[TokenDelta | None, UsageCounts | None], str | None]
+
+
+async def sse_events(
+    adm: Admitted, make_chunk: ChunkMaker, first_event: str | None
+) -> AsyncIterator[str]:
+    """Stream chunks; on error send an error event; always close the generation."""
+    outcome = "cancelled"
+    usage: UsageCounts | None = None
+    try:
+        if first_event is not None:
+            yield first_event
+        async for delta in adm.stream:
+            if delta.usage is not None:
+                usage = delta.usage
+            event = make_chunk(delta, None)
+            if event is not None:
+                yield event
+        tail = make_chunk(None, usage)
+        if tail is not None:
+            yield tail
+        yield SSE_DONE
+        outcome = "success"
+    except ConductorError as exc:
+        outcome = "upstream_error"
+        yield sse_data(json.dumps(exc.to_response_body()))
+        yield SSE_DONE
+    finally:
+        await adm.stream.aclose()
+        adm.finish(outcome, usage)
+
+
+def sse_response(
+    adm: Admitted, make_chunk: ChunkMaker, first_event: str | None, request_id: str
+) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id}
+    return StreamingResponse(
+        sse_events(adm, make_chunk, first_event),
+        media_type="text/event-stream",
+        headers={**headers, **adm.headers},
+    )
