@@ -23,11 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -48,62 +46,24 @@ from conductor.core.scheduler import (
     Rejection,
     Scheduler,
     ScheduleRequest,
-    Slo,
 )
 from conductor.errors import (
-    ConductorError,
-    GatewayTimeout,
-    InvalidRequest,
     RateLimited,
     ServiceUnavailable,
-    UpstreamError,
 )
+from conductor.generation import (
+    GenerationRequest,
+    GenerationStream,
+    Placed,
+    map_agent_error,
+)
+from conductor.refusals import RefusalLog
 from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.priors import DecodePrior, PrefillPrior
-from kvc.sampling import Sampling
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.wire import sampling_to_pb
 
 log = logging.getLogger("conductor.dispatch")
-
-_FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    request_id: str
-    tenant: str
-    prompt_ids: tuple[int, ...]
-    sampling: Sampling
-    slo: Slo
-
-
-@dataclass(frozen=True, slots=True)
-class UsageCounts:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class TokenDelta:
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None  # "stop" | "length" on the last delta
-    usage: UsageCounts | None  # on the last delta
-
-
-@dataclass(frozen=True, slots=True)
-class Placed:
-    """Where a request runs and what it reused, for metrics, errors and tests."""
-
-    prefill_node: str
-    decode_node: str
-    prefill_role: str
-    decode_role: str
-    cached_tokens: int  # reused on the prefill node (incl. migrated blocks)
-    migrated_tokens: int  # of those, pulled from another node for this request
-    would_have_hit_tokens: int  # prefix another node held at decision time, recomputed
 
 
 class DispatchTelemetry(Protocol):
@@ -143,108 +103,6 @@ class RejectedBySchedule(RateLimited):
         self.rejection = rejection
 
 
-def _to_delta(msg: pb.GenerateResponse, cached_tokens: int) -> TokenDelta:
-    usage = None
-    if msg.HasField("usage"):
-        usage = UsageCounts(
-            prompt_tokens=msg.usage.prompt_tokens,
-            completion_tokens=msg.usage.completion_tokens,
-            cached_tokens=max(cached_tokens, msg.usage.cached_tokens),
-        )
-    return TokenDelta(
-        token_ids=tuple(msg.token_ids),
-        text=msg.text,
-        finish_reason=_FINISH_NAMES.get(msg.finish_reason),
-        usage=usage,
-    )
-
-
-def _map_error(exc: AgentCallError) -> ConductorError:
-    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(exc.message)
-    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return RateLimited(
-            "No node has capacity for this request right now.",
-            retry_after_s=1.0,
-            reason="insufficient_capacity",
-        )
-    if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return GatewayTimeout("A node did not answer in time.")
-    if exc.reason == "transfer":
-        return UpstreamError(f"Moving the prompt's KV between nodes failed: {exc.message}")
-    if exc.node_unreachable:
-        return ServiceUnavailable("A node became unavailable.", retry_after_s=1.0)
-    return UpstreamError(f"A node failed the request: {exc.message}")
-
-
-CloseHook = Callable[[list[float], int, str | None], None]  # (gaps, tokens, finish reason)
-
-
-class GenerationStream:
-    """The running generation: iterate ``TokenDelta``s; ``aclose()`` cancels it."""
-
-    def __init__(
-        self,
-        call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
-        first: pb.GenerateResponse,
-        placed: Placed,
-        on_close: CloseHook,
-    ) -> None:
-        self._call = call
-        self._pending: pb.GenerateResponse | None = first
-        self.placed = placed
-        self._on_close = on_close
-        self._closed = False
-        self._finished = False
-        self._finish_reason: str | None = None
-        self._tokens = 0
-        self._last_token_at = time.perf_counter()
-        self._gaps_s: list[float] = []
-
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    @property
-    def mean_gap_s(self) -> float | None:
-        """Mean time between streamed tokens so far (None before the second token)."""
-        return sum(self._gaps_s) / len(self._gaps_s) if self._gaps_s else None
-
-    async def __anext__(self) -> TokenDelta:
-        if self._finished:
-            raise StopAsyncIteration
-        if self._pending is not None:
-            msg, self._pending = self._pending, None
-        else:
-            try:
-                read = await self._call.read()
-            except grpc.aio.AioRpcError as exc:
-                await self.aclose()
-                raise _map_error(translate_rpc_error(self.placed.decode_node, exc)) from exc
-            if read is grpc.aio.EOF:
-                await self.aclose()
-                raise UpstreamError("the decode node ended the stream without a finish reason")
-            assert isinstance(read, pb.GenerateResponse)
-            msg = read
-            now = time.perf_counter()
-            self._gaps_s.append(now - self._last_token_at)
-            self._last_token_at = now
-        delta = _to_delta(msg, self.placed.cached_tokens)
-        self._tokens += len(delta.token_ids)
-        if delta.finish_reason is not None:
-            self._finished = True
-            self._finish_reason = delta.finish_reason
-            await self.aclose()
-        return delta
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if not self._finished:
-            self._call.cancel()
-        self._on_close(self._gaps_s, self._tokens, self._finish_reason)
-
-
 def _failure_kind(exc: AgentCallError) -> FailureKind | None:
     """How a node refusal excludes it for this request; None: not a node refusal."""
     if exc.reason == "draining":
@@ -254,44 +112,6 @@ def _failure_kind(exc: AgentCallError) -> FailureKind | None:
     if exc.node_unreachable:
         return FailureKind.UNREACHABLE
     return None
-
-
-class RefusalLog:
-    """Logs each refusal with its reason and the figures behind it, at most once per
-    second per reason (the rest are counted into the next line for that reason)."""
-
-    def __init__(
-        self, interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self._interval_s = interval_s
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def log(self, reason: str, request_id: str, detail: str) -> None:
-        now = self._clock()
-        if now - self._last.get(reason, -math.inf) < self._interval_s:
-            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
-            return
-        self._last[reason] = now
-        more = self._suppressed.pop(reason, 0)
-        log.warning(
-            "refused %s: %s (%s)%s", request_id, reason, detail,
-            f" (+{more} more for this reason since its last line)" if more else "",
-        )  # fmt: skip
-
-    def log_schedule(self, request_id: str, refusal: Refusal, slo: Slo, waited_s: float) -> None:
-        """A placement refusal: the estimates it rests on, against the SLO left after waiting."""
-        self.log(
-            refusal.reason,
-            request_id,
-            f"predicted TTFT {refusal.ttft_s:.3f} s vs SLO {slo.ttft_s:.3f} s"
-            + (f" less {waited_s:.3f} s waited" if waited_s >= 0.0005 else "")
-            + f", TBT {refusal.tbt_s:.4f} s vs SLO {slo.tbt_s:.4f} s, failure "
-            + (refusal.last_failure[1].value if refusal.last_failure else "none")
-            + ("; the waiting queue is full" if refusal.queue_full else "")
-            + f"; Retry-After {refusal.retry_after_s:.1f} s",
-        )
 
 
 class Dispatcher:
@@ -454,7 +274,7 @@ class Dispatcher:
                     waited_s = max(0.0, self._clock() - arrived_s)
                     self.refusals.log_schedule(req.request_id, step, req.slo, waited_s)
                     if step.reason == "exhausted" and last is not None:
-                        raise _map_error(last) from last
+                        raise map_agent_error(last) from last
                     if step.reason in ("exhausted", "unavailable"):
                         raise ServiceUnavailable(
                             "No prefill and decode capable node is available.",
@@ -466,7 +286,7 @@ class Dispatcher:
                 except AgentCallError as exc:
                     kind = _failure_kind(exc)
                     if kind is None:
-                        raise _map_error(exc) from exc
+                        raise map_agent_error(exc) from exc
                     if kind is FailureKind.UNREACHABLE:
                         self._fleet.mark_unreachable(exc.address, exc.message)
                     last = exc

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from conductor.dispatch import GenerationStream, UsageCounts
 from conductor.errors import ConductorError, RateLimited, ServiceUnavailable
+from conductor.generation import GenerationStream, UsageCounts
 from conductor.metrics import rejection_reason
 from conductor.state import AppState
 

@@ -11,7 +11,6 @@ from conductor.api.accounting import RequestAccount
 from conductor.api.schemas import ChatCompletionRequest, CompletionRequest
 from conductor.core.ratelimit import Limit, format_reset
 from conductor.core.scheduler import Slo
-from conductor.dispatch import GenerationRequest, GenerationStream, UsageCounts
 from conductor.errors import (
     ConductorError,
     ContextLengthExceeded,
@@ -19,6 +18,7 @@ from conductor.errors import (
     RateLimited,
     ServiceUnavailable,
 )
+from conductor.generation import GenerationRequest, GenerationStream, UsageCounts
 from conductor.state import AppState
 from conductor.tenants import Tenant
 from kvc.sampling import Sampling

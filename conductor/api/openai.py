@@ -40,8 +40,8 @@ from conductor.api.schemas import (
     sse_data,
 )
 from conductor.api.sse import sse_response
-from conductor.dispatch import TokenDelta, UsageCounts
 from conductor.errors import InvalidRequest, ModelNotFound, UnprocessableEntity
+from conductor.generation import TokenDelta, UsageCounts
 from conductor.state import AppState
 from kvc.tokenization import ChatTemplateError
 

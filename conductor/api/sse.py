@@ -13,8 +13,8 @@ from fastapi.responses import StreamingResponse
 
 from conductor.api.admission import Admitted
 from conductor.api.schemas import SSE_DONE, sse_data
-from conductor.dispatch import TokenDelta, UsageCounts
 from conductor.errors import ConductorError
+from conductor.generation import TokenDelta, UsageCounts
 
 # (delta, None) for each token delta, then (None, usage) once at the end; None: no event.
 ChunkMaker = Callable[[TokenDelta | None, UsageCounts | None], str | None]

@@ -16,8 +16,8 @@ import pytest
 
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import Admission, Policy, SchedulerConfig, Slo
-from conductor.dispatch import GenerationRequest
 from conductor.errors import ConductorError
+from conductor.generation import GenerationRequest
 from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.sampling import Sampling
 from kvc_sim.cluster import TENANT, Cluster, ClusterConfig

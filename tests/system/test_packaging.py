@@ -19,6 +19,12 @@ import pytest
 pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parents[2]
+# What an agent in front of vLLM imports: its entry point, the vLLM engine adapter and
+# what the `[vllm]` extra adds for the adapter's KV-event mirror (ZMQ, msgpack).
+VLLM_SIDECAR = (
+    "node_agent.main", "node_agent.engines.vllm", "node_agent.engines.vllm.adapter", "zmq",
+    "msgpack",
+)  # fmt: skip
 _NOT_SOURCES = shutil.ignore_patterns(
     ".git", ".venv*", ".tools", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
     ".hypothesis", "bench", "tests", "docs", "deploy",
@@ -72,6 +78,6 @@ def test_conductor_and_vllm_sidecar_install_and_import_without_torch(
     assert "kv-conductor[embedded]" in agent.stderr
 
     _ok(_run(python, "-m", "pip", "install", "--quiet", f"{wheel}[vllm]"))
-    _ok(_imports(python, "node_agent.main", "node_agent.engines.vllm.adapter"))
+    _ok(_imports(python, *VLLM_SIDECAR))
     for absent in ("torch", "transformers"):
         assert _imports(python, absent).returncode != 0, f"the vLLM sidecar carries {absent}"

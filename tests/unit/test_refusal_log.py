@@ -8,7 +8,7 @@ import pytest
 
 from conductor.core.placement import Refusal
 from conductor.core.scheduler import Slo
-from conductor.dispatch import RefusalLog
+from conductor.refusals import RefusalLog
 
 
 def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:

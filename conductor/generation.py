@@ -1,0 +1,166 @@
+"""One generation as the HTTP layer sees it: the request, where it was placed, and the
+stream of token deltas from the decode node (``GenerationStream``), with agent errors
+mapped to ``ConductorError``s. The dispatcher (``conductor.dispatch``) starts it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from conductor.adapters.agents import AgentCallError, translate_rpc_error
+from conductor.core.scheduler import Slo
+from conductor.errors import (
+    ConductorError,
+    GatewayTimeout,
+    InvalidRequest,
+    RateLimited,
+    ServiceUnavailable,
+    UpstreamError,
+)
+from kvc.sampling import Sampling
+from kvc.v1 import node_agent_pb2 as pb
+
+_FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    tenant: str
+    prompt_ids: tuple[int, ...]
+    sampling: Sampling
+    slo: Slo
+
+
+@dataclass(frozen=True, slots=True)
+class UsageCounts:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None  # "stop" | "length" on the last delta
+    usage: UsageCounts | None  # on the last delta
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Where a request runs and what it reused, for metrics, errors and tests."""
+
+    prefill_node: str
+    decode_node: str
+    prefill_role: str
+    decode_role: str
+    cached_tokens: int  # reused on the prefill node (incl. migrated blocks)
+    migrated_tokens: int  # of those, pulled from another node for this request
+    would_have_hit_tokens: int  # prefix another node held at decision time, recomputed
+
+
+def _to_delta(msg: pb.GenerateResponse, cached_tokens: int) -> TokenDelta:
+    usage = None
+    if msg.HasField("usage"):
+        usage = UsageCounts(
+            prompt_tokens=msg.usage.prompt_tokens,
+            completion_tokens=msg.usage.completion_tokens,
+            cached_tokens=max(cached_tokens, msg.usage.cached_tokens),
+        )
+    return TokenDelta(
+        token_ids=tuple(msg.token_ids),
+        text=msg.text,
+        finish_reason=_FINISH_NAMES.get(msg.finish_reason),
+        usage=usage,
+    )
+
+
+def map_agent_error(exc: AgentCallError) -> ConductorError:
+    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(exc.message)
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return RateLimited(
+            "No node has capacity for this request right now.",
+            retry_after_s=1.0,
+            reason="insufficient_capacity",
+        )
+    if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return GatewayTimeout("A node did not answer in time.")
+    if exc.reason == "transfer":
+        return UpstreamError(f"Moving the prompt's KV between nodes failed: {exc.message}")
+    if exc.node_unreachable:
+        return ServiceUnavailable("A node became unavailable.", retry_after_s=1.0)
+    return UpstreamError(f"A node failed the request: {exc.message}")
+
+
+CloseHook = Callable[[list[float], int, str | None], None]  # (gaps, tokens, finish reason)
+
+
+class GenerationStream:
+    """The running generation: iterate ``TokenDelta``s; ``aclose()`` cancels it."""
+
+    def __init__(
+        self,
+        call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+        first: pb.GenerateResponse,
+        placed: Placed,
+        on_close: CloseHook,
+    ) -> None:
+        self._call = call
+        self._pending: pb.GenerateResponse | None = first
+        self.placed = placed
+        self._on_close = on_close
+        self._closed = False
+        self._finished = False
+        self._finish_reason: str | None = None
+        self._tokens = 0
+        self._last_token_at = time.perf_counter()
+        self._gaps_s: list[float] = []
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    @property
+    def mean_gap_s(self) -> float | None:
+        """Mean time between streamed tokens so far (None before the second token)."""
+        return sum(self._gaps_s) / len(self._gaps_s) if self._gaps_s else None
+
+    async def __anext__(self) -> TokenDelta:
+        if self._finished:
+            raise StopAsyncIteration
+        if self._pending is not None:
+            msg, self._pending = self._pending, None
+        else:
+            try:
+                read = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                await self.aclose()
+                raise map_agent_error(translate_rpc_error(self.placed.decode_node, exc)) from exc
+            if read is grpc.aio.EOF:
+                await self.aclose()
+                raise UpstreamError("the decode node ended the stream without a finish reason")
+            assert isinstance(read, pb.GenerateResponse)
+            msg = read
+            now = time.perf_counter()
+            self._gaps_s.append(now - self._last_token_at)
+            self._last_token_at = now
+        delta = _to_delta(msg, self.placed.cached_tokens)
+        self._tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self._finished = True
+            self._finish_reason = delta.finish_reason
+            await self.aclose()
+        return delta
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._finished:
+            self._call.cancel()
+        self._on_close(self._gaps_s, self._tokens, self._finish_reason)
