@@ -3,11 +3,14 @@
 #   docker build --target agent -t kv-conductor-agent .       # embedded engine + vLLM adapter
 #   docker run -p 8000:8000 kv-conductor conductor --host 0.0.0.0 --agents agent:50051
 #   docker run kv-conductor-agent agent --host 0.0.0.0 --role both
-# For a CPU-only agent image pass the CPU wheel index of PyTorch as PIP_EXTRA_INDEX_URL;
-# the default resolves torch from the configured package index.
+# For a CPU-only agent image pass the CPU wheel index of PyTorch:
+#   --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# the default resolves torch from the configured package index. Downloads are kept in
+# BuildKit's cache between builds (not in the image), so a source change does not fetch
+# torch again. .dockerignore keeps the context to the sources copied below.
 
 FROM python:3.11-slim AS sources
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvc ./kvc
@@ -15,14 +18,19 @@ COPY conductor ./conductor
 COPY node_agent ./node_agent
 COPY kvc_cli ./kvc_cli
 COPY kvc_sim ./kvc_sim
-RUN python -m venv /opt/kvc && /opt/kvc/bin/pip install --upgrade pip
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -m venv /opt/kvc && /opt/kvc/bin/pip install --upgrade pip
 
+# The core install: the conductor (and the kvc command), no engine extras.
 FROM sources AS build-conductor
-RUN /opt/kvc/bin/pip install .
+RUN --mount=type=cache,target=/root/.cache/pip \
+    /opt/kvc/bin/pip install .
 
+# The agent: the embedded engine (torch, transformers) and the vLLM adapter (ZMQ, msgpack).
 FROM sources AS build-agent
 ARG PIP_EXTRA_INDEX_URL=""
-RUN /opt/kvc/bin/pip install ".[embedded,vllm]"
+RUN --mount=type=cache,target=/root/.cache/pip \
+    /opt/kvc/bin/pip install ".[embedded,vllm]"
 
 FROM python:3.11-slim AS runtime
 ENV PATH=/opt/kvc/bin:$PATH PYTHONUNBUFFERED=1

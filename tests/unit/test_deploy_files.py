@@ -1,10 +1,13 @@
 """Dockerfile, docker-compose.yml and deploy/ are checked statically (no Docker engine here).
 
-Every kvc command they run must parse and validate against the real CLI and settings;
-the compose topology must hang together (agents register in the Redis the conductors
-read, Prometheus scrapes every conductor and agent on the ports they serve, Grafana
-gets the data source and the dashboard); Prometheus's own ``promtool`` checks the
-scrape config; yamllint checks every YAML file; checkov checks the Dockerfile.
+Every kvc command they run must parse and validate against the real CLI and settings.
+Each Dockerfile target (``conductor``: the core install; ``agent``: the embedded and vllm
+extras) runs as non-root with a healthcheck, and .dockerignore lets in exactly what the
+Dockerfile copies. The compose topology must hang together (each service runs its role's
+image, agents register in the Redis the conductors read, Prometheus scrapes every
+conductor and agent on the ports they serve, Grafana gets the data source and the
+dashboard); Prometheus's own ``promtool`` checks the scrape config; yamllint checks every
+YAML file; checkov checks the Dockerfile.
 
 Not checked here, because nothing can run containers on these machines: that the
 images build, that the containers start and pass their healthchecks, and the flags of
@@ -15,8 +18,11 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -161,19 +167,131 @@ def test_yaml_files_pass_yamllint() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_dockerfile_is_multi_stage_non_root_with_healthcheck() -> None:
-    text = (ROOT / "Dockerfile").read_text()
-    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\w+)", text, flags=re.MULTILINE)
-    assert len(stages) >= 2
-    users = re.findall(r"^USER\s+(\S+)", text, flags=re.MULTILINE)
-    assert users
-    assert users[-1] not in ("root", "0")
-    assert re.search(r"^HEALTHCHECK .*", text, flags=re.MULTILINE)
-    for src in re.findall(r"^COPY\s+(?!--from)(\S+)", text, flags=re.MULTILINE):
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One build stage of the Dockerfile: its base (an image or an earlier stage) and its
+    instructions (continuation lines joined, comments dropped)."""
+
+    base: str
+    instructions: tuple[tuple[str, str], ...]
+
+    def all(self, keyword: str) -> list[str]:
+        return [arg for kw, arg in self.instructions if kw == keyword]
+
+
+def dockerfile_stages() -> dict[str, Stage]:
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
+    stages: dict[str, Stage] = {}
+    name, base = "", ""
+    instructions: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        keyword, _, arg = line.strip().partition(" ")
+        if keyword == "FROM":
+            if name:
+                stages[name] = Stage(base, tuple(instructions))
+            match = re.fullmatch(r"(\S+)\s+AS\s+(\S+)", arg.strip())
+            assert match, f"unnamed stage: FROM {arg}"
+            base, name = match.groups()
+            instructions = []
+        else:
+            instructions.append((keyword, arg.strip()))
+    stages[name] = Stage(base, tuple(instructions))
+    return stages
+
+
+def base_chain(stages: dict[str, Stage], target: str) -> list[Stage]:
+    """``target`` and the stages it is built on, nearest first (what the image runs)."""
+    chain = [stages[target]]
+    while chain[-1].base in stages:
+        chain.append(stages[chain[-1].base])
+    return chain
+
+
+def build_inputs(stages: dict[str, Stage], target: str) -> list[Stage]:
+    """Every stage ``target`` needs: its bases and the stages it copies from."""
+    needed, todo = [], [target]
+    while todo:
+        stage = stages[todo.pop()]
+        needed.append(stage)
+        todo += [stage.base] if stage.base in stages else []
+        for copy in stage.all("COPY"):
+            todo += re.findall(r"--from=(\S+)", copy)
+    return needed
+
+
+def installed_packages(stages: dict[str, Stage], target: str) -> set[str]:
+    """What ``pip install`` gets from the repository (``.`` plus extras) for ``target``."""
+    specs = set()
+    for stage in build_inputs(stages, target):
+        for run in stage.all("RUN"):
+            for command in re.findall(r"pip install ([^&;]*)", run):
+                specs |= {a for a in shlex.split(command) if a.startswith(".")}
+    return specs
+
+
+def in_force(chain: list[Stage], keyword: str) -> str:
+    """The instruction the image runs with: the target's own or its nearest base's."""
+    for stage in chain:
+        if found := stage.all(keyword):
+            return found[-1]
+    raise AssertionError(f"no {keyword}")
+
+
+def test_dockerfile_builds_one_image_per_role() -> None:
+    stages = dockerfile_stages()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    # The conductor's image is the core install (no torch); the agent's adds the
+    # embedded engine and the vLLM adapter.
+    assert installed_packages(stages, "conductor") == {"."}
+    assert installed_packages(stages, "agent") == {".[embedded,vllm]"}
+    assert {"embedded", "vllm"} <= set(extras)
+    assert list(stages)[-1] == "conductor", "the default target (last stage) is the conductor"
+
+
+@pytest.mark.parametrize("target", ["conductor", "agent"])
+def test_dockerfile_images_run_non_root_with_healthcheck(target: str) -> None:
+    chain = base_chain(dockerfile_stages(), target)
+    assert in_force(chain, "USER") not in ("root", "0")
+    healthcheck = re.search(r"CMD\s+(\[.*\])", in_force(chain, "HEALTHCHECK"))
+    assert healthcheck is not None
+    probe = yaml.safe_load(healthcheck.group(1))
+    assert probe[:2] == ["kvc", "probe"]
+    build_parser().parse_args(probe[1:])
+    assert yaml.safe_load(in_force(chain, "ENTRYPOINT")) == ["kvc"]
+    command = yaml.safe_load(in_force(chain, "CMD"))
+    assert command[0] == target
+    validate_command(command)
+
+
+def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies() -> None:
+    lines = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert lines[0] == "*", "exclude everything, then let the sources in"
+    let_in = {line.removeprefix("!") for line in lines if line.startswith("!")}
+    copied = set()
+    for stage in dockerfile_stages().values():
+        for copy in stage.all("COPY"):
+            if not copy.startswith("--from"):
+                copied |= set(copy.split()[:-1])
+    for src in copied:
         assert (ROOT / src).exists(), f"Dockerfile copies missing path {src}"
-    cmd = re.search(r"^CMD\s+(\[.*\])", text, flags=re.MULTILINE)
-    assert cmd is not None
-    validate_command(yaml.safe_load(cmd.group(1)))
+    assert copied == let_in
+
+
+def test_compose_services_run_their_role_image() -> None:
+    stages = dockerfile_stages()
+    for name, svc in compose()["services"].items():
+        if "build" in svc:
+            target = svc["build"]["target"]
+            assert target in stages, name
+            assert svc["command"][0] == target, name
 
 
 def test_dockerfile_passes_checkov() -> None:
