@@ -183,8 +183,8 @@ def test_agent_commands_and_probes_are_valid(manifests: list[Manifest]) -> None:
         for probe in ("startupProbe", "readinessProbe"):
             assert container[probe]["grpc"] == {"port": grpc_port, "service": SERVICE_NAME}
         assert container["image"].startswith("kv-conductor-agent:")
-        # A draining agent is NOT_SERVING but alive: liveness only checks the port.
-        assert container["livenessProbe"]["tcpSocket"]["port"] == "grpc"
+        # A draining agent is NOT_SERVING for kvc.v1.NodeAgent but alive: liveness asks "".
+        assert container["livenessProbe"]["grpc"] == {"port": grpc_port, "service": ""}
         validate_kvc(args)
     assert roles == {"prefill", "decode"}
 
@@ -339,6 +339,33 @@ def test_prometheus_operator_objects_need_their_api() -> None:
     assert not {d["kind"] for d in docs} & CRDS
 
 
+# Objects passed through to Kubernetes as they are (their schema is Kubernetes's own).
+KUBERNETES_OBJECTS = {
+    "resources", "affinity", "podSecurityContext", "securityContext", "env", "tolerations",
+    "imagePullSecrets",
+}  # fmt: skip
+
+
+def test_values_schema_declares_every_value() -> None:
+    """Every object of ours is closed (a typo in a key is refused, not ignored)."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        if node.get("type") == "object" and "properties" in node:
+            assert node.get("additionalProperties") is False, path
+            for key, child in node["properties"].items():
+                walk(child, f"{path}.{key}")
+        elif (
+            node.get("type") == "object"
+            and path.rsplit(".", 1)[-1].removesuffix("[]") not in KUBERNETES_OBJECTS
+        ):
+            assert node.get("additionalProperties") == {"type": "string"}, path  # labels
+        if "items" in node:
+            walk(node["items"], f"{path}[]")
+
+    walk(schema, "values")
+
+
 @pytest.mark.parametrize(
     "values",
     [
@@ -346,6 +373,10 @@ def test_prometheus_operator_objects_need_their_api() -> None:
         {"agent": {"engine": "sglang"}},
         {"nodes": [{"name": "prefill", "role": "prefil"}]},
         {"redisUrll": "redis://redis:6379/0"},
+        {"conductor": {"replica": 3}},
+        {"kv": {"blockSize": 0}},
+        {"engine": {"image": {"tag": 11}}},
+        {"model": {"volume": {"mountPath": "models"}}},
     ],
 )
 def test_values_schema_refuses_wrong_values(values: dict[str, Any]) -> None:
