@@ -13,7 +13,8 @@ from pydantic import Field, field_validator
 from pydantic.config import JsonDict
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from conductor.core.scheduler import Admission, Policy, SchedulerConfig
+from conductor.core.policies import Policy
+from conductor.core.scheduler import Admission, SchedulerConfig
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.priors import DecodePrior, PrefillPrior
 

@@ -24,7 +24,8 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from conductor.core.scheduler import Admission, Policy, SchedulerConfig, Slo
+from conductor.core.policies import Policy
+from conductor.core.scheduler import Admission, SchedulerConfig, Slo
 from kvc.priors import DecodePrior, PrefillPrior
 from kvc_sim.cluster import ClusterConfig
 from kvc_sim.profile import Profile, SimConfigError, load_profile, read_config_json
@@ -137,7 +138,7 @@ class Scenario:
             )
         threshold = run.kvcache_balancing_threshold
         return SchedulerConfig(
-            policy=Policy(run.policy),
+            policy=run.policy,
             admission=Admission(run.admission or spec.admission),
             kvcache_balancing_threshold=(
                 spec.kvcache_balancing_threshold if threshold is None else threshold

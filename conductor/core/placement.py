@@ -34,10 +34,11 @@ Fleet view
 
 In-flight prefixes
     Per node, the block keys of this loop's open allocations (reference counted, added at
-    ``allocated``, removed at ``committed`` or when the request ends). ``kv_adaptive``
-    reads them: a node's prefix for a request is its cached prefix extended by the keys
-    being computed there (``InflightPrefixes.pending``), which a FIFO prefill queued
-    behind them will find cached.
+    ``allocated``, removed at ``committed`` or when the request ends), kept only when the
+    policy's prefix planner reads them (``reads_pending``: ``kv_adaptive``): a node's
+    prefix for a request is its cached prefix extended by the keys being computed there
+    (``InflightPrefixes.pending``), which a FIFO prefill queued behind them will find
+    cached.
 
 Waiting (knob ``max_waiting``)
     A scheduler rejection that time will lift — the decode forecast breaks the TBT SLO, or
@@ -48,7 +49,7 @@ Waiting (knob ``max_waiting``)
 
 Complexity
     ``decide`` is the scheduler's decision plus O(blocks x nodes) for the in-flight
-    prefix (only under ``kv_adaptive``); every other call O(1) or O(blocks).
+    prefix (only under a policy that reads it); every other call O(1) or O(blocks).
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import (
     NodeState,
     Placement,
-    Policy,
     Rejection,
     RejectReason,
     Scheduler,
@@ -190,7 +190,7 @@ class PlacementLoop:
         self.max_waiting = max_waiting
         self.inflight = InflightPrefixes()
         self.waiting = 0
-        self._track = scheduler.config.policy is Policy.KV_ADAPTIVE
+        self._track = scheduler.policy.prefix.reads_pending
 
     def begin(
         self,

@@ -19,15 +19,13 @@ pick the p with the lowest TTFT; pick the decode node d with the lowest predicte
 among those with room for the request's KV; reject (429) if TTFT > TTFT_SLO or
 TBT > TBT_SLO; if p pulls the prefix, return a ``Migration`` from the best holder.
 
-Policies on the same code, for benchmarks: ``round_robin`` (rotation, prefix-blind),
+The two choices are a policy's (knob ``policy``, a name in the scheduler's registry,
+``policies.BUILTIN_POLICIES`` unless given): a pipeline of small named stages that plans
+each prefill candidate's prefix and ranks them, then filters and ranks decode nodes
+(``policies.py``). Built-ins, for benchmarks: ``round_robin`` (rotation, prefix-blind),
 ``least_loaded`` (lowest queue, prefix-blind), ``local_prefix`` (Algorithm 1 without
-migration: the paper's local cache-aware scheduling), ``kv_centric`` (Algorithm 1),
-``kv_adaptive`` (Algorithm 1 with two changes: the fixed ``kvcache_balancing_threshold``
-is replaced by the break-even point of each decision — p pulls the best prefix iff
-``T_transfer + T_prefill(n, best_len) < T_prefill(n, local)``, the rule §4.2 states in
-words — and ``local`` counts the prompt's blocks that requests queued on p are computing
-right now (``ScheduleRequest.pending_blocks``), which a FIFO prefill placed behind them
-will find cached; measured in docs/benchmarks.md).
+migration), ``kv_centric`` (Algorithm 1) and ``kv_adaptive`` (Algorithm 1 with a
+break-even pull rule and in-flight prefixes; measured in docs/benchmarks.md).
 
 Admission (knob ``admission``): ``none`` never rejects on SLOs (capacity only);
 ``early`` checks TTFT and the decode node's *current* TBT before any work (§4.3.2);
@@ -69,17 +67,18 @@ from typing import Literal
 
 from conductor.core.cost_model import DecodeTimeModel, PrefillTimeModel, TransferModel
 from conductor.core.output_length import LengthDistribution, OutputLengthModel
+from conductor.core.policies import (
+    BUILTIN_POLICIES,
+    DecodeChoice,
+    Migration,
+    Policy,
+    PolicyFactory,
+    PrefillCandidate,
+    SchedulingPolicy,
+)
 from conductor.core.prefix_index import NodeId
 from kvc.priors import DecodePrior, PrefillPrior
 from kvc.roles import NodeRole
-
-
-class Policy(enum.Enum):
-    ROUND_ROBIN = "round_robin"
-    LEAST_LOADED = "least_loaded"
-    LOCAL_PREFIX = "local_prefix"
-    KV_CENTRIC = "kv_centric"
-    KV_ADAPTIVE = "kv_adaptive"
 
 
 class Admission(enum.Enum):
@@ -97,7 +96,7 @@ EMBEDDED_CPU_DECODE_PRIOR = DecodePrior(fixed_s=0.002, per_request_s=5e-4, per_c
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    policy: Policy = Policy.KV_CENTRIC
+    policy: str = Policy.KV_CENTRIC  # a name in the scheduler's policy registry
     admission: Admission = Admission.PREDICTIVE
     kvcache_balancing_threshold: float = 2.0
     min_migration_blocks: int = 1
@@ -163,15 +162,6 @@ class ScheduleRequest:
     pending_blocks: Mapping[NodeId, int] = field(default_factory=dict)
     # Whose output lengths this request's decode is predicted from: (model, tenant).
     length_key: tuple[str, str] = ("", "")
-
-
-@dataclass(frozen=True, slots=True)
-class Migration:
-    """Pull ``blocks`` leading blocks of the prompt from ``source`` onto the prefill node."""
-
-    source: NodeId
-    blocks: int
-    transfer_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,19 +240,6 @@ class _NodeBook:
 
 
 @dataclass(frozen=True, slots=True)
-class _Candidate:
-    node: NodeState
-    prefix_blocks: int
-    migration: Migration | None
-    queue_s: float
-    prefill_s: float
-
-    @property
-    def base_ttft_s(self) -> float:
-        return self.queue_s + self.prefill_s + (self.migration.transfer_s if self.migration else 0)
-
-
-@dataclass(frozen=True, slots=True)
 class DecodeForecast:
     """Decode load on a node at a moment: expected batch (requests) and KV tokens."""
 
@@ -275,10 +252,19 @@ _RETRY_PROBES_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 120.0)
 
 
 class Scheduler:
-    """Algorithm 1 plus admission; one instance per conductor (or per simulation)."""
+    """Algorithm 1 plus admission; one instance per conductor (or per simulation).
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    ``policies``: the registry ``config.policy`` is looked up in (built-ins by default).
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, policies: Mapping[str, PolicyFactory] = BUILTIN_POLICIES
+    ) -> None:
+        factory = policies.get(config.policy)
+        if factory is None:
+            raise ValueError(f"unknown policy {config.policy!r}; known: {sorted(policies)}")
         self.config = config
+        self.policy: SchedulingPolicy = factory(config)
         self.transfer = TransferModel(
             default_bandwidth_bytes_per_s=config.transfer_bandwidth_bytes_per_s,
             default_latency_s=config.transfer_latency_s,
@@ -287,8 +273,6 @@ class Scheduler:
         self._prefill_models: dict[NodeId, PrefillTimeModel] = {}
         self._decode_models: dict[NodeId, DecodeTimeModel] = {}
         self._books: dict[NodeId, _NodeBook] = {}
-        self._rr_prefill = 0
-        self._rr_decode = 0
 
     # ------------------------------------------------------------------ models
     def prefill_model(self, node: NodeId) -> PrefillTimeModel:
@@ -400,7 +384,8 @@ class Scheduler:
             load.requests + 1, load.context_tokens + extra_context_tokens
         )
 
-    def _prefill_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float:
+    def prefill_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float:
+        """Predicted prefill time of ``prompt_tokens`` reusing ``prefix_blocks`` blocks."""
         cached = min(prompt_tokens - 1, prefix_blocks * node.block_size)
         return self.prefill_model(node.node_id).estimate(prompt_tokens, max(0, cached))
 
@@ -418,101 +403,6 @@ class Scheduler:
             return True
         placed = len(self._book(node.node_id).decodes)
         return max(placed, node.running_requests) < node.max_running_requests
-
-    # ------------------------------------------------------------------ candidates
-    def _candidates(
-        self,
-        req: ScheduleRequest,
-        prefill_nodes: Sequence[NodeState],
-        migrate: bool,
-        break_even: bool = False,
-    ) -> list[_Candidate]:
-        # FindBestPrefixMatch: the longest holder; ties go to the smallest node id.
-        holder = min(prefill_nodes, key=lambda n: (-req.prefix_blocks.get(n.node_id, 0), n.node_id))
-        best_len = req.prefix_blocks.get(holder.node_id, 0)
-        out = []
-        threshold = self.config.kvcache_balancing_threshold
-        for node in prefill_nodes:
-            local = req.prefix_blocks.get(node.node_id, 0)
-            if break_even:
-                local = max(local, req.pending_blocks.get(node.node_id, 0))
-            migration = None
-            prefix = local
-            ratio = math.inf if local == 0 else best_len / local
-            prefill_s = self._prefill_s(node, req.prompt_tokens, local)
-            if (
-                migrate
-                and holder.node_id != node.node_id
-                and node.kv_migration
-                and holder.kv_migration
-                and best_len - local >= self.config.min_migration_blocks
-                and (break_even or ratio > threshold)
-            ):
-                nbytes = (best_len - local) * node.block_size * node.kv_bytes_per_token
-                transfer_s = self.transfer.estimate(holder.node_id, node.node_id, nbytes)
-                pulled_s = self._prefill_s(node, req.prompt_tokens, best_len)
-                if not break_even or transfer_s + pulled_s < prefill_s:
-                    migration = Migration(
-                        source=holder.node_id, blocks=best_len, transfer_s=transfer_s
-                    )
-                    prefix = best_len
-                    prefill_s = pulled_s
-            out.append(
-                _Candidate(
-                    node=node,
-                    prefix_blocks=prefix,
-                    migration=migration,
-                    queue_s=self.queue_s(node),
-                    prefill_s=prefill_s,
-                )
-            )
-        return out
-
-    def _order_prefill(
-        self, req: ScheduleRequest, prefill_nodes: list[NodeState]
-    ) -> list[_Candidate]:
-        policy = self.config.policy
-        if policy is Policy.ROUND_ROBIN:
-            cands = self._candidates(req, prefill_nodes, migrate=False)
-            start = self._rr_prefill % len(cands)
-            self._rr_prefill += 1
-            return cands[start:] + cands[:start]
-        if policy is Policy.LEAST_LOADED:
-            cands = self._candidates(req, prefill_nodes, migrate=False)
-            return sorted(cands, key=lambda c: (c.queue_s, c.node.node_id))
-        migrate = policy in (Policy.KV_CENTRIC, Policy.KV_ADAPTIVE)
-        break_even = policy is Policy.KV_ADAPTIVE
-        cands = self._candidates(req, prefill_nodes, migrate=migrate, break_even=break_even)
-        return sorted(cands, key=lambda c: (c.base_ttft_s, c.node.node_id))
-
-    def _decode_options(
-        self,
-        req: ScheduleRequest,
-        decode_nodes: list[NodeState],
-        prefill: NodeState,
-        at_s: float,
-        now_s: float,
-    ) -> list[tuple[float, NodeState]]:
-        """Decode nodes with room and a free slot for the request, best first: (TBT, node).
-
-        Room counts allocatable blocks (free + evictable): a warm cache full of
-        unlocked cached blocks has room. Checked before any prefill is spent.
-        """
-        if prefill.role == "both":
-            decode_nodes = [prefill]  # colocated: no KV hand-off
-        need_tokens = req.prompt_tokens + req.max_new_tokens
-        options = []
-        for node in decode_nodes:
-            if not self.decode_slots_free(node):
-                continue  # the agent would refuse the generation after the prefill
-            if node is not prefill and node.room_blocks * node.block_size < need_tokens:
-                continue  # no room for this request's KV on the decode node
-            options.append((self.tbt_at(node, at_s, now_s, req), node))
-        if self.config.policy is Policy.ROUND_ROBIN and options:
-            start = self._rr_decode % len(options)
-            self._rr_decode += 1
-            return options[start:] + options[:start]
-        return sorted(options, key=lambda o: (o[0], -o[1].room_blocks, o[1].node_id))
 
     # ------------------------------------------------------------------ decision
     def schedule(
@@ -533,19 +423,20 @@ class Scheduler:
             return Rejection("no_prefill_node", self._retry(1.0), math.inf, math.inf)
         if not decode_nodes:
             return Rejection("no_decode_node", self._retry(1.0), math.inf, math.inf)
-        ordered = self._order_prefill(req, prefill_nodes)
+        ordered = self.policy.order_prefill(req, prefill_nodes, self)
         best = ordered[0]
         # The P→D KV hand-off for the chosen pair is added once the decode node is known.
         at_s = now_s
         if self.config.admission is Admission.PREDICTIVE:
             at_s = now_s + best.base_ttft_s
-        options = self._decode_options(req, decode_nodes, best.node, at_s, now_s)
+        choice = DecodeChoice(req, best.node, at_s, now_s)
+        options = self.policy.order_decode(decode_nodes, choice, self)
         if not options:
             return Rejection(
                 "no_decode_node", self._retry(self._slot_wait_s(decode_nodes, now_s)),
                 best.base_ttft_s, math.inf,
             )  # fmt: skip
-        tbt, decode = options[0]
+        tbt, decode = options[0].tbt_s, options[0].node
         handoff_s = 0.0
         if decode.node_id != best.node.node_id:
             nbytes = req.prompt_tokens * best.node.kv_bytes_per_token
@@ -574,7 +465,7 @@ class Scheduler:
     def _admit(
         self,
         req: ScheduleRequest,
-        best: _Candidate,
+        best: PrefillCandidate,
         decode: NodeState,
         ttft: float,
         tbt: float,

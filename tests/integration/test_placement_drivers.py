@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from conductor.core.policies import Policy
 from conductor.core.prefix_index import NodeId
-from conductor.core.scheduler import Admission, Policy, SchedulerConfig, Slo
+from conductor.core.scheduler import Admission, SchedulerConfig, Slo
 from conductor.errors import ConductorError
 from conductor.generation import GenerationRequest
 from kvc.block_keys import BlockKey, compute_block_keys

@@ -14,11 +14,11 @@ from conductor.core.placement import (
     Wait,
     fleet_view,
 )
+from conductor.core.policies import Policy
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import (
     Admission,
     Placement,
-    Policy,
     Scheduler,
     ScheduleRequest,
     Slo,

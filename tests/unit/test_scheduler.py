@@ -7,12 +7,19 @@ from dataclasses import replace
 
 import pytest
 
+from conductor.core.policies import (
+    BUILTIN_POLICIES,
+    LeastQueue,
+    LocalPrefix,
+    LowestTbt,
+    Policy,
+    SchedulingPolicy,
+)
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import (
     Admission,
     NodeState,
     Placement,
-    Policy,
     Rejection,
     Scheduler,
     SchedulerConfig,
@@ -116,6 +123,21 @@ def test_round_robin_rotates() -> None:
     s = Scheduler(config(policy=Policy.ROUND_ROBIN))
     chosen = [placed(s.schedule(request({"p1": 30}), FLEET, NOW)).prefill for _ in range(4)]
     assert chosen == ["p1", "p2", "p3", "p1"]
+
+
+def test_policies_are_chosen_by_name_from_a_registry() -> None:
+    """Every built-in name is registered; unknown names fail fast; a registry can grow."""
+    assert set(BUILTIN_POLICIES) == {p.value for p in Policy}
+    assert Scheduler(config(policy="least_loaded")).policy.name == "least_loaded"
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        Scheduler(config(policy="nope"))
+
+    def queue_only(_: SchedulerConfig) -> SchedulingPolicy:
+        return SchedulingPolicy("queue_only", LocalPrefix(), LeastQueue(), LowestTbt())
+
+    s = Scheduler(config(policy="queue_only"), {**BUILTIN_POLICIES, "queue_only": queue_only})
+    fleet = [node("p1", queued_prefill_tokens=10), node("p2"), node("d1", "decode")]
+    assert placed(s.schedule(request({"p1": 30}), fleet, NOW)).prefill == "p2"
 
 
 def test_own_assignments_queue_up() -> None:

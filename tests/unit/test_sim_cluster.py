@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from conductor.core.scheduler import Admission, Policy, SchedulerConfig, Slo
+from conductor.core.policies import Policy
+from conductor.core.scheduler import Admission, SchedulerConfig, Slo
 from kvc_sim.cluster import Cluster, ClusterConfig, simulate
 from kvc_sim.metrics import summarize
 from kvc_sim.profile import Profile, load_profile

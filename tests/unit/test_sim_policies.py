@@ -10,12 +10,12 @@ from dataclasses import replace
 
 import pytest
 
+from conductor.core.policies import Policy
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import (
     Admission,
     NodeState,
     Placement,
-    Policy,
     Rejection,
     Scheduler,
     SchedulerConfig,

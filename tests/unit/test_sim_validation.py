@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conductor.core.scheduler import Admission, Policy, SchedulerConfig, Slo
+from conductor.core.policies import Policy
+from conductor.core.scheduler import Admission, SchedulerConfig, Slo
 from kvc_sim.cluster import ClusterConfig, simulate
 from kvc_sim.metrics import RequestRecord, SimResult, summarize, top_decile_mean
 from kvc_sim.profile import Profile, load_profile

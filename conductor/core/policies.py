@@ -1,0 +1,409 @@
+"""Scheduling policies as pipelines of small named stages, registered by name.
+
+A policy is what ``Scheduler.schedule`` asks at its two choices; the scheduler keeps the
+rest (role selection, admission, bookkeeping). Each stage is a small object, and a
+policy is the pipeline they make (the way llm-d's inference scheduler composes filters
+and scorers, here with rankers that order instead of weighted scores, so each built-in
+decides exactly as Algorithm 1 and its baselines are written)::
+
+    prefill:  PrefixPlanner  (per prefill-capable node: reusable prefix, any migration,
+                              queue and prefill estimates -> PrefillCandidate)
+              -> PrefillRanker (best first; the rest become the placement's fallbacks)
+    decode:   DecodeFilter*  (drop nodes that cannot take the request after this prefill)
+              -> DecodeRanker (best first, each with its predicted TBT)
+
+Stages read the scheduler's estimates through ``Estimates`` (its cost models and books);
+they never change them. Rankers may keep their own state (``RoundRobin``'s rotation), so
+a registry maps a name to a *factory* that builds a fresh pipeline per scheduler from
+its ``SchedulerConfig`` (stage knobs such as ``kvcache_balancing_threshold`` come from
+there). ``BUILTIN_POLICIES`` is the registry of the built-ins ``Policy`` lists; a caller
+adds its own by passing ``{**BUILTIN_POLICIES, "name": factory}`` to ``Scheduler``.
+
+Built-ins (all rank decode nodes by predicted TBT except ``round_robin``)::
+
+    round_robin   LocalPrefix      -> RoundRobin    | Colocated, FreeSlot, KvRoom -> RoundRobin
+    least_loaded  LocalPrefix      -> LeastQueue    | Colocated, FreeSlot, KvRoom -> LowestTbt
+    local_prefix  LocalPrefix      -> LowestTtft    | Colocated, FreeSlot, KvRoom -> LowestTbt
+    kv_centric    ThresholdPull    -> LowestTtft    | Colocated, FreeSlot, KvRoom -> LowestTbt
+    kv_adaptive   BreakEvenPull    -> LowestTtft    | Colocated, FreeSlot, KvRoom -> LowestTbt
+
+``local_prefix`` is Algorithm 1 without migration (the paper's local cache-aware
+scheduling); ``kv_centric`` is Algorithm 1. ``kv_adaptive`` changes two things: the
+fixed ``kvcache_balancing_threshold`` is replaced by the break-even point of each
+decision — p pulls the best prefix iff ``T_transfer + T_prefill(n, best_len) <
+T_prefill(n, local)``, the rule §4.2 states in words — and ``local`` counts the prompt's
+blocks that requests queued on p are computing right now (``ScheduleRequest.
+pending_blocks``), which a FIFO prefill placed behind them will find cached
+(``reads_pending``: the placement loop tracks in-flight prefixes only then).
+
+Ties always go to the smallest node id. Complexity per decision: O(P log P) for P
+prefill nodes plus the decode filters' and ranker's O(D log D).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from conductor.core.cost_model import TransferModel
+from conductor.core.prefix_index import NodeId
+
+if TYPE_CHECKING:
+    # Only for annotations: the scheduler module builds its policies from this one.
+    from conductor.core.scheduler import NodeState, SchedulerConfig, ScheduleRequest
+
+__all__ = [
+    "BUILTIN_POLICIES",
+    "BreakEvenPull",
+    "Colocated",
+    "DecodeCandidate",
+    "DecodeChoice",
+    "Estimates",
+    "FreeSlot",
+    "KvRoom",
+    "LeastQueue",
+    "LocalPrefix",
+    "LowestTbt",
+    "LowestTtft",
+    "Migration",
+    "Policy",
+    "PolicyFactory",
+    "PrefillCandidate",
+    "RoundRobin",
+    "SchedulingPolicy",
+    "ThresholdPull",
+]
+
+
+class Policy(enum.StrEnum):
+    """The built-in policies' names (what settings and scenarios may choose)."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    LOCAL_PREFIX = "local_prefix"
+    KV_CENTRIC = "kv_centric"
+    KV_ADAPTIVE = "kv_adaptive"
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """Pull ``blocks`` leading blocks of the prompt from ``source`` onto the prefill node."""
+
+    source: NodeId
+    blocks: int
+    transfer_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCandidate:
+    """One prefill node as a prefix planner sees it for one request."""
+
+    node: NodeState
+    prefix_blocks: int  # reusable there after any migration
+    migration: Migration | None
+    queue_s: float
+    prefill_s: float
+
+    @property
+    def base_ttft_s(self) -> float:
+        """TTFT before the P→D hand-off: queue, prefill and any prefix pull."""
+        return self.queue_s + self.prefill_s + (self.migration.transfer_s if self.migration else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCandidate:
+    """One decode node that can take the request, with its predicted TBT."""
+
+    node: NodeState
+    tbt_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeChoice:
+    """The decode stage's question: where ``request`` decodes after ``prefill``.
+
+    ``at_s`` is the moment its decode load is forecast for (the predicted end of its
+    prefill under predictive admission, else ``now_s``).
+    """
+
+    request: ScheduleRequest
+    prefill: NodeState
+    at_s: float
+    now_s: float
+
+
+class Estimates(Protocol):
+    """What the stages may ask of the scheduler: its cost models and its books."""
+
+    @property
+    def transfer(self) -> TransferModel: ...
+
+    def queue_s(self, node: NodeState) -> float: ...
+
+    def prefill_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float: ...
+
+    def decode_slots_free(self, node: NodeState) -> bool: ...
+
+    def tbt_at(self, node: NodeState, at_s: float, now_s: float, req: ScheduleRequest) -> float: ...
+
+
+# ---------------------------------------------------------------------------- prefill stage
+class PrefixPlanner(Protocol):
+    """Builds the prefill candidates: what each node would reuse and how long it takes."""
+
+    @property
+    def reads_pending(self) -> bool:
+        """Whether it reads ``ScheduleRequest.pending_blocks`` (in-flight prefixes)."""
+        ...
+
+    def candidates(
+        self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
+    ) -> list[PrefillCandidate]: ...
+
+
+class PrefillRanker(Protocol):
+    def rank(self, candidates: list[PrefillCandidate]) -> list[PrefillCandidate]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPrefix:
+    """Each node reuses only the prefix it holds itself (no migration)."""
+
+    @property
+    def reads_pending(self) -> bool:
+        return False
+
+    def candidates(
+        self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
+    ) -> list[PrefillCandidate]:
+        out = []
+        for node in nodes:
+            local = req.prefix_blocks.get(node.node_id, 0)
+            prefill_s = est.prefill_s(node, req.prompt_tokens, local)
+            out.append(PrefillCandidate(node, local, None, est.queue_s(node), prefill_s))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdPull:
+    """Algorithm 1: a node pulls the best holder's prefix when ``best / local > threshold``
+    (``x / 0 = inf``) and the pull is at least ``min_blocks`` blocks."""
+
+    threshold: float
+    min_blocks: int
+
+    @property
+    def reads_pending(self) -> bool:
+        return False
+
+    def candidates(
+        self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
+    ) -> list[PrefillCandidate]:
+        return _pull_candidates(req, nodes, est, self.min_blocks, self.threshold)
+
+
+@dataclass(frozen=True, slots=True)
+class BreakEvenPull:
+    """``kv_adaptive``: a node pulls the best prefix iff transfer plus the shorter prefill
+    beats computing from its local prefix, which counts blocks in flight there."""
+
+    min_blocks: int
+
+    @property
+    def reads_pending(self) -> bool:
+        return True
+
+    def candidates(
+        self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
+    ) -> list[PrefillCandidate]:
+        return _pull_candidates(req, nodes, est, self.min_blocks, None)
+
+
+def _pull_candidates(
+    req: ScheduleRequest,
+    nodes: Sequence[NodeState],
+    est: Estimates,
+    min_blocks: int,
+    threshold: float | None,
+) -> list[PrefillCandidate]:
+    """Candidates that may pull the longest prefix; ``threshold`` None: break-even rule."""
+    break_even = threshold is None
+    # FindBestPrefixMatch: the longest holder; ties go to the smallest node id.
+    holder = min(nodes, key=lambda n: (-req.prefix_blocks.get(n.node_id, 0), n.node_id))
+    best_len = req.prefix_blocks.get(holder.node_id, 0)
+    out = []
+    for node in nodes:
+        local = req.prefix_blocks.get(node.node_id, 0)
+        if break_even:
+            local = max(local, req.pending_blocks.get(node.node_id, 0))
+        migration = None
+        prefix = local
+        prefill_s = est.prefill_s(node, req.prompt_tokens, local)
+        if (
+            holder.node_id != node.node_id
+            and node.kv_migration
+            and holder.kv_migration
+            and best_len - local >= min_blocks
+            and (threshold is None or (math.inf if local == 0 else best_len / local) > threshold)
+        ):
+            nbytes = (best_len - local) * node.block_size * node.kv_bytes_per_token
+            transfer_s = est.transfer.estimate(holder.node_id, node.node_id, nbytes)
+            pulled_s = est.prefill_s(node, req.prompt_tokens, best_len)
+            if not break_even or transfer_s + pulled_s < prefill_s:
+                migration = Migration(source=holder.node_id, blocks=best_len, transfer_s=transfer_s)
+                prefix = best_len
+                prefill_s = pulled_s
+        out.append(PrefillCandidate(node, prefix, migration, est.queue_s(node), prefill_s))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class LeastQueue:
+    """Shortest predicted queue first (prefix-blind)."""
+
+    def rank(self, candidates: list[PrefillCandidate]) -> list[PrefillCandidate]:
+        return sorted(candidates, key=lambda c: (c.queue_s, c.node.node_id))
+
+
+@dataclass(frozen=True, slots=True)
+class LowestTtft:
+    """Lowest predicted TTFT before the hand-off first (Algorithm 1's choice)."""
+
+    def rank(self, candidates: list[PrefillCandidate]) -> list[PrefillCandidate]:
+        return sorted(candidates, key=lambda c: (c.base_ttft_s, c.node.node_id))
+
+
+# ---------------------------------------------------------------------------- decode stage
+class DecodeFilter(Protocol):
+    def keep(
+        self, nodes: list[NodeState], choice: DecodeChoice, est: Estimates
+    ) -> list[NodeState]: ...
+
+
+class DecodeRanker(Protocol):
+    def rank(self, options: list[DecodeCandidate]) -> list[DecodeCandidate]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Colocated:
+    """A prefill node that also decodes keeps the request (no KV hand-off)."""
+
+    def keep(self, nodes: list[NodeState], choice: DecodeChoice, est: Estimates) -> list[NodeState]:
+        return [choice.prefill] if choice.prefill.role == "both" else nodes
+
+
+@dataclass(frozen=True, slots=True)
+class FreeSlot:
+    """Nodes with a free generation slot (else the agent refuses it after the prefill)."""
+
+    def keep(self, nodes: list[NodeState], choice: DecodeChoice, est: Estimates) -> list[NodeState]:
+        return [n for n in nodes if est.decode_slots_free(n)]
+
+
+@dataclass(frozen=True, slots=True)
+class KvRoom:
+    """Nodes with room for the request's KV (prompt plus ``max_new_tokens``), counting
+    allocatable blocks (free + evictable): a warm cache of unlocked blocks has room.
+    The prefill node itself has the prompt's blocks already."""
+
+    def keep(self, nodes: list[NodeState], choice: DecodeChoice, est: Estimates) -> list[NodeState]:
+        need_tokens = choice.request.prompt_tokens + choice.request.max_new_tokens
+        return [
+            n for n in nodes if n is choice.prefill or n.room_blocks * n.block_size >= need_tokens
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class LowestTbt:
+    """Lowest predicted TBT first; then the most room."""
+
+    def rank(self, options: list[DecodeCandidate]) -> list[DecodeCandidate]:
+        return sorted(options, key=lambda o: (o.tbt_s, -o.node.room_blocks, o.node.node_id))
+
+
+_Item = TypeVar("_Item")
+
+
+@dataclass(slots=True)
+class RoundRobin:
+    """Rotation over the candidates in fleet order, one step per decision that has any."""
+
+    next_start: int = 0
+
+    def rank(self, items: list[_Item]) -> list[_Item]:
+        if not items:
+            return items
+        start = self.next_start % len(items)
+        self.next_start += 1
+        return items[start:] + items[:start]
+
+
+# ---------------------------------------------------------------------------- pipelines
+_DECODE_FILTERS: tuple[DecodeFilter, ...] = (Colocated(), FreeSlot(), KvRoom())
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingPolicy:
+    """One named pipeline (see the module docstring)."""
+
+    name: str
+    prefix: PrefixPlanner
+    prefill_ranker: PrefillRanker
+    decode_ranker: DecodeRanker
+    decode_filters: tuple[DecodeFilter, ...] = _DECODE_FILTERS
+
+    def order_prefill(
+        self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
+    ) -> list[PrefillCandidate]:
+        """The prefill-capable ``nodes`` as candidates, best first (never empty given nodes)."""
+        return self.prefill_ranker.rank(self.prefix.candidates(req, nodes, est))
+
+    def order_decode(
+        self, nodes: list[NodeState], choice: DecodeChoice, est: Estimates
+    ) -> list[DecodeCandidate]:
+        """The decode-capable ``nodes`` that can take the request, best first (maybe none)."""
+        for decode_filter in self.decode_filters:
+            nodes = decode_filter.keep(nodes, choice, est)
+        req = choice.request
+        options = [DecodeCandidate(n, est.tbt_at(n, choice.at_s, choice.now_s, req)) for n in nodes]
+        return self.decode_ranker.rank(options)
+
+
+PolicyFactory = Callable[["SchedulerConfig"], SchedulingPolicy]
+
+
+def _round_robin(config: SchedulerConfig) -> SchedulingPolicy:
+    return SchedulingPolicy(Policy.ROUND_ROBIN, LocalPrefix(), RoundRobin(), RoundRobin())
+
+
+def _least_loaded(config: SchedulerConfig) -> SchedulingPolicy:
+    return SchedulingPolicy(Policy.LEAST_LOADED, LocalPrefix(), LeastQueue(), LowestTbt())
+
+
+def _local_prefix(config: SchedulerConfig) -> SchedulingPolicy:
+    return SchedulingPolicy(Policy.LOCAL_PREFIX, LocalPrefix(), LowestTtft(), LowestTbt())
+
+
+def _kv_centric(config: SchedulerConfig) -> SchedulingPolicy:
+    pull = ThresholdPull(config.kvcache_balancing_threshold, config.min_migration_blocks)
+    return SchedulingPolicy(Policy.KV_CENTRIC, pull, LowestTtft(), LowestTbt())
+
+
+def _kv_adaptive(config: SchedulerConfig) -> SchedulingPolicy:
+    pull = BreakEvenPull(config.min_migration_blocks)
+    return SchedulingPolicy(Policy.KV_ADAPTIVE, pull, LowestTtft(), LowestTbt())
+
+
+BUILTIN_POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
+    {
+        Policy.ROUND_ROBIN: _round_robin,
+        Policy.LEAST_LOADED: _least_loaded,
+        Policy.LOCAL_PREFIX: _local_prefix,
+        Policy.KV_CENTRIC: _kv_centric,
+        Policy.KV_ADAPTIVE: _kv_adaptive,
+    }
+)
