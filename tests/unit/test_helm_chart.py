@@ -9,7 +9,8 @@ vLLM engine container beside each agent). The rendered objects are then checked:
   (``kubernetes-validate``, strict: unknown fields are errors);
 * every kvc command line (conductor and agent args) parses and validates against the
   real CLI and settings; probes are kubelet's own (HTTP for conductors, gRPC health for
-  agents); values.schema.json refuses wrong values; the Redis URL can come from a Secret;
+  agents); values.schema.json declares every value and refuses wrong ones; the Redis URL,
+  bearer keys and tenants file come from existing Secrets;
 * the pieces fit: the conductors' static agent list names exactly the StatefulSet
   pods on their headless Services, each agent advertises its own DNS name, the HPA and
   PDBs select the right pods, the ServiceMonitor reaches both metrics ports with the
@@ -50,6 +51,13 @@ CHECKOV_SKIPS = {
     "CKV_K8S_15": "pull policy IfNotPresent with immutable version tags; set "
     "image.pullPolicy=Always for mutable tags",
     "CKV_K8S_43": "digests are the operator's choice: image.tag accepts 'v1.2.3@sha256:…'",
+    "CKV_K8S_35": "the settings read the Redis URL and bearer keys from the environment "
+    "only (KVC_*); Secrets reach them as env through secretKeyRef",
+}
+# Values with every secret from an existing Secret (Redis URL, bearer keys, tenants file).
+SECRETS = {
+    "redis": {"existingSecret": "kvc-redis"},
+    "auth": {"existingSecret": "kvc-auth", "tenantsFileKey": "tenants.json"},
 }
 
 Manifest = dict[str, Any]
@@ -316,8 +324,10 @@ def test_pods_run_locked_down(manifests: list[Manifest]) -> None:
 
 def test_rendered_chart_passes_checkov(tmp_path: Path) -> None:
     checkov = require_tool("checkov")
-    for profile, values_file in PROFILES.items():
-        for path, text in render(values_file).items():
+    renders = {profile: render(values_file) for profile, values_file in PROFILES.items()}
+    renders["secrets"] = render_values(SECRETS)
+    for profile, rendered in renders.items():
+        for path, text in rendered.items():
             if path.endswith(".yaml") and text.strip():
                 (tmp_path / f"{profile}-{Path(path).name}").write_text(text)
     output = run_tool(
@@ -399,3 +409,32 @@ def test_redis_url_from_an_existing_secret() -> None:
     assert seen == {"KVC_CONDUCTOR_REDIS_URL", "KVC_AGENT_REDIS_URL"}
     with pytest.raises(helm.HelmError, match="not both"):
         render_values({**values, "redisUrl": "redis://redis:6379/0"})
+
+
+def test_bearer_keys_and_tenants_file_from_an_existing_secret() -> None:
+    docs = [d for p, text in render_values(SECRETS).items() if p.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]  # fmt: skip
+    (deployment,) = of_kind(docs, "Deployment")
+    kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (conductor,) = pod["containers"]
+    env = {e["name"]: e for e in conductor["env"]}
+    for name, key in (("KVC_CONDUCTOR_API_KEYS", "api-keys"),
+                      ("KVC_CONDUCTOR_ADMIN_KEYS", "admin-keys")):  # fmt: skip
+        # A key the Secret lacks leaves the setting empty instead of blocking the pod.
+        assert env[name]["valueFrom"]["secretKeyRef"] == {
+            "name": "kvc-auth", "key": key, "optional": True,
+        }  # fmt: skip
+    tenants_file = Path(env["KVC_CONDUCTOR_TENANTS_FILE"]["value"])
+    (mount,) = [m for m in conductor["volumeMounts"] if m["name"] == "tenants"]
+    assert tenants_file.parent == Path(mount["mountPath"])
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tenants"]
+    assert volume["secret"] == {
+        "secretName": "kvc-auth", "items": [{"key": "tenants.json", "path": tenants_file.name}],
+    }  # fmt: skip
+    assert not any("key" in str(a) or "tenants" in str(a) for a in conductor["args"])
+    for _, container in containers(of_kind(docs, "StatefulSet")):
+        assert not any("KVC_CONDUCTOR" in e["name"] for e in container.get("env", []))
+    with pytest.raises(helm.HelmError, match=r"needs auth\.existingSecret"):
+        render_values({"auth": {"tenantsFileKey": "tenants.json"}})

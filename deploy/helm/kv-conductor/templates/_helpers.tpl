@@ -45,6 +45,32 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end -}}
 
+{{/* The conductor's bearer keys and tenants file from auth.existingSecret. */}}
+{{- define "kvc.authEnv" -}}
+{{- $auth := .Values.auth -}}
+{{- if and $auth.tenantsFileKey (not $auth.existingSecret) -}}
+{{- fail "auth.tenantsFileKey needs auth.existingSecret" -}}
+{{- end -}}
+{{- with $auth.existingSecret }}
+- name: KVC_CONDUCTOR_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ . | quote }}
+      key: {{ $auth.apiKeysKey | quote }}
+      optional: true
+- name: KVC_CONDUCTOR_ADMIN_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ . | quote }}
+      key: {{ $auth.adminKeysKey | quote }}
+      optional: true
+{{- if $auth.tenantsFileKey }}
+- name: KVC_CONDUCTOR_TENANTS_FILE
+  value: /etc/kvc/tenants/tenants.yaml
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{- define "kvc.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- .Values.serviceAccount.name | default (include "kvc.fullname" .) -}}
