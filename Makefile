@@ -11,6 +11,8 @@ $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
+# What `make demo` runs: a conductor and agents on the embedded engine (torch, from the
+# CPU build constraints.txt pins). The vLLM adapter's extra is `.[vllm]`; `.[dev]` has both.
 install: $(BIN)/activate
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[embedded]'
 
