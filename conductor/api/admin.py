@@ -114,7 +114,7 @@ async def index_stats(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
         "nodes": stats.nodes,
         "keys": stats.keys,
         "entries": stats.entries,
-        "policy": scheduler.config.policy.value,
+        "policy": str(scheduler.config.policy),  # a registry name (Policy is a StrEnum)
         "admission": scheduler.config.admission.value,
         "kvcache_balancing_threshold": scheduler.config.kvcache_balancing_threshold,
         "per_node": nodes,
