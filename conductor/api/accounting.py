@@ -44,7 +44,10 @@ class RequestAccount:
         return ttft_s
 
     def failed_to_start(self, exc: BaseException) -> None:
-        """Placement, prefill or the first token failed: the outcome follows the error."""
+        """Admission, placement, prefill or the first token failed: the outcome follows
+        the error (a no-op when a refusal already closed the account)."""
+        if self.closed:
+            return
         outcome = "cancelled"
         if isinstance(exc, RateLimited):
             outcome = "rejected"

@@ -50,6 +50,12 @@ class Admitted:
     def finish(self, outcome: str, usage: UsageCounts | None) -> None:
         self.account.close(outcome, self.stream, usage)
 
+    async def abandon(self) -> None:
+        """Nobody reads on (the client left before the stream began): cancel the
+        generation and count it cancelled; a no-op once finished."""
+        await self.stream.aclose()
+        self.finish("cancelled", None)
+
     async def collect(self) -> tuple[str, str, UsageCounts]:
         """Run a non-streamed generation to its end: (text, finish_reason, usage)."""
         parts: list[str] = []
@@ -120,8 +126,31 @@ async def admit(
     prompt_param: str,
     slo: Slo,
 ) -> Admitted:
-    """Bound, check and place one generation; return once its first token exists."""
+    """Bound, check and place one generation; return once its first token exists.
+
+    The request's account opens here; whatever stops admission (a refusal, an error,
+    a cancellation) closes it with its outcome, once."""
     account = RequestAccount(state, endpoint)
+    try:
+        return await _admit(
+            account, request_id, tenant, prompt_ids, body, max_tokens_requested, prompt_param, slo
+        )
+    except BaseException as exc:
+        account.failed_to_start(exc)
+        raise
+
+
+async def _admit(
+    account: RequestAccount,
+    request_id: str,
+    tenant: Tenant,
+    prompt_ids: list[int],
+    body: GenerationBody,
+    max_tokens_requested: int | None,
+    prompt_param: str,
+    slo: Slo,
+) -> Admitted:
+    state = account.state
     max_len = state.max_model_len()
     if max_len is None:
         account.refuse("no_capacity")
@@ -153,18 +182,14 @@ async def admit(
             reason="conductor_overloaded",
         )
     account.enter()
-    try:
-        stream = await state.dispatcher.start(
-            GenerationRequest(
-                request_id=request_id,
-                tenant=tenant.name,
-                prompt_ids=tuple(prompt_ids),
-                sampling=sampling_for(body, max_tokens),
-                slo=slo,
-            )
+    stream = await state.dispatcher.start(
+        GenerationRequest(
+            request_id=request_id,
+            tenant=tenant.name,
+            prompt_ids=tuple(prompt_ids),
+            sampling=sampling_for(body, max_tokens),
+            slo=slo,
         )
-    except BaseException as exc:
-        account.failed_to_start(exc)
-        raise
+    )
     ttft_s = account.first_token()
     return Admitted(account=account, stream=stream, ttft_s=ttft_s, headers=rate_headers)

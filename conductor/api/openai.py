@@ -3,7 +3,7 @@
 Both generation routes turn their body into prompt token ids, then share one path:
 ``admission.admit`` (bounds, rate limits, placement, first token — every refusal a
 status code with the OpenAI error envelope), then a JSON body (``Admitted.collect``) or
-server-sent events (``sse.sse_response``).
+server-sent events (``sse.GenerationResponse``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from conductor.api.schemas import (
     new_completion_id,
     sse_data,
 )
-from conductor.api.sse import sse_response
+from conductor.api.sse import GenerationResponse
 from conductor.errors import InvalidRequest, ModelNotFound, UnprocessableEntity
 from conductor.generation import TokenDelta, UsageCounts
 from conductor.state import AppState
@@ -143,7 +143,7 @@ async def chat_completions(
         )
 
     first = chunk([ChunkChoice(index=0, delta=ChoiceDelta(role="assistant", content=""))])
-    return sse_response(adm, make_chunk, first, rid)
+    return GenerationResponse(adm, make_chunk, first, rid)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -225,7 +225,7 @@ async def completions(
         )
         return sse_data(chunk_json(c, include_usage))
 
-    return sse_response(adm, make_chunk, None, rid)
+    return GenerationResponse(adm, make_chunk, None, rid)
 
 
 @router.get("/v1/models")

@@ -7,9 +7,10 @@ After the first byte the status is 200: a failure ends the stream with an
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from conductor.api.admission import Admitted
 from conductor.api.schemas import SSE_DONE, sse_data
@@ -22,7 +23,7 @@ ChunkMaker = Callable[[TokenDelta | None, UsageCounts | None], str | None]
 
 async def sse_events(
     adm: Admitted, make_chunk: ChunkMaker, first_event: str | None
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """Stream chunks; on error send an error event; always close the generation."""
     outcome = "cancelled"
     usage: UsageCounts | None = None
@@ -49,12 +50,34 @@ async def sse_events(
         adm.finish(outcome, usage)
 
 
-def sse_response(
-    adm: Admitted, make_chunk: ChunkMaker, first_event: str | None, request_id: str
-) -> StreamingResponse:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id}
-    return StreamingResponse(
-        sse_events(adm, make_chunk, first_event),
-        media_type="text/event-stream",
-        headers={**headers, **adm.headers},
-    )
+class GenerationResponse(StreamingResponse):
+    """The SSE response of one admitted generation. However it ends (the last event, an
+    error, or the client gone, even before the first event was produced) the
+    generation is closed and its request counted exactly once."""
+
+    def __init__(
+        self,
+        adm: Admitted,
+        make_chunk: ChunkMaker,
+        first_event: str | None,
+        request_id: str,
+    ) -> None:
+        self._adm = adm
+        self._events = sse_events(adm, make_chunk, first_event)
+        headers = {
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            "X-Request-Id": request_id,
+        }
+        super().__init__(
+            self._events, media_type="text/event-stream", headers={**headers, **adm.headers}
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Started, the generator closes itself in its ``finally``; never started
+            # (cancelled at the response start), only ``abandon`` closes the generation.
+            await self._events.aclose()
+            await self._adm.abandon()

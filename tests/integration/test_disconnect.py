@@ -17,6 +17,7 @@ from conductor.app import create_app
 from conductor.settings import ConductorSettings
 from node_agent.server import AgentServer
 from tests.conftest import AgentFactory, assert_no_locks, chat_body, wait_until
+from tests.integration.test_metrics import request_counts
 
 
 @pytest.fixture
@@ -56,3 +57,4 @@ async def test_disconnect_mid_stream_stops_generation(
     assert 'conductor_requests_total{endpoint="chat_completions",outcome="cancelled"} 1.0' in (
         metrics
     )
+    assert request_counts(metrics) == {("chat_completions", "cancelled"): 1}  # once, only

@@ -4,12 +4,14 @@ loopback) behind the real conductor app, read back from both expositions."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 
 import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.types import Message, Scope
 
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
@@ -36,6 +38,16 @@ def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 def value(text: str, name: str, **labels: str) -> float:
     return samples(text).get((name, frozenset(labels.items())), 0.0)
+
+
+def request_counts(text: str) -> dict[tuple[str, str], float]:
+    """The non-zero ``conductor_requests_total`` series: (endpoint, outcome) → count."""
+    return {
+        (labels["endpoint"], labels["outcome"]): v
+        for (name, frozen), v in samples(text).items()
+        if name == "conductor_requests_total" and v
+        for labels in [dict(frozen)]
+    }
 
 
 async def scrape(agent: AgentServer) -> str:
@@ -213,13 +225,7 @@ async def test_every_request_is_counted_once_with_its_outcome(
         limited = await c.client.post("/v1/chat/completions", json=chat_body())
         assert limited.status_code == 429, limited.text
         metrics = (await c.client.get("/metrics")).text
-    counts = {
-        (labels["endpoint"], labels["outcome"]): v
-        for (name, frozen), v in samples(metrics).items()
-        if name == "conductor_requests_total" and v
-        for labels in [dict(frozen)]
-    }
-    assert counts == {
+    assert request_counts(metrics) == {
         ("chat_completions", "success"): 1 + budget,
         ("completions", "success"): 1,
         ("completions", "client_error"): 1,
@@ -227,5 +233,112 @@ async def test_every_request_is_counted_once_with_its_outcome(
         ("chat_completions", "rejected"): 1,
     }
     assert value(metrics, "conductor_rejections_total", reason="tenant_rate_limit") == 1
+    assert value(metrics, "conductor_requests_in_flight") == 0
+    assert_no_locks(agent)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_an_upstream_failure_before_the_first_token_is_counted_once(
+    start_agent: AgentFactory, conductor: ConductorFactory, stream: bool
+) -> None:
+    from tests.integration.test_transfer_faults import LinkDropsAfter
+
+    prefill = await start_agent("prefill", transport=LinkDropsAfter(chunks=0))
+    decode = await start_agent("decode")
+    async with conductor([prefill, decode]) as c:
+        body = chat_body("hello " * 80, stream=stream)
+        r = await c.client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 502, r.text  # admission ends before the response starts
+        metrics = (await c.client.get("/metrics")).text
+    assert request_counts(metrics) == {("chat_completions", "upstream_error"): 1}
+    assert value(metrics, "conductor_requests_in_flight") == 0
+    assert_no_locks(prefill, decode)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_an_upstream_failure_mid_generation_is_counted_once(
+    start_agent: AgentFactory, conductor: ConductorFactory, stream: bool
+) -> None:
+    prefill, decode = await start_agent("prefill"), await start_agent("decode")
+    async with conductor([prefill, decode]) as c:
+
+        async def decode_node_dies() -> None:
+            await wait_until(lambda: decode.engine.load().running_requests == 1)
+            await decode.stop(grace_s=0)
+
+        dies = asyncio.create_task(decode_node_dies())
+        body = chat_body(max_tokens=4000, ignore_eos=True, stream=stream)
+        r = await c.client.post("/v1/chat/completions", json=body)
+        await dies
+        if stream:  # after the first byte: an error event, then [DONE]
+            assert r.status_code == 200
+            assert '"error"' in r.text
+            assert r.text.endswith("data: [DONE]\n\n")
+        else:
+            assert r.status_code >= 500, r.text
+        metrics = (await c.client.get("/metrics")).text
+    assert request_counts(metrics) == {("chat_completions", "upstream_error"): 1}
+    assert value(metrics, "conductor_requests_in_flight") == 0
+    assert_no_locks(prefill)
+
+
+async def test_a_client_gone_during_a_json_generation_is_counted_once_as_cancelled(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        body = chat_body(max_tokens=4000, ignore_eos=True)
+        waiting = asyncio.create_task(c.client.post("/v1/chat/completions", json=body))
+        await wait_until(lambda: agent.engine.load().running_requests == 1)
+        waiting.cancel()  # in-process, the request's task is the client's: it is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await wait_until(lambda: agent.engine.load().running_requests == 0, timeout_s=1.5)
+        metrics = (await c.client.get("/metrics")).text
+    assert request_counts(metrics) == {("chat_completions", "cancelled"): 1}
+    assert value(metrics, "conductor_requests_in_flight") == 0
+    assert_no_locks(agent)
+
+
+async def test_a_client_gone_before_the_first_event_is_counted_once_as_cancelled(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """The client hangs up while the response starts, so the event stream is never
+    iterated: the generation must still be cancelled, counted and its slot given back."""
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        body = json.dumps(chat_body(max_tokens=4000, ignore_eos=True, stream=True)).encode()
+        received: list[Message] = [
+            {"type": "http.request", "body": body, "more_body": False},
+            {"type": "http.disconnect"},  # at once: the response is cancelled as it starts
+        ]
+        sent: list[Message] = []
+
+        async def receive() -> Message:
+            return received.pop(0) if len(received) > 1 else received[0]
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+            await asyncio.sleep(0)  # a real transport yields to the loop
+
+        scope: Scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 40000),
+            "server": ("conductor", 80),
+        }
+        await c.app(scope, receive, send)
+        assert [m["type"] for m in sent] == ["http.response.start"]
+        await wait_until(lambda: agent.engine.load().running_requests == 0, timeout_s=1.5)
+        metrics = (await c.client.get("/metrics")).text
+    assert request_counts(metrics) == {("chat_completions", "cancelled"): 1}
     assert value(metrics, "conductor_requests_in_flight") == 0
     assert_no_locks(agent)
