@@ -11,7 +11,7 @@ import pytest
 from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
-from kvc.wire import ERROR_INFO_KEY
+from kvc.wire import ERROR_INFO_KEY, SERVICE_NAME
 from node_agent.server import AgentServer
 from tests.conftest import MODEL, AgentFactory, assert_no_locks
 
@@ -55,6 +55,32 @@ async def test_info_and_health(agent: AgentServer, stub: pb_grpc.NodeAgentAsyncS
         for service in ("", "kvc.v1.NodeAgent"):
             resp = await check(health_pb2.HealthCheckRequest(service=service))
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_draining_agent_is_not_ready_but_alive(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    """What the chart's probes rely on: readiness asks ``kvc.v1.NodeAgent`` (NOT_SERVING
+    while draining), liveness asks ``""`` (SERVING until the process stops)."""
+    from grpc_health.v1 import health_pb2
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    async with grpc.aio.insecure_channel(agent.address) as channel:
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+
+        async def status(service: str) -> int:
+            resp = await check(health_pb2.HealthCheckRequest(service=service))
+            return int(resp.status)
+
+        await stub.Drain(pb.DrainRequest())
+        assert await status(SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await status("") == serving
+        await stub.Drain(pb.DrainRequest(resume=True))
+        assert await status(SERVICE_NAME) == serving
 
 
 async def test_tx_lifecycle_and_idempotency(
