@@ -43,7 +43,6 @@ from conductor.core.prefix_index import NodeId, PrefixIndex
 from conductor.core.scheduler import (
     NodeState,
     Placement,
-    Rejection,
     Scheduler,
     ScheduleRequest,
 )
@@ -81,7 +80,7 @@ class DispatchTelemetry(Protocol):
 class RejectedBySchedule(RateLimited):
     """A scheduling rejection: the SLO cannot be met, or no node fits."""
 
-    def __init__(self, rejection: Rejection | Refusal) -> None:
+    def __init__(self, refusal: Refusal) -> None:
         messages = {
             "ttft_slo": "The predicted time to first token exceeds the SLO; retry later.",
             "tbt_slo": "The predicted time between tokens exceeds the SLO; retry later.",
@@ -95,12 +94,11 @@ class RejectedBySchedule(RateLimited):
             "no_decode_node": "insufficient_capacity",
         }
         super().__init__(
-            messages[rejection.reason],
-            retry_after_s=rejection.retry_after_s,
-            reason=rejection.reason,
-            code=codes[rejection.reason],
+            messages[refusal.reason],
+            retry_after_s=refusal.retry_after_s,
+            reason=refusal.reason,
+            code=codes[refusal.reason],
         )
-        self.rejection = rejection
 
 
 def _failure_kind(exc: AgentCallError) -> FailureKind | None:

@@ -123,9 +123,6 @@ class TenantDirectory:
     def auth_required(self) -> bool:
         return bool(self._by_digest) or self._redis is not None
 
-    def tenants(self) -> list[Tenant]:
-        return sorted(set(self._by_digest.values()), key=lambda t: t.name)
-
     async def resolve(self, api_key: str) -> Tenant | None:
         digest = key_digest(api_key)
         tenant = self._by_digest.get(digest)

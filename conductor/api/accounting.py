@@ -37,11 +37,9 @@ class RequestAccount:
         self.state.metrics.inflight.inc()
         self.in_flight = True
 
-    def first_token(self) -> float:
-        """The first token exists: observe and return the time to it."""
-        ttft_s = time.perf_counter() - self.started
-        self.state.metrics.ttft.labels(self.endpoint).observe(ttft_s)
-        return ttft_s
+    def first_token(self) -> None:
+        """The first token exists: observe the time to it."""
+        self.state.metrics.ttft.labels(self.endpoint).observe(time.perf_counter() - self.started)
 
     def failed_to_start(self, exc: BaseException) -> None:
         """Admission, placement, prefill or the first token failed: the outcome follows

@@ -44,7 +44,6 @@ class Admitted:
 
     account: RequestAccount
     stream: GenerationStream
-    ttft_s: float
     headers: dict[str, str]  # the tenant's x-ratelimit-* headers
 
     def finish(self, outcome: str, usage: UsageCounts | None) -> None:
@@ -191,5 +190,5 @@ async def _admit(
             slo=slo,
         )
     )
-    ttft_s = account.first_token()
-    return Admitted(account=account, stream=stream, ttft_s=ttft_s, headers=rate_headers)
+    account.first_token()
+    return Admitted(account=account, stream=stream, headers=rate_headers)

@@ -139,19 +139,6 @@ class ChatMessage(OpenAIBaseModel):
     tool_call_id: Any = None
     tool_calls: Any = None
 
-    def text_content(self, separator: str = "\n") -> str:
-        """The message's text: ``content`` itself, or its text parts joined by ``separator``.
-
-        Parts of any type other than ``"text"`` are skipped; ``None`` gives ``""``.
-        """
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return separator.join(
-            p.text for p in self.content if p.type == "text" and p.text is not None
-        )
-
 
 class ChatCompletionRequest(OpenAIBaseModel):
     """Body of ``POST /v1/chat/completions``."""
