@@ -211,6 +211,9 @@ async def test_models_health_ready_metrics(
         )
         assert "conductor_time_to_first_token_seconds_bucket" in metrics
         assert 'conductor_agents_usable{role="prefill"} 1.0' in metrics
+        # prometheus_client's standard process and runtime families, beside our own
+        assert "\nprocess_resident_memory_bytes " in metrics
+        assert "\npython_info{" in metrics
 
 
 async def test_not_ready_without_agents(conductor: ConductorFactory) -> None:
