@@ -36,19 +36,7 @@ reschedule, waiting, in-flight prefixes, the scheduler's books); only the I/O di
     free and allocatable KV blocks, running requests, as an agent reports them), the
     shadow index, and the durations its hooks are told.
 
-Knobs (``ClusterConfig``)
-    ``prefill_instances``, ``decode_instances``, ``block_tokens`` (a divisor of the
-    trace's 512: each trace block becomes ``512 / block_tokens`` pool blocks with derived
-    chained keys ``id * (512 / block_tokens) + j``), ``cache_tokens`` per prefill instance
-    (None: the profile's) or ``unbounded_cache`` (the pool is sized to hold every block
-    of the replayed requests: no eviction ever), ``index_event_delay_s``,
-    ``decode_refuses`` (decode nodes refuse what does not fit or would break the TBT
-    SLO), ``output_tokens`` (override every request's output length, e.g. 1),
-    ``max_tokens`` (the client's cap on every request; longer outputs are cut there),
-    ``max_waiting`` (the placement loop's bound on waiting requests), engines that differ
-    from their profile (``timing_noise_sigma``: log-normal noise on every duration;
-    ``cold_start_s`` added to each prefill instance's first ``cold_start_prefills``
-    prefills; ``seed``), ``lease_s``, ``load_sample_s``.
+Knobs: ``ClusterConfig`` (``cluster_config.py``).
 
 Complexity
     Per request: O(blocks) for keys, matching, allocation and commit, plus the
@@ -60,16 +48,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import ClassVar
-
-from pydantic import ConfigDict
 
 from conductor.core.placement import (
     FailureKind,
     PlacementLoop,
     Refusal,
-    RequestPlacement,
     Wait,
 )
 from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
@@ -82,7 +65,9 @@ from conductor.core.scheduler import (
     Slo,
 )
 from kvc.block_keys import BlockKey
+from kvc_sim.cluster_config import ClusterConfig
 from kvc_sim.engine import EventLoop
+from kvc_sim.flight import Flight
 from kvc_sim.instances import (
     DecodeInstance,
     DecodeSeq,
@@ -97,93 +82,12 @@ from kvc_sim.profile import Profile
 from kvc_sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, cached_tokens
 from node_agent.blocks.pool import AllocateParams, CapacityExhausted, TxMode
 
-__all__ = ["MODEL", "TENANT", "Cluster", "ClusterConfig", "simulate"]
+__all__ = ["MODEL", "TENANT", "Cluster", "simulate"]
 
 TENANT = "trace"
 MODEL = "trace-model"  # the output-length model's key is (MODEL, TENANT)
 
 Progress = Callable[[int, int, float], None]  # (arrived, total, virtual now)
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterConfig:
-    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
-
-    prefill_instances: int
-    decode_instances: int
-    block_tokens: int = TRACE_BLOCK_TOKENS
-    cache_tokens: int | None = None
-    unbounded_cache: bool = False
-    index_event_delay_s: float = 0.0
-    decode_refuses: bool = False
-    output_tokens: int | None = None
-    max_tokens: int = 1024
-    max_waiting: int = 0
-    timing_noise_sigma: float = 0.0
-    cold_start_s: float = 0.0
-    cold_start_prefills: int = 0
-    seed: int = 0
-    lease_s: float = 86_400.0
-    load_sample_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.prefill_instances <= 0 or self.decode_instances <= 0:
-            raise ValueError("a cluster needs at least one prefill and one decode instance")
-        if self.block_tokens <= 0 or TRACE_BLOCK_TOKENS % self.block_tokens:
-            raise ValueError(f"block_tokens must divide {TRACE_BLOCK_TOKENS}")
-        if self.cache_tokens is not None and self.cache_tokens < self.block_tokens:
-            raise ValueError("cache_tokens must hold at least one block")
-        if self.index_event_delay_s < 0 or self.load_sample_s <= 0 or self.lease_s <= 0:
-            raise ValueError("delays must be >= 0, sample interval and lease > 0")
-        if self.output_tokens is not None and self.output_tokens < 1:
-            raise ValueError("output_tokens must be >= 1")
-        if self.max_tokens < 1 or self.max_waiting < 0:
-            raise ValueError("max_tokens must be >= 1 and max_waiting >= 0")
-        if self.timing_noise_sigma < 0 or self.cold_start_s < 0:
-            raise ValueError("timing_noise_sigma and cold_start_s must be >= 0")
-        if self.cold_start_prefills < 0:
-            raise ValueError("cold_start_prefills must be >= 0")
-
-
-class _Flight:
-    """Everything known about one request while it is in the system (mutable)."""
-
-    __slots__ = (
-        "arrival_s",
-        "cached_tokens",
-        "decode",
-        "handoff_at_s",
-        "job",
-        "keys",
-        "loop",
-        "migrated_tokens",
-        "output_tokens",
-        "placement",
-        "prefill",
-        "prefill_end_s",
-        "prefill_s",
-        "req",
-        "ttft_s",
-        "wait_token",
-    )
-
-    def __init__(self, req: TraceRequest, keys: tuple[BlockKey, ...], output_tokens: int) -> None:
-        self.req = req
-        self.arrival_s = 0.0  # virtual (speed applied)
-        self.job: QueuedPrefill | None = None
-        self.keys = keys
-        self.output_tokens = output_tokens
-        self.loop: RequestPlacement | None = None  # its way through the placement loop
-        self.wait_token = 0  # bumped on every Wait: stale wake-ups are ignored
-        self.placement: Placement | None = None
-        self.prefill: PrefillInstance | None = None
-        self.decode: DecodeInstance | None = None
-        self.cached_tokens = 0
-        self.migrated_tokens = 0
-        self.prefill_s = 0.0
-        self.prefill_end_s = 0.0
-        self.handoff_at_s = 0.0
-        self.ttft_s: float | None = None
 
 
 class Cluster:
@@ -223,7 +127,7 @@ class Cluster:
                 refuse=config.decode_refuses, tbt_slo_s=slo.tbt_s,
                 noise=self._noise(1000 + i),
             )  # fmt: skip
-        self._waiters: dict[str, _Flight] = {}  # requests in a ``Wait``, by request id
+        self._waiters: dict[str, Flight] = {}  # requests in a ``Wait``, by request id
         self._unavailable: set[NodeId] = set()  # nodes down or draining
         self._records: list[RequestRecord] = []
         self._samples: list[LoadSample] = []
@@ -375,7 +279,7 @@ class Cluster:
         self._to_arrive -= 1
         cap = self.config.max_tokens
         out = min(cap, self.config.output_tokens or req.output_tokens)
-        flight = _Flight(req, self.keys_of(req), max(1, out))
+        flight = Flight(req, self.keys_of(req), max(1, out))
         flight.arrival_s = self.loop.now_s
         sreq = ScheduleRequest(
             request_id=req.request_id,
@@ -389,7 +293,7 @@ class Cluster:
         self._in_flight += 1
         self._place(flight)
 
-    def _place(self, flight: _Flight) -> None:
+    def _place(self, flight: Flight) -> None:
         """Drive the shared placement loop with pool calls (the live one uses gRPC)."""
         loop = flight.loop
         assert loop is not None
@@ -437,7 +341,7 @@ class Cluster:
             self._try_start(inst)
             return
 
-    def _wait(self, flight: _Flight, step: Wait) -> None:
+    def _wait(self, flight: Flight, step: Wait) -> None:
         """Decide again at ``step.until_s``, or earlier when capacity frees up."""
         flight.wait_token += 1
         token = flight.wait_token
@@ -460,7 +364,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ migration
     def _migrate(
-        self, flight: _Flight, job: QueuedPrefill, placement: Placement, local_blocks: int
+        self, flight: Flight, job: QueuedPrefill, placement: Placement, local_blocks: int
     ) -> None:
         migration = placement.migration
         assert migration is not None
@@ -510,7 +414,7 @@ class Cluster:
         job.on_start(cached, duration)
         self.loop.after(duration, job.on_done)
 
-    def _prefill_started(self, flight: _Flight, cached: int, duration: float) -> None:
+    def _prefill_started(self, flight: Flight, cached: int, duration: float) -> None:
         job, inst, dec = flight.job, flight.prefill, flight.decode
         assert job is not None
         assert inst is not None
@@ -529,7 +433,7 @@ class Cluster:
             flight.handoff_at_s = max(flight.prefill_end_s + latency, arrive)
             self.scheduler.transfer.observe(inst.node_id, dec.node_id, nbytes, arrive - start)
 
-    def _prefill_done(self, flight: _Flight) -> None:
+    def _prefill_done(self, flight: Flight) -> None:
         job, inst, placement = flight.job, flight.prefill, flight.placement
         assert job is not None
         assert inst is not None
@@ -553,7 +457,7 @@ class Cluster:
         self._try_start(inst)
 
     # ------------------------------------------------------------------ decode
-    def _handoff_done(self, flight: _Flight) -> None:
+    def _handoff_done(self, flight: Flight) -> None:
         dec, placement = flight.decode, flight.placement
         assert dec is not None
         assert placement is not None
@@ -577,7 +481,7 @@ class Cluster:
         flight.ttft_s = now - flight.arrival_s
         loop.decode_started(now)
 
-    def _decode_done(self, flight: _Flight, seq: DecodeSeq) -> None:
+    def _decode_done(self, flight: Flight, seq: DecodeSeq) -> None:
         dec, placement = flight.decode, flight.placement
         assert dec is not None
         assert placement is not None
@@ -596,32 +500,13 @@ class Cluster:
     # ------------------------------------------------------------------ records
     def _finish(
         self,
-        flight: _Flight,
+        flight: Flight,
         outcome: RequestOutcome,
         reason: str | None,
         tbt_s: float | None = None,
     ) -> None:
         self._in_flight -= 1
-        placement = flight.placement
-        prefilled = outcome != "rejected"
-        self._records.append(
-            RequestRecord(
-                request_id=flight.req.request_id,
-                arrival_s=flight.arrival_s,
-                input_tokens=flight.req.input_tokens,
-                output_tokens=flight.output_tokens,
-                outcome=outcome,
-                reject_reason=reason,
-                prefill_node=placement.prefill if placement and prefilled else None,
-                decode_node=placement.decode if placement and prefilled else None,
-                cached_tokens=flight.cached_tokens if prefilled else 0,
-                migrated_tokens=flight.migrated_tokens if prefilled else 0,
-                prefill_s=flight.prefill_s if prefilled else 0.0,
-                ttft_s=flight.ttft_s if outcome == "completed" else None,
-                tbt_s=tbt_s,
-                finish_s=self.loop.now_s,
-            )
-        )
+        self._records.append(flight.record(outcome, reason, tbt_s, self.loop.now_s))
 
     def _sample(self) -> None:
         """Load over time (the paper's Fig. 6 view), every ``load_sample_s``."""

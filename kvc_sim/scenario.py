@@ -27,7 +27,7 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 from conductor.core.policies import Policy
 from conductor.core.scheduler import Admission, SchedulerConfig, Slo
 from kvc.priors import DecodePrior, PrefillPrior
-from kvc_sim.cluster import ClusterConfig
+from kvc_sim.cluster_config import ClusterConfig
 from kvc_sim.profile import Profile, SimConfigError, load_profile, read_config_json
 
 __all__ = [

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from conductor.core.cost_model import TransferModel
 from conductor.core.prefix_index import NodeId
+from conductor.core.transfer_model import TransferModel
 
 if TYPE_CHECKING:
     # Only for annotations: the scheduler module builds its policies from this one.

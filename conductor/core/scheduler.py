@@ -65,7 +65,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from conductor.core.cost_model import DecodeTimeModel, PrefillTimeModel, TransferModel
+from conductor.core.cost_model import DecodeTimeModel, PrefillTimeModel
+from conductor.core.decode_load import (
+    DecodeForecast,
+    NodeBook,
+    PlacedDecode,
+    forecast_decode_load,
+    mean_context,
+)
 from conductor.core.output_length import LengthDistribution, OutputLengthModel
 from conductor.core.policies import (
     BUILTIN_POLICIES,
@@ -77,6 +84,7 @@ from conductor.core.policies import (
     SchedulingPolicy,
 )
 from conductor.core.prefix_index import NodeId
+from conductor.core.transfer_model import TransferModel
 from kvc.priors import DecodePrior, PrefillPrior
 from kvc.roles import NodeRole
 
@@ -190,63 +198,6 @@ class Rejection:
     tbt_s: float
 
 
-@dataclass(slots=True)
-class _Decode:
-    """One decode this scheduler placed: when it starts, how fast it runs, how long it may be."""
-
-    start_s: float  # predicted first-token time; the actual one once known
-    step_s: float  # predicted time between its tokens
-    prompt_tokens: int
-    cap_tokens: int  # the client's max_tokens
-    lengths: LengthDistribution  # its output length, learned per (model, tenant)
-    length_key: tuple[str, str]
-    started: bool = False
-    # What other decodes on its node added while it ran, from those that already left:
-    # request-seconds and context-token-seconds (see ``Scheduler.observe_decode``).
-    others_s: float = 0.0
-    others_context_s: float = 0.0
-
-    def tokens_at(self, t_s: float) -> float:
-        """Output tokens predicted to exist at ``t_s`` (0 before the first token)."""
-        if t_s <= self.start_s or self.step_s <= 0:
-            return 0.0
-        return (t_s - self.start_s) / self.step_s
-
-    def active_probability(self, at_s: float, now_s: float) -> float:
-        """P(still decoding at ``at_s``), knowing it was still running at ``now_s``."""
-        if at_s < self.start_s:
-            return 0.0  # its prefill has not ended yet then
-        if at_s <= now_s:
-            return 1.0  # running now (the scheduler is told when it ends)
-        target = self.tokens_at(at_s)
-        if target >= self.cap_tokens:
-            return 0.0  # max_tokens stops it by then
-        done = min(self.tokens_at(now_s), max(0.0, self.cap_tokens - 1.0))
-        return self.lengths.conditional_survival(done, max(done, target))
-
-
-def _mean_context(d: _Decode, begin_s: float, end_s: float) -> float:
-    """Mean context (prompt + generated tokens) of ``d`` over ``[begin_s, end_s]``."""
-    return d.prompt_tokens + (d.tokens_at(begin_s) + d.tokens_at(end_s)) / 2
-
-
-@dataclass(slots=True)
-class _NodeBook:
-    pending_prefill_s: dict[str, float] = field(default_factory=dict)
-    pending_prefill_tokens: dict[str, int] = field(default_factory=dict)
-    pending_cached_tokens: dict[str, int] = field(default_factory=dict)
-    pending_model_version: int = -1  # the prefill model's version the estimates are from
-    decodes: dict[str, _Decode] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeForecast:
-    """Decode load on a node at a moment: expected batch (requests) and KV tokens."""
-
-    requests: float
-    context_tokens: float
-
-
 # Delays (s) at which a TBT-refused request is re-forecast for ``Retry-After``.
 _RETRY_PROBES_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 120.0)
 
@@ -272,7 +223,7 @@ class Scheduler:
         self.output_lengths = OutputLengthModel(prior_mean_tokens=config.output_length_prior_tokens)
         self._prefill_models: dict[NodeId, PrefillTimeModel] = {}
         self._decode_models: dict[NodeId, DecodeTimeModel] = {}
-        self._books: dict[NodeId, _NodeBook] = {}
+        self._books: dict[NodeId, NodeBook] = {}
 
     # ------------------------------------------------------------------ models
     def prefill_model(self, node: NodeId) -> PrefillTimeModel:
@@ -308,10 +259,10 @@ class Scheduler:
             if dmodel.prior != decode or not dmodel.prior_measured:
                 dmodel.set_prior(decode, measured=True)
 
-    def _book(self, node: NodeId) -> _NodeBook:
+    def _book(self, node: NodeId) -> NodeBook:
         book = self._books.get(node)
         if book is None:
-            book = self._books[node] = _NodeBook()
+            book = self._books[node] = NodeBook()
         return book
 
     def lengths_for(self, req: ScheduleRequest) -> LengthDistribution:
@@ -347,34 +298,12 @@ class Scheduler:
     ) -> DecodeForecast:
         """Expected decode batch on ``node`` at ``at_s`` (before a new request joins).
 
-        Each decode this scheduler placed counts with the probability that it is still
-        running then, from its learned output-length distribution given what it has
-        produced by ``now_s`` (a decode past its typical length stays, with a heavy
-        tail); decodes whose prefill ends before ``at_s`` join. Decodes the agent
-        reports beyond ours (other conductors') count fully now and, later, with the
-        survival of ``lengths`` (the arriving request's). O(decodes on the node).
+        See ``decode_load.forecast_decode_load``. O(decodes on the node).
         """
-        requests = 0.0
-        context = 0.0
-        running_now = 0
-        for d in self._book(node.node_id).decodes.values():
-            if d.start_s <= now_s:
-                running_now += 1
-            p = d.active_probability(at_s, now_s)
-            if p > 0:
-                requests += p
-                context += p * (d.prompt_tokens + d.tokens_at(at_s))
-        foreign = max(0, node.running_requests - running_now)
-        if foreign:
-            mean_context = context / requests if requests > 0 else 0.0
-            if at_s <= now_s:
-                share = 1.0
-            else:
-                step = self.decode_model(node.node_id).estimate(max(1, node.running_requests), 0)
-                share = lengths.survival((at_s - now_s) / step) if step > 0 else 0.0
-            requests += foreign * share
-            context += foreign * share * mean_context
-        return DecodeForecast(requests, context)
+        return forecast_decode_load(
+            self._book(node.node_id).decodes.values(), node.running_requests, at_s, now_s,
+            lengths, self.decode_model(node.node_id),
+        )  # fmt: skip
 
     def tbt_at(self, node: NodeState, at_s: float, now_s: float, req: ScheduleRequest) -> float:
         """Predicted TBT on ``node`` at ``at_s`` with ``req`` joining."""
@@ -520,7 +449,7 @@ class Scheduler:
         book.pending_prefill_s[req.request_id] = placement.prefill_s
         book.pending_prefill_tokens[req.request_id] = req.prompt_tokens
         book.pending_cached_tokens[req.request_id] = placement.cached_tokens
-        self._book(placement.decode).decodes[req.request_id] = _Decode(
+        self._book(placement.decode).decodes[req.request_id] = PlacedDecode(
             start_s=now_s + placement.ttft_s,
             step_s=placement.tbt_s,
             prompt_tokens=req.prompt_tokens,
@@ -574,7 +503,7 @@ class Scheduler:
                 if o.started and now_s > max(o.start_s, d.start_s):
                     begin = max(o.start_s, d.start_s)
                     o.others_s += now_s - begin
-                    o.others_context_s += (now_s - begin) * _mean_context(d, begin, now_s)
+                    o.others_context_s += (now_s - begin) * mean_context(d, begin, now_s)
         if d is not None and output_tokens is not None and output_tokens > 0:
             model, tenant = d.length_key
             self.output_lengths.observe(model, tenant, output_tokens, censored=not stopped)
@@ -610,9 +539,9 @@ class Scheduler:
                 overlap = now_s - max(o.start_s, d.start_s)
                 if overlap > 0:
                     others_s += overlap
-                    others_context_s += overlap * _mean_context(o, now_s - overlap, now_s)
+                    others_context_s += overlap * mean_context(o, now_s - overlap, now_s)
         batch = 1.0 + others_s / span
-        context = _mean_context(d, d.start_s, now_s) + others_context_s / span
+        context = mean_context(d, d.start_s, now_s) + others_context_s / span
         self.decode_model(node).observe(batch, context, mean_gap_s)
         return batch, context
 

@@ -21,7 +21,8 @@ from conductor.errors import ConductorError
 from conductor.generation import GenerationRequest
 from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.sampling import Sampling
-from kvc_sim.cluster import TENANT, Cluster, ClusterConfig
+from kvc_sim.cluster import TENANT, Cluster
+from kvc_sim.cluster_config import ClusterConfig
 from kvc_sim.profile import load_profile
 from kvc_sim.trace import TraceRequest
 from node_agent.blocks.pool import AllocateParams, BlockPool

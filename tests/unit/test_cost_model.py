@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conductor.core.cost_model import DecodeTimeModel, PrefillTimeModel, TransferModel
+from conductor.core.cost_model import DecodeTimeModel, PrefillTimeModel
 from conductor.core.prefix_index import NodeId
+from conductor.core.transfer_model import TransferModel
 from kvc.priors import DecodePrior, PrefillPrior, fit_decode_prior, fit_prefill_prior
 
 SRC, DST = NodeId("p0"), NodeId("d0")

@@ -9,7 +9,8 @@ import pytest
 
 from conductor.core.policies import Policy
 from conductor.core.scheduler import Admission, SchedulerConfig, Slo
-from kvc_sim.cluster import Cluster, ClusterConfig, simulate
+from kvc_sim.cluster import Cluster, simulate
+from kvc_sim.cluster_config import ClusterConfig
 from kvc_sim.metrics import summarize
 from kvc_sim.profile import Profile, load_profile
 from kvc_sim.trace import TraceRequest

@@ -19,7 +19,8 @@ import pytest
 
 from conductor.core.policies import Policy
 from conductor.core.scheduler import Admission, SchedulerConfig, Slo
-from kvc_sim.cluster import ClusterConfig, simulate
+from kvc_sim.cluster import simulate
+from kvc_sim.cluster_config import ClusterConfig
 from kvc_sim.metrics import RequestRecord, SimResult, summarize, top_decile_mean
 from kvc_sim.profile import Profile, load_profile
 from kvc_sim.trace import TraceRequest, read_trace, theoretical_hit_ratio

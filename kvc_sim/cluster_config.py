@@ -1,0 +1,66 @@
+"""The simulated cluster's knobs, validated when built (``kvc_sim/cluster.py`` runs it).
+
+``prefill_instances``, ``decode_instances``, ``block_tokens`` (a divisor of the
+trace's 512: each trace block becomes ``512 / block_tokens`` pool blocks with derived
+chained keys ``id * (512 / block_tokens) + j``), ``cache_tokens`` per prefill instance
+(None: the profile's) or ``unbounded_cache`` (the pool is sized to hold every block
+of the replayed requests: no eviction ever), ``index_event_delay_s``,
+``decode_refuses`` (decode nodes refuse what does not fit or would break the TBT
+SLO), ``output_tokens`` (override every request's output length, e.g. 1),
+``max_tokens`` (the client's cap on every request; longer outputs are cut there),
+``max_waiting`` (the placement loop's bound on waiting requests), engines that differ
+from their profile (``timing_noise_sigma``: log-normal noise on every duration;
+``cold_start_s`` added to each prefill instance's first ``cold_start_prefills``
+prefills; ``seed``), ``lease_s``, ``load_sample_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import ConfigDict
+
+from kvc_sim.trace import TRACE_BLOCK_TOKENS
+
+__all__ = ["ClusterConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
+
+    prefill_instances: int
+    decode_instances: int
+    block_tokens: int = TRACE_BLOCK_TOKENS
+    cache_tokens: int | None = None
+    unbounded_cache: bool = False
+    index_event_delay_s: float = 0.0
+    decode_refuses: bool = False
+    output_tokens: int | None = None
+    max_tokens: int = 1024
+    max_waiting: int = 0
+    timing_noise_sigma: float = 0.0
+    cold_start_s: float = 0.0
+    cold_start_prefills: int = 0
+    seed: int = 0
+    lease_s: float = 86_400.0
+    load_sample_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_instances <= 0 or self.decode_instances <= 0:
+            raise ValueError("a cluster needs at least one prefill and one decode instance")
+        if self.block_tokens <= 0 or TRACE_BLOCK_TOKENS % self.block_tokens:
+            raise ValueError(f"block_tokens must divide {TRACE_BLOCK_TOKENS}")
+        if self.cache_tokens is not None and self.cache_tokens < self.block_tokens:
+            raise ValueError("cache_tokens must hold at least one block")
+        if self.index_event_delay_s < 0 or self.load_sample_s <= 0 or self.lease_s <= 0:
+            raise ValueError("delays must be >= 0, sample interval and lease > 0")
+        if self.output_tokens is not None and self.output_tokens < 1:
+            raise ValueError("output_tokens must be >= 1")
+        if self.max_tokens < 1 or self.max_waiting < 0:
+            raise ValueError("max_tokens must be >= 1 and max_waiting >= 0")
+        if self.timing_noise_sigma < 0 or self.cold_start_s < 0:
+            raise ValueError("timing_noise_sigma and cold_start_s must be >= 0")
+        if self.cold_start_prefills < 0:
+            raise ValueError("cold_start_prefills must be >= 0")
