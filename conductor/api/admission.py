@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conductor.api.accounting import RequestAccount
+from conductor.api.limits import check_tenant_rate
 from conductor.api.schemas import ChatCompletionRequest, CompletionRequest
-from conductor.core.ratelimit import Limit, format_reset
 from conductor.core.scheduler import Slo
 from conductor.errors import (
     ConductorError,
@@ -78,42 +78,6 @@ class Admitted:
         return "".join(parts), finish, usage
 
 
-async def check_rate(account: RequestAccount, tenant: Tenant, tokens: int) -> dict[str, str]:
-    """Consume the tenant's request and token budget, or raise 429 with OpenAI's headers."""
-    state = account.state
-    limits = {
-        "requests": Limit(tenant.requests_per_minute),
-        "tokens": Limit(tenant.tokens_per_minute),
-    }
-    decision = await state.limiter.check(tenant.name, limits, {"requests": 1, "tokens": tokens})
-    headers: dict[str, str] = {}
-    for name, dim in decision.dimensions.items():
-        headers[f"x-ratelimit-limit-{name}"] = str(dim.limit)
-        headers[f"x-ratelimit-remaining-{name}"] = str(dim.remaining)
-        headers[f"x-ratelimit-reset-{name}"] = format_reset(dim.reset_s)
-    if decision.allowed:
-        return headers
-    refused = decision.refused_by or "requests"
-    dim = decision.dimensions[refused]
-    unit = "requests per min (RPM)" if refused == "requests" else "tokens per min (TPM)"
-    requested = 1 if refused == "requests" else tokens
-    account.refuse("tenant_rate_limit")
-    state.dispatcher.refusals.log(
-        "tenant_rate_limit", f"tenant {tenant.name!r}",
-        f"{refused} per minute: limit {dim.limit}, remaining {dim.remaining}, "
-        f"requested {requested}; Retry-After {decision.retry_after_s:.1f} s",
-    )  # fmt: skip
-    raise RateLimited(
-        f"Rate limit reached for {unit} of tenant {tenant.name!r}: Limit {dim.limit}, "
-        f"Remaining {dim.remaining}, Requested {requested}. "
-        f"Please try again in {format_reset(decision.retry_after_s)}.",
-        retry_after_s=decision.retry_after_s,
-        reason="tenant_rate_limit",
-        limit_type="tokens" if refused == "tokens" else "requests",
-        headers=headers,
-    )
-
-
 async def admit(
     state: AppState,
     endpoint: str,
@@ -167,7 +131,7 @@ async def _admit(
             param=prompt_param,
         )
     max_tokens = max_tokens_requested or min(state.settings.default_max_tokens, room)
-    rate_headers = await check_rate(account, tenant, len(prompt_ids) + max_tokens)
+    rate_headers = await check_tenant_rate(account, tenant, len(prompt_ids) + max_tokens)
     if state.inflight >= state.settings.max_inflight_requests:
         account.refuse("conductor_overloaded")
         state.dispatcher.refusals.log(

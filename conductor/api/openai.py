@@ -17,7 +17,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from conductor.api.admission import admit
-from conductor.api.deps import StateDep, TenantDep, request_id, request_slo
+from conductor.api.deps import StateDep, TenantDep, request_id
+from conductor.api.limits import request_slo
 from conductor.api.schemas import (
     ChatCompletionChoice,
     ChatCompletionChunk,
