@@ -262,8 +262,13 @@ async def test_an_upstream_failure_mid_generation_is_counted_once(
     prefill, decode = await start_agent("prefill"), await start_agent("decode")
     async with conductor([prefill, decode]) as c:
 
+        def admitted() -> bool:  # the first token reached the conductor
+            text = c.state.metrics.exposition().decode()
+            ttft = "conductor_time_to_first_token_seconds_count"
+            return value(text, ttft, endpoint="chat_completions") == 1
+
         async def decode_node_dies() -> None:
-            await wait_until(lambda: decode.engine.load().running_requests == 1)
+            await wait_until(admitted)
             await decode.stop(grace_s=0)
 
         dies = asyncio.create_task(decode_node_dies())
