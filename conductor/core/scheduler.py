@@ -508,13 +508,6 @@ class Scheduler:
             model, tenant = d.length_key
             self.output_lengths.observe(model, tenant, output_tokens, censored=not stopped)
 
-    def observe_tbt(
-        self, node: NodeId, batch_requests: int, context_tokens: int, tbt_s: float
-    ) -> None:
-        """One measured decode step time at a known batch and context."""
-        if tbt_s > 0 and batch_requests > 0:
-            self.decode_model(node).observe(batch_requests, context_tokens, tbt_s)
-
     def observe_decode(
         self, request_id: str, node: NodeId, mean_gap_s: float, now_s: float
     ) -> tuple[float, float] | None:
@@ -549,8 +542,3 @@ class Scheduler:
         """(requests, context tokens) this scheduler has decoding on ``node`` at ``now_s``."""
         live = [d for d in self._book(node).decodes.values() if d.start_s <= now_s]
         return len(live), sum(d.prompt_tokens + int(d.tokens_at(now_s)) for d in live)
-
-    def forget_node(self, node: NodeId) -> None:
-        self._books.pop(node, None)
-        self._prefill_models.pop(node, None)
-        self._decode_models.pop(node, None)

@@ -148,8 +148,3 @@ class TransferModel:
     def latency_s(self, src: NodeId, dst: NodeId) -> float:
         link = self._links.get((src, dst))
         return self._default_latency_s if link is None else link.latency_s
-
-    def forget_node(self, node: NodeId) -> None:
-        """Drop every pair touching ``node`` (it left the fleet). O(pairs)."""
-        for pair in [p for p in self._links if node in p]:
-            del self._links[pair]
