@@ -32,7 +32,8 @@ from bench.report import markdown_table, summarize_ms, write_results
 from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
-from node_agent.blocks.pool import AllocateParams, BlockPool
+from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.types import AllocateParams
 
 MODEL = "tiny-llama"
 

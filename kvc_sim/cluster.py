@@ -80,7 +80,7 @@ from kvc_sim.instances import (
 from kvc_sim.metrics import LoadSample, RequestOutcome, RequestRecord, SimResult, top_decile_mean
 from kvc_sim.profile import Profile
 from kvc_sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, cached_tokens
-from node_agent.blocks.pool import AllocateParams, CapacityExhausted, TxMode
+from node_agent.blocks.types import AllocateParams, CapacityExhausted, TxMode
 
 __all__ = ["MODEL", "TENANT", "Cluster", "simulate"]
 

@@ -45,13 +45,8 @@ from dataclasses import dataclass, field
 from conductor.core.prefix_index import NodeId
 from kvc.block_keys import BlockKey
 from kvc_sim.profile import Profile
-from node_agent.blocks.pool import (
-    AllBlocksCleared,
-    BlockPool,
-    BlockRemoved,
-    BlockState,
-    BlockStored,
-)
+from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.types import AllBlocksCleared, BlockRemoved, BlockState, BlockStored
 
 __all__ = [
     "DecodeInstance",

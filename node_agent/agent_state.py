@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node_agent.blocks.pool import BlockPool, BlockPoolError, BlockState
+from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.types import BlockPoolError, BlockState
 from node_agent.engines.base import EngineAdapter
 from node_agent.errors import Draining, PromptRejected
 from node_agent.event_stream import EventPublisher

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.blocks.events import EventLog
-from node_agent.blocks.pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
+from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.types import AllBlocksCleared, BlockRemoved, BlockStored
 from node_agent.engines.base import CacheCleared, CacheStored, EngineAdapter, EngineCacheEvent
 from node_agent.metrics import AgentMetrics
 

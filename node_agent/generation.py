@@ -23,7 +23,7 @@ from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.wire import sampling_from_pb
 from node_agent.agent_state import AgentState
-from node_agent.blocks.pool import BlockPoolError, InvalidArgument, TxExpired
+from node_agent.blocks.types import BlockPoolError, InvalidArgument, TxExpired
 from node_agent.engines.base import GenerateJob, PrefillJob
 from node_agent.errors import PromptRejected
 from node_agent.event_stream import LastPrefill

@@ -43,8 +43,8 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import choose_encoder
 
-from node_agent.blocks.pool import (
-    BlockPool,
+from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.types import (
     CapacityExhausted,
     InvalidArgument,
     TxClosed,

@@ -32,7 +32,7 @@ import grpc
 
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.wire import ERROR_INFO_KEY
-from node_agent.blocks.pool import (
+from node_agent.blocks.types import (
     BlockPoolError,
     CapacityExhausted,
     InvalidArgument,

@@ -47,7 +47,8 @@ from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import MAX_MESSAGE_BYTES, ROLE_TO_PB, SERVICE_NAME
 from node_agent.agent_state import AgentState
-from node_agent.blocks.pool import AllocateParams, BlockPool, BlockPoolError, TxMode
+from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.types import AllocateParams, BlockPoolError, TxMode
 from node_agent.calibration import Calibration, calibrate_before_serving
 from node_agent.engines.base import CacheMirroringEngine, EngineAdapter
 from node_agent.errors import Draining

@@ -96,153 +96,28 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvc.block_keys import KEY_BITS, BlockKey
+from node_agent.blocks.types import (
+    AbortResult,
+    AllBlocksCleared,
+    AllocateParams,
+    AllocateResult,
+    BlockEvent,
+    BlockRemoved,
+    BlockState,
+    BlockStored,
+    CapacityExhausted,
+    CommitResult,
+    InvalidArgument,
+    PoolStats,
+    TxClosed,
+    TxExpired,
+    TxMode,
+    TxNotFound,
+)
 
-__all__ = [
-    "AbortResult",
-    "AllBlocksCleared",
-    "AllocateParams",
-    "AllocateResult",
-    "BlockEvent",
-    "BlockPool",
-    "BlockPoolError",
-    "BlockRemoved",
-    "BlockState",
-    "BlockStored",
-    "CapacityExhausted",
-    "CommitResult",
-    "InvalidArgument",
-    "PoolStats",
-    "TxClosed",
-    "TxExpired",
-    "TxMode",
-    "TxNotFound",
-]
+__all__ = ["BlockPool"]
 
 _KEY_LIMIT = 2**KEY_BITS
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class BlockPoolError(Exception):
-    """Base of every error the block pool raises (see the module docstring's tree)."""
-
-
-class InvalidArgument(BlockPoolError):
-    """A malformed request: tx_id, tenant, keys, lease, mode or handle."""
-
-
-class TxNotFound(BlockPoolError):
-    """No open tx and no remembered finished tx has this id."""
-
-    def __init__(self, tx_id: str) -> None:
-        super().__init__(f"unknown tx {tx_id!r}")
-        self.tx_id = tx_id
-
-
-class TxClosed(BlockPoolError):
-    """The tx already finished in a way that forbids this call (e.g. commit after abort)."""
-
-    def __init__(self, tx_id: str, outcome: str) -> None:
-        super().__init__(f"tx {tx_id!r} is already {outcome}")
-        self.tx_id = tx_id
-        self.outcome = outcome
-
-
-class TxExpired(TxClosed):
-    """The tx's lease ran out; the pool aborted it and released its blocks."""
-
-    def __init__(self, tx_id: str) -> None:
-        super().__init__(tx_id, "expired")
-
-
-class CapacityExhausted(BlockPoolError):
-    """Not enough obtainable blocks; ``free_blocks`` counts free plus evictable ones."""
-
-    def __init__(self, needed_blocks: int, free_blocks: int) -> None:
-        super().__init__(f"need {needed_blocks} new blocks, only {free_blocks} free or evictable")
-        self.needed_blocks = needed_blocks
-        self.free_blocks = free_blocks
-
-
-# ------------------------------------------------------------ parameters and results
-
-
-class BlockState(enum.Enum):
-    FREE = "free"
-    ALLOCATED = "allocated"
-    CACHED = "cached"
-
-
-class TxMode(enum.Enum):
-    ALLOCATE = "allocate"  # reuse the cached prefix, allocate the rest, lock all
-    LOCK_ONLY = "lock_only"  # source side of a copy: lock the cached prefix only
-
-
-@dataclass(frozen=True, slots=True)
-class AllocateParams:
-    tx_id: str
-    tenant: str
-    keys: Sequence[BlockKey]
-    lease_s: float
-    mode: TxMode = TxMode.ALLOCATE
-
-
-@dataclass(frozen=True, slots=True)
-class AllocateResult:
-    """``handles[i]`` holds ``keys[i]``; LOCK_ONLY returns handles for the locked prefix."""
-
-    tx_id: str
-    handles: tuple[int, ...]
-    reused_blocks: int  # contiguous CACHED prefix reused (LOCK_ONLY: locked)
-    new_blocks: int  # freshly allocated by this tx
-    lease_deadline: float  # clock time at which the tx expires
-    shared_blocks: int = 0  # in-flight blocks of other open txs joined (content not valid yet)
-
-
-@dataclass(frozen=True, slots=True)
-class CommitResult:
-    tx_id: str
-    stored_keys: tuple[BlockKey, ...]  # keys that became CACHED by this commit, in order
-    released_blocks: int  # locks released
-
-
-@dataclass(frozen=True, slots=True)
-class AbortResult:
-    tx_id: str
-    freed_blocks: int  # ALLOCATED blocks returned to the free list
-    released_blocks: int  # locks released
-    expired: bool  # aborted by lease expiry rather than by a caller
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStats:
-    capacity_blocks: int
-    free_blocks: int
-    cached_blocks: int
-    allocated_blocks: int
-    locked_blocks: int
-    open_txs: int
-    evictable_blocks: int  # CACHED and unlocked
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    keys: tuple[BlockKey, ...]  # newly cached, in prefix order
-    parent_key: BlockKey | None  # key of the block before keys[0] in its tx, None at root
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    keys: tuple[BlockKey, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-BlockEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 # ------------------------------------------------------------------ internal records

@@ -19,7 +19,7 @@ import zlib
 
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.agent_state import AgentState
-from node_agent.blocks.pool import InvalidArgument
+from node_agent.blocks.types import InvalidArgument
 from node_agent.errors import TransferError
 from node_agent.kv import KvContent
 from node_agent.transfer.transport import KvRequest, KvTransport

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.agent_state import AgentState
-from node_agent.blocks.pool import BlockPoolError, InvalidArgument
+from node_agent.blocks.types import BlockPoolError, InvalidArgument
 from node_agent.errors import ContentMissing, NotStaged
 from node_agent.kv import KvContent
 from node_agent.transfer.staging import StagingArea

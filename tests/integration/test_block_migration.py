@@ -21,7 +21,7 @@ import torch
 from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
-from node_agent.blocks.pool import BlockPoolError, BlockState
+from node_agent.blocks.types import BlockPoolError, BlockState
 from node_agent.engines.embedded.kv_tensors import KvCache
 from node_agent.kv import KvLayout
 from node_agent.server import AgentServer

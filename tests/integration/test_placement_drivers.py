@@ -25,7 +25,8 @@ from kvc_sim.cluster import TENANT, Cluster
 from kvc_sim.cluster_config import ClusterConfig
 from kvc_sim.profile import load_profile
 from kvc_sim.trace import TraceRequest
-from node_agent.blocks.pool import AllocateParams, BlockPool
+from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.types import AllocateParams
 from node_agent.server import AgentServer
 from tests.conftest import MODEL, AgentFactory, ConductorFactory, assert_no_locks, wait_until
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import pytest
 
 from kvc.block_keys import BlockKey
-from node_agent.blocks.pool import (
+from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.types import (
     AbortResult,
     AllBlocksCleared,
     AllocateParams,
     AllocateResult,
-    BlockPool,
     BlockPoolError,
     BlockRemoved,
     BlockState,

@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvc.block_keys import BlockKey, compute_block_keys
-from node_agent.blocks.pool import (
+from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.types import (
     AbortResult,
     AllBlocksCleared,
     AllocateParams,
     AllocateResult,
     BlockEvent,
-    BlockPool,
     BlockRemoved,
     BlockState,
     BlockStored,

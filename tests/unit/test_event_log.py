@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvc.block_keys import BlockKey
 from node_agent.blocks.events import EventLog
-from node_agent.blocks.pool import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from node_agent.blocks.types import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 
 
 def test_sequence_starts_at_one_and_increments() -> None:

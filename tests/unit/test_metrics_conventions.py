@@ -162,7 +162,7 @@ def test_agent_up_forgets_agents_that_left() -> None:
 
 
 def test_tx_outcomes_cover_the_pool_errors() -> None:
-    from node_agent.blocks.pool import (
+    from node_agent.blocks.types import (
         BlockPoolError,
         CapacityExhausted,
         InvalidArgument,
