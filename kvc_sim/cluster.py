@@ -226,6 +226,7 @@ class Cluster:
                     free_blocks=stats.free_blocks,
                     allocatable_blocks=stats.free_blocks + stats.evictable_blocks,
                     kv_bytes_per_token=kvb,
+                    kv_migration=self.config.kv_migration,
                     queued_prefill_tokens=p.queued_tokens,
                     running_requests=len(p.queue) + (p.running is not None),
                 )

@@ -11,7 +11,9 @@ SLO), ``output_tokens`` (override every request's output length, e.g. 1),
 ``max_waiting`` (the placement loop's bound on waiting requests), engines that differ
 from their profile (``timing_noise_sigma``: log-normal noise on every duration;
 ``cold_start_s`` added to each prefill instance's first ``cold_start_prefills``
-prefills; ``seed``), ``lease_s``, ``load_sample_s``.
+prefills; ``seed``), ``lease_s``, ``load_sample_s``, ``kv_migration`` (False: prefill
+nodes can neither lend nor receive prefix blocks, as engines that own their KV — vLLM
+nodes — report to the live conductor; the live-parity scenario uses it).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class ClusterConfig:
     seed: int = 0
     lease_s: float = 86_400.0
     load_sample_s: float = 5.0
+    kv_migration: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_instances <= 0 or self.decode_instances <= 0:

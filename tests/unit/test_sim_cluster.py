@@ -104,6 +104,22 @@ def test_a_busy_holder_makes_algorithm_1_pull_its_prefix() -> None:
         check_consistent(cluster)
 
 
+def test_nodes_that_own_their_kv_never_migrate() -> None:
+    """``kv_migration=False`` (vLLM nodes, as the live conductor sees them): kv_centric
+    recomputes where it would have pulled; the same workload migrates otherwise."""
+    p = profile()
+    reqs = workload()
+    base = ClusterConfig(prefill_instances=4, decode_instances=2, cache_tokens=200_000)
+    moved = Cluster(p, base, sched(p), SLO, reqs).run(reqs, speed=3.0)
+    assert moved.migrations > 0
+    cluster = Cluster(p, replace(base, kv_migration=False), sched(p), SLO, reqs)
+    result = cluster.run(reqs, speed=3.0)
+    assert len(result.records) == len(reqs)
+    assert result.migrations == 0
+    assert all(r.migrated_tokens == 0 for r in result.records)
+    check_consistent(cluster)
+
+
 def test_no_room_on_a_prefill_node_moves_the_request_or_rejects_it() -> None:
     p = profile()
     small = ClusterConfig(prefill_instances=2, decode_instances=1, cache_tokens=10 * 512)
