@@ -28,7 +28,9 @@ async def test_a_calibrated_agent_reports_its_profile(start_agent: AgentFactory)
     cal = info.calibration
     assert cal.prefill_samples >= 4
     assert cal.decode_samples >= 2
-    assert 0 < cal.duration_s <= 5.0
+    # The budget's timeout cancels the probe running at the deadline; the cancellation
+    # reaches it one event-loop turn later (CI measured 5.001 s on a loaded machine).
+    assert 0 < cal.duration_s <= 5.0 + 0.25
     assert start_s >= cal.duration_s  # measured before the agent served
     assert cal.prefill_per_token_s > 0 or cal.prefill_per_token_context_s > 0
     assert cal.decode_fixed_s > 0 or cal.decode_per_request_s > 0
