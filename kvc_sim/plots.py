@@ -1,5 +1,7 @@
 """PNG plots of a replay: TTFT CDF, hit ratio and load over time per run, capacity curves.
 
+The load plot is drawn only for runs with load samples (a live replay has none).
+
 matplotlib is imported inside ``write_plots`` (Agg backend), so the simulator imports and
 runs without it; ``write_plots`` returns the files it wrote ([] when matplotlib is absent).
 
@@ -75,22 +77,24 @@ def write_plots(out_dir: Path, title: str, runs: Sequence[PlotRun]) -> list[Path
     plt.close(fig)
     written.append(path)
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for run in runs:
-        top.plot(run.load_t_s, run.prefill_load, label=run.name, linewidth=1)
-        bottom.plot(run.load_t_s, run.decode_load, label=run.name, linewidth=1)
-    top.set_ylabel("prefill load\n(queue / TTFT SLO)")
-    bottom.set_ylabel("decode load\n(TBT / TBT SLO)")
-    bottom.set_xlabel("virtual time (s)")
-    top.set_title(f"{title}: load over time")
-    top.grid(True, alpha=0.3)
-    bottom.grid(True, alpha=0.3)
-    top.legend(fontsize="small")
-    path = out_dir / "load.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    loaded = [r for r in runs if r.load_t_s]  # a live replay has no load samples
+    if loaded:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+        for run in loaded:
+            top.plot(run.load_t_s, run.prefill_load, label=run.name, linewidth=1)
+            bottom.plot(run.load_t_s, run.decode_load, label=run.name, linewidth=1)
+        top.set_ylabel("prefill load\n(queue / TTFT SLO)")
+        bottom.set_ylabel("decode load\n(TBT / TBT SLO)")
+        bottom.set_xlabel("virtual time (s)")
+        top.set_title(f"{title}: load over time")
+        top.grid(True, alpha=0.3)
+        bottom.grid(True, alpha=0.3)
+        top.legend(fontsize="small")
+        path = out_dir / "load.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
 
     swept = [r for r in runs if r.sweep]
     if swept:

@@ -41,7 +41,7 @@ from kvc_sim.plots import PlotRun, SweepPoint, write_plots
 from kvc_sim.scenario import RunSpec, Scenario
 from kvc_sim.trace import TraceRequest, trace_stats
 
-__all__ = ["ProgressLine", "ReplayOptions", "machine", "run_scenario"]
+__all__ = ["ProgressLine", "ReplayOptions", "finite_or_null", "machine", "run_scenario"]
 
 
 def machine() -> str:
@@ -92,13 +92,14 @@ class ReplayOptions:
     progress: ProgressLine | None = None
 
 
-def _finite(value: Any) -> Any:
+def finite_or_null(value: Any) -> Any:
+    """``value`` with every non-finite float (a metric over no requests) made ``None``."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite_or_null(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
+        return [finite_or_null(v) for v in value]
     return value
 
 
@@ -175,7 +176,7 @@ def run_scenario(
         "policies": policies,
         "versus_baseline": versus,
     }
-    summary = _finite(summary)
+    summary = finite_or_null(summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if options.plots:
         write_plots(out_dir, scenario.name, plot_runs)
