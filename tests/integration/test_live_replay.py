@@ -16,6 +16,7 @@ import uvicorn
 
 from conductor.app import create_app
 from conductor.settings import ConductorSettings
+from kvc_sim.live.client import PromptFormat
 from kvc_sim.live.run import LiveOptions, LiveReplayError, replay_live
 from kvc_sim.scenario import SloSpec
 from kvc_sim.trace import TraceRequest, write_trace
@@ -57,8 +58,9 @@ def small_trace(tmp_path: Path) -> tuple[Path, list[TraceRequest]]:
     return path, requests
 
 
+@pytest.mark.parametrize("prompt_format", ["text", "token-ids"])
 async def test_a_small_trace_replays_against_the_conductor(
-    served: tuple[str, list[AgentServer]], tmp_path: Path
+    served: tuple[str, list[AgentServer]], tmp_path: Path, prompt_format: PromptFormat
 ) -> None:
     url, agents = served
     _, requests = small_trace(tmp_path)
@@ -67,6 +69,7 @@ async def test_a_small_trace_replays_against_the_conductor(
         url=url,
         trace_name="trace.jsonl",
         run_name="conductor",
+        prompt_format=prompt_format,
         headers={"X-Kvc-Slo-Ttft-Ms": "60000"},
         time_scale=1.0,
         speed=4.0,
@@ -77,6 +80,7 @@ async def test_a_small_trace_replays_against_the_conductor(
     summary = await replay_live(requests, out, options)
     assert summary == json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "live"
+    assert summary["prompt_format"] == prompt_format
     assert summary["model"] == MODEL  # from GET /v1/models
     block = summary["policies"]["conductor"]
     assert block["requests"] == 20
