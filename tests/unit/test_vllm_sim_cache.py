@@ -58,11 +58,11 @@ def test_a_prefix_is_reused_and_announced_once_per_store() -> None:
     assert stored.parent_block_hash is None
     assert stored.token_ids == tuple(tokens)
     assert stored.extra_keys == (None, None, None)
-    hashes = hash_blocks(tokens + [99], BS, None)
+    hashes = hash_blocks([*tokens, 99], BS, None)
     assert pool.cached_prefix(hashes, max_blocks=3) == blocks
     assert pool.cached_prefix(hashes, max_blocks=2) == blocks[:2]
     # Another prompt diverging in block 1 reuses block 0 only.
-    other = hash_blocks(tokens[:4] + [7, 7, 7, 7], BS, None)
+    other = hash_blocks([*tokens[:4], 7, 7, 7, 7], BS, None)
     assert pool.cached_prefix(other, max_blocks=2) == blocks[:1]
     pool.check_invariants()
 
@@ -89,7 +89,8 @@ def test_references_keep_blocks_and_freed_cached_blocks_are_evicted_lru() -> Non
     pool.free(second)
     # Touching a cached hit takes it off the free queue and holds it.
     pool.touch(first[:1])
-    assert pool.ref_count(first[0]) == 1 and not pool.is_free(first[0])
+    assert pool.ref_count(first[0]) == 1
+    assert not pool.is_free(first[0])
     # Eviction order: the first request's last block, then the second's last, then its first.
     taken = pool.allocate(3)
     assert taken == [first[1], second[1], second[0]]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from kvc.block_keys import compute_block_keys
 from kvc_sim.vllm_sim.cache import KvBlockPool
-from kvc_sim.vllm_sim.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvc_sim.vllm_sim.events import AllBlocksCleared, BlockRemoved, BlockStored, KvCacheEvent
 from kvc_sim.vllm_sim.hashing import hash_blocks
 from kvc_sim.vllm_sim.kv_events import encode_batch
 from node_agent.engines.base import CacheCleared, CacheRemoved, CacheStored
@@ -40,7 +40,7 @@ VLLM_BATCH = bytes.fromhex(
 
 
 def test_encoding_is_byte_identical_to_vllms() -> None:
-    events = [
+    events: list[KvCacheEvent] = [
         BlockStored((2**63 + 5, 7), None, (1, 2, 3, 4), 2, (("tenant-a",), None)),
         BlockStored((9,), 7, (5, 6), 2, None),
         BlockRemoved((2**63 + 5,)),
