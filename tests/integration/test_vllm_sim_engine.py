@@ -1,0 +1,213 @@
+"""The project's real vLLM adapter against the simulated vLLM engine (kvc_sim.vllm_sim),
+end to end: real sim engines under uvicorn on loopback (port 0, KV events over ZMQ),
+real agents (``VllmEngineAdapter`` in an ``AgentServer``) attached by URL, and the real
+conductor app.
+
+Checked: the agent's pool takes the engine's geometry; a generation streams; the engine's
+KV events land in the agent's pool under the canonical keys the conductor computes; a
+second identical request reports cached tokens; prefill/decode through
+``kv_transfer_params`` (``pd_connector=nixl``) moves the KV from the prefill engine to
+the decode engine (the prefill engine's held blocks are released by the pull).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+
+import httpx
+import pytest
+
+from kvc.block_keys import compute_block_keys
+from kvc.models import DEFAULT_MODEL_DIR
+from kvc.roles import NodeRole
+from kvc.tokenization import ChatTokenizer
+from kvc_sim.profile import load_profile
+from kvc_sim.vllm_sim.config import KvEventsConfig, SimEngineConfig
+from kvc_sim.vllm_sim.server import SimEngineServer, SimEngineState, create_app
+from node_agent.engines.vllm.adapter import VllmEngineAdapter
+from node_agent.engines.vllm.config import VllmConfig
+from node_agent.main import start_engine
+from node_agent.server import AgentServer
+from node_agent.settings import AgentSettings
+from tests.conftest import ConductorFactory, assert_no_locks, chat_body, wait_until
+
+MODEL = "tiny-llama"
+TENANT = "default"  # the conductor's tenant for unauthenticated requests
+BLOCK_SIZE = 16
+TOKENIZER = ChatTokenizer.from_dir(DEFAULT_MODEL_DIR)
+PROMPT = " ".join(f"word{i}" for i in range(60))
+
+Node = tuple[AgentServer, SimEngineServer]
+StartNode = Callable[[NodeRole, str], Awaitable[Node]]
+
+
+def _engine_state(engine: SimEngineServer) -> SimEngineState:
+    state: SimEngineState = engine.app.state.sim
+    return state
+
+
+@pytest.fixture
+async def start_node() -> AsyncIterator[StartNode]:
+    """A sim engine with KV events and an agent attached to it; all stopped at teardown."""
+    nodes: list[Node] = []
+
+    async def start(role: NodeRole, pd_connector: str) -> Node:
+        config = SimEngineConfig(
+            model_dir=DEFAULT_MODEL_DIR,
+            served_model_name=MODEL,
+            max_model_len=2048,
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=129,
+            time_scale=0.01,
+            engine_id=f"engine-{role}-{len(nodes)}",
+            kv_events=KvEventsConfig(
+                enable_kv_cache_events=True,
+                endpoint="tcp://*:0",
+                replay_endpoint="tcp://*:0",
+                topic="kv-events",
+            ),
+        )
+        engine = SimEngineServer(create_app(config, load_profile("llama3-70b-8xa800")))
+        await engine.start()
+        state = engine.app.state
+        settings = AgentSettings(
+            role=role,
+            port=0,
+            engine="vllm",
+            vllm_url=engine.url,
+            kv_events_endpoint=loopback(state.kv_events_endpoint),
+            kv_events_replay_endpoint=loopback(state.kv_events_replay_endpoint),
+            pd_connector=pd_connector,
+            load_interval_s=0.05,
+            calibrate=False,
+        )
+        adapter = VllmEngineAdapter(VllmConfig.from_settings(settings), TOKENIZER)
+        settings = await start_engine(adapter, settings)
+        agent = AgentServer(settings, adapter)
+        await agent.start()
+        nodes.append((agent, engine))
+        return agent, engine
+
+    yield start
+    for agent, engine in nodes:
+        await agent.stop(grace_s=0.5)
+        await engine.stop()
+
+
+def loopback(endpoint: str) -> str:
+    """The engine bound ``tcp://*:0``; the agent connects on loopback."""
+    return endpoint.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
+
+
+def _events_applied(agent: AgentServer) -> int:
+    """KV-event batches the agent's subscriber applied (the mirror is fed by them)."""
+    adapter = agent.engine
+    assert isinstance(adapter, VllmEngineAdapter)
+    subscriber = adapter._subscriber
+    assert subscriber is not None
+    return subscriber.stats.batches
+
+
+def _prompt_keys() -> set[int]:
+    ids = TOKENIZER.chat_token_ids([{"role": "user", "content": PROMPT}])
+    keys = compute_block_keys(ids, tenant=TENANT, model=MODEL, block_size=BLOCK_SIZE)
+    assert len(keys) >= 3
+    return {int(k) for k in keys}
+
+
+def _mirrored(agent: AgentServer, keys: set[int]) -> bool:
+    return keys <= {int(k) for k in agent.service.pool.cached_keys()}
+
+
+async def test_agent_attaches_streams_and_mirrors_the_sim_engine(
+    start_node: StartNode, conductor: ConductorFactory
+) -> None:
+    agent, engine = await start_node("both", "none")
+    info = agent.service.node_info
+    # The agent's settings say 32-token blocks and 4096 of them: the engine's win.
+    assert (info.engine, info.block_size, info.capacity_blocks) == ("vllm", 16, 128)
+    assert agent.service.pool.capacity_blocks == 128
+    async with conductor([agent]) as c:
+        body = chat_body(PROMPT, max_tokens=6, stream=True, stream_options={"include_usage": True})
+        async with c.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = [
+                json.loads(line[6:])
+                async for line in r.aiter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"
+            ]
+        tokens = [ch for ch in chunks if ch["choices"] and ch["choices"][0]["delta"].get("content")]
+        assert len(tokens) >= 2  # streamed, not one block of text
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+        await wait_until(partial(_mirrored, agent, _prompt_keys()))
+        await wait_until(lambda: _events_applied(agent) > 0)
+        again = await c.client.post("/v1/chat/completions", json=chat_body(PROMPT, max_tokens=2))
+        assert again.status_code == 200, again.text
+        cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 3 * BLOCK_SIZE
+    scheduler = _engine_state(engine).runner.scheduler
+    assert scheduler.prefix_cache_hits >= cached
+    # A request straight to the engine (no Tx in the agent): only KV events can tell the
+    # agent, under the keys the conductor computes for the tenant whose salt it carried.
+    ids = list(range(300, 364))
+    async with httpx.AsyncClient(base_url=engine.url) as http:
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "cache_salt": "t-direct"}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+    keys = compute_block_keys(ids, tenant="t-direct", model=MODEL, block_size=BLOCK_SIZE)
+    await wait_until(partial(_mirrored, agent, {int(k) for k in keys[:3]}))
+    assert_no_locks(agent)
+
+
+async def test_prefill_decode_hand_off_between_sim_engines(
+    start_node: StartNode, conductor: ConductorFactory
+) -> None:
+    prefill, p_engine = await start_node("prefill", "nixl")
+    decode, d_engine = await start_node("decode", "nixl")
+    p_state, d_state = _engine_state(p_engine), _engine_state(d_engine)
+    async with conductor([prefill, decode]) as c:
+        first = await c.client.post("/v1/chat/completions", json=chat_body(PROMPT, max_tokens=5))
+        assert first.status_code == 200, first.text
+        assert first.json()["usage"]["completion_tokens"] == 5
+        assert d_state.puller.pulls == 1
+        assert d_state.puller.failures == 0
+        assert p_state.runner.scheduler.held == {}  # the pull released the prefill's blocks
+        # The decode engine cached the pulled prompt: its KV events reach its agent.
+        await wait_until(partial(_mirrored, decode, _prompt_keys()))
+        await wait_until(partial(_mirrored, prefill, _prompt_keys()))
+        assert _events_applied(decode) > 0
+        second = await c.client.post("/v1/chat/completions", json=chat_body(PROMPT, max_tokens=5))
+        assert second.status_code == 200, second.text
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert d_state.puller.pulls == 2
+    assert p_state.runner.scheduler.prefix_cache_hits > 0  # the prefill engine reused it
+    assert p_state.runner.scheduler.pool.free_blocks == p_state.runner.scheduler.pool.usable_blocks
+    assert_no_locks(prefill, decode)
+
+
+async def test_a_decode_leg_whose_prefill_is_gone_computes_the_prompt(
+    start_node: StartNode,
+) -> None:
+    _, engine = await start_node("both", "none")
+    body = {
+        "model": MODEL,
+        "prompt": list(range(5, 60)),
+        "max_tokens": 2,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "nobody",
+            "remote_request_id": "r-1",
+            "remote_host": "127.0.0.1",
+            "remote_port": engine.port,
+            "remote_block_ids": [1, 2, 3],
+        },
+    }
+    async with httpx.AsyncClient(base_url=engine.url) as http:
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
+        assert _engine_state(engine).puller.failures == 1
+        bad = {**body, "kv_transfer_params": {"do_remote_prefill": True}}
+        assert (await http.post("/v1/completions", json=bad)).status_code == 400
