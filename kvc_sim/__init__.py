@@ -17,6 +17,8 @@ Modules
     ``scenario``   named experiment files (``scenarios/*.json``)
     ``replay``     scenario runner: summary.json, per-request CSVs, plots
     ``plots``      PNG plots (matplotlib imported lazily)
+    ``vllm_sim``   a simulated vLLM engine process (``kvc sim-engine``, docs/fleet.md), timed by
+                   the same profiles
 
 Design, assumptions and how to add a profile or scenario: docs/simulator.md.
 """
