@@ -47,8 +47,11 @@ __all__ = [
     "cpu_seconds",
     "ensure_peer",
     "free_ports",
+    "http_ok",
+    "label_value",
     "metric_samples",
     "parse_proc_stat",
+    "sum_cpu",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -161,6 +164,15 @@ def metric_samples(text: str, name: str) -> list[tuple[str, float]]:
             with contextlib.suppress(ValueError):
                 out.append((found[2] or "", float(found[3])))
     return out
+
+
+def label_value(labels: str, key: str) -> str | None:
+    """The value of label ``key`` in a sample's ``{a="x",b="y"}`` text (None when absent)."""
+    for part in labels.strip("{}").split(","):
+        name, _, value = part.partition("=")
+        if name.strip() == key:
+            return value.strip().strip('"')
+    return None
 
 
 def _die_with_parent() -> None:

@@ -3,27 +3,31 @@ the table. (The benchmark itself runs peers and a fleet: never in ``make test``.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 from bench.field_fleet import metric_samples, parse_proc_stat
-from bench.field_routers import (
+from bench.field_report import (
     TABLE_HEADERS,
+    TargetResult,
+    hit_ratio_delta,
+    kv_input_counts,
+    table_rows,
+)
+from bench.field_routers import build_parser, options_from_args
+from bench.field_targets import (
     Engine,
     EngineInfo,
     FieldOptions,
-    TargetResult,
-    build_parser,
+    agent_argv,
     conductor_argv,
-    hit_ratio_delta,
-    kv_input_counts,
-    options_from_args,
     parse_engines,
     parse_targets,
+    sim_engine_argv,
     smg_argv,
-    table_rows,
     vllm_router_argv,
 )
 
@@ -209,3 +213,15 @@ def test_kv_aware_token_inputs_by_result() -> None:
     )
     assert kv_input_counts(text) == {"tokenize": 10.0, "render_unavailable": 8.0}
     assert kv_input_counts("") == {}
+
+
+def test_engines_and_agents_use_vllms_default_empty_topic() -> None:
+    opts = FieldOptions()
+    engine = sim_engine_argv(opts, 0, 1, 2, 3)
+    events = json.loads(engine[engine.index("--kv-events-config") + 1])
+    assert events["topic"] == ""
+    assert events["endpoint"] == "tcp://*:2"  # bound: every subscriber connects
+    assert events["replay_endpoint"] == "tcp://*:3"
+    agent = agent_argv(opts, 0, 4, ENGINES[0])
+    assert agent[agent.index("--kv-events-topic") + 1] == ""
+    assert agent[agent.index("--kv-events-endpoint") + 1] == ENGINES[0].events
