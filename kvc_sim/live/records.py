@@ -8,8 +8,9 @@ Translation (``to_record``)
     * ``completed``: HTTP 200 and a stream that ended with a ``finish_reason`` and no
       error. Anything else is ``rejected`` (refused or failed, nothing served): a 429,
       another status, a broken stream, a client-side error, a timeout. ``reject_reason``
-      says which: the ``X-Kvc-Reject-Reason`` header, else the OpenAI error ``code``,
-      else ``http_STATUS``; client-side failures are ``client:KIND``.
+      says which: the ``X-Kvc-Reject-Reason`` header, else the OpenAI error ``code``
+      (unless it is a bare number, as vLLM sends), else ``http_STATUS``; client-side
+      failures are ``client:KIND``.
     * ``ttft_s``: arrival → first chunk carrying text (or the finish, if no text came).
       ``tbt_s``: ``metrics.top_decile_mean`` of the gaps between consecutive text chunks
       (None with fewer than two chunks). A server that sends several tokens in one chunk,
@@ -79,7 +80,7 @@ class LiveResult:
             return f"client:{self.client_error}"
         if self.reject_reason:
             return self.reject_reason
-        if self.error_code:
+        if self.error_code and not self.error_code.isdigit():  # vLLM's code is the status
             return self.error_code
         return f"http_{self.status}" if self.status is not None else "client:no_response"
 

@@ -70,6 +70,7 @@ _LIVE_CSV_FIELDS = (
     "retry_after_s",
     "error_code",
     "client_error",
+    "error_message",
 )
 
 
@@ -312,5 +313,6 @@ def _write_csv(
                     result.retry_after_s,
                     result.error_code,
                     result.client_error,
+                    (result.error_message or "")[:200] or None,
                 ]
             )

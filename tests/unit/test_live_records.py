@@ -250,3 +250,11 @@ def test_live_figures_rates_and_queueing_in_trace_time() -> None:
     assert figures["client_queue_s_max"] == 1.0  # 2 wall seconds = 1 trace second
     assert figures["completed_with_fewer_tokens"] == 3
     assert math.isclose(figures["completed_rate_per_s"], 3 / 8 * 2)
+
+
+async def test_a_bare_numeric_error_code_reads_as_the_status() -> None:
+    clock = FakeClock()
+    body = {"error": {"message": "too long", "type": "BadRequestError", "code": 400}}
+    result = await send(clock, transport_for(clock, [(100.1, json.dumps(body).encode())], 400))
+    assert result.error_code == "400"
+    assert to_record(result, 1.0).reject_reason == "http_400"
