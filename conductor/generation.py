@@ -64,13 +64,19 @@ class Placed:
     would_have_hit_tokens: int  # prefix another node held at decision time, recomputed
 
 
-def _to_delta(msg: pb.GenerateResponse, cached_tokens: int) -> TokenDelta:
+def _to_delta(msg: pb.GenerateResponse, placed: Placed) -> TokenDelta:
     usage = None
     if msg.HasField("usage"):
+        # Cached = prompt tokens reused from a prefix cache. A decode node that got its
+        # KV from a separate prefill node counts the handed-over tokens as cached (vLLM
+        # does, for KV a connector loaded): only the prefill node's reuse is a hit then.
+        cached = placed.cached_tokens
+        if placed.prefill_node == placed.decode_node:
+            cached = max(cached, msg.usage.cached_tokens)
         usage = UsageCounts(
             prompt_tokens=msg.usage.prompt_tokens,
             completion_tokens=msg.usage.completion_tokens,
-            cached_tokens=max(cached_tokens, msg.usage.cached_tokens),
+            cached_tokens=cached,
         )
     return TokenDelta(
         token_ids=tuple(msg.token_ids),
@@ -149,7 +155,7 @@ class GenerationStream:
             now = time.perf_counter()
             self._gaps_s.append(now - self._last_token_at)
             self._last_token_at = now
-        delta = _to_delta(msg, self.placed.cached_tokens)
+        delta = _to_delta(msg, self.placed)
         self._tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             self._finished = True
