@@ -5,6 +5,9 @@
   kvc demo [flags]        conductor on 127.0.0.1:8000 + a prefill and a decode agent
   kvc probe URL           health probe for containers (http://… or grpc://host:port)
   kvc bench replay ...    replay a Mooncake trace on the simulated fleet (docs/simulator.md)
+  kvc sim-engine [flags]  a simulated vLLM engine, timing from a profile (docs/fleet.md)
+  kvc bench live ...      replay it against a live OpenAI-compatible URL; bench compare
+  kvc fleet up [flags]    simulated vLLM engines + agents + conductors on loopback (docs/fleet.md)
 
 Every setting of the conductor and the agent is a flag and an environment variable
 (pydantic-settings' CLI source adds them, kvc_cli.settings_cli); ``--help`` lists them,
@@ -19,12 +22,14 @@ import asyncio
 import importlib.metadata
 import logging
 import sys
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvc_cli.settings_cli import InvalidSettings, SettingsCommand, settings_from_args
+from kvc_cli.sim_engine import register_sim_engine
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
@@ -55,6 +60,8 @@ def _setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if level.upper() != "DEBUG":  # one line per HTTP request (probes, bench clients): noise
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _run_conductor(ns: argparse.Namespace, log_level: LogLevel) -> int:
@@ -148,8 +155,99 @@ def _run_bench_replay(ns: argparse.Namespace, log_level: LogLevel) -> int:
     return 0
 
 
+def _run_fleet_up(ns: argparse.Namespace, log_level: LogLevel) -> int:
+    from kvc_cli.fleet import FleetOptions, run_fleet
+
+    return run_fleet(
+        FleetOptions(
+            prefill=ns.prefill,
+            decode=ns.decode,
+            aggregated=ns.aggregated,
+            conductors=ns.conductors,
+            host=ns.host,
+            port=ns.port,
+            base_port=ns.base_port,
+            model_dir=ns.model_dir,
+            served_model_name=ns.served_model_name,
+            profile=ns.profile,
+            time_scale=ns.time_scale,
+            block_size=ns.block_size,
+            num_gpu_blocks=ns.num_gpu_blocks,
+            max_model_len=ns.max_model_len,
+            policy=ns.policy,
+            ttft_slo_s=ns.ttft_slo_s,
+            tbt_slo_s=ns.tbt_slo_s,
+            max_running=ns.max_running,
+            engine_args=tuple(ns.engine_arg),
+            agent_args=tuple(ns.agent_arg),
+            conductor_args=tuple(ns.conductor_arg),
+            log_dir=ns.log_dir,
+            log_level=log_level,
+            startup_timeout_s=ns.startup_timeout_s,
+        )
+    )
+
+
+def _add_fleet(
+    command: Callable[..., argparse.ArgumentParser],
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    from kvc_cli.fleet import FleetOptions
+
+    d = FleetOptions()
+    p_fleet = command("fleet", "a simulated fleet on this machine (docs/fleet.md)", sub)
+    fleet_sub = p_fleet.add_subparsers(dest="fleet_command", required=True)
+    p_up = command(
+        "up", "start simulated vLLM engines, an agent per engine and conductors", fleet_sub
+    )
+    p_up.add_argument("--prefill", type=int, default=d.prefill, help="prefill engines (P/D)")
+    p_up.add_argument("--decode", type=int, default=d.decode, help="decode engines (P/D)")
+    p_up.add_argument(
+        "--aggregated", type=int, default=d.aggregated, help="engines that prefill and decode"
+    )
+    p_up.add_argument("--conductors", type=int, default=d.conductors)
+    p_up.add_argument("--host", default=d.host, help="address every process binds")
+    p_up.add_argument("--port", type=int, default=d.port, help="first conductor's HTTP port")
+    p_up.add_argument(
+        "--base-port", type=int, default=d.base_port,
+        help="engines and agents take 4 ports each from here",
+    )  # fmt: skip
+    p_up.add_argument("--model-dir", default=d.model_dir, help="default: the shipped tiny model")
+    p_up.add_argument("--served-model-name", default=d.served_model_name)
+    p_up.add_argument("--profile", default=d.profile, help="timing profile (kvc_sim/profiles)")
+    p_up.add_argument(
+        "--time-scale", type=float, default=d.time_scale,
+        help="wall seconds per profile second (0.5: twice as fast)",
+    )  # fmt: skip
+    p_up.add_argument("--block-size", type=int, default=d.block_size, help="KV block tokens")
+    p_up.add_argument(
+        "--num-gpu-blocks", type=int, default=d.num_gpu_blocks, help="KV blocks per engine"
+    )
+    p_up.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p_up.add_argument(
+        "--policy", default=d.policy,
+        choices=["round_robin", "least_loaded", "local_prefix", "kv_centric", "kv_adaptive"],
+    )  # fmt: skip
+    p_up.add_argument(
+        "--ttft-slo-s", type=float, default=d.ttft_slo_s, help="TTFT SLO in trace time"
+    )
+    p_up.add_argument("--tbt-slo-s", type=float, default=d.tbt_slo_s, help="TBT SLO, trace time")
+    p_up.add_argument(
+        "--max-running", type=int, default=d.max_running, help="generations per agent"
+    )
+    for kind in ("engine", "agent", "conductor"):
+        p_up.add_argument(
+            f"--{kind}-arg", action="append", default=[], metavar="ARG",
+            help=f"pass ARG to every {kind} (repeatable; --{kind}-arg=--flag=value)",
+        )  # fmt: skip
+    p_up.add_argument("--log-dir", default=d.log_dir, help="one log file per process")
+    p_up.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
+    p_up.set_defaults(func=_run_fleet_up)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from conductor.settings import ConductorSettings
+    from kvc_cli.bench_live import add_bench_commands
     from node_agent.settings import AgentSettings
 
     parser = argparse.ArgumentParser(prog="kvc", description=__doc__.split("\n\n")[0])
@@ -190,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_probe.add_argument("url")
     p_probe.add_argument("--timeout-s", type=float, default=3.0)
     p_probe.set_defaults(func=_run_probe)
+    register_sim_engine(command)
     p_bench = command("bench", "benchmarks: trace replay on the simulator")
     bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)
     p_replay = command(
@@ -212,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_replay.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p_replay.add_argument("--quiet", action="store_true", help="no progress bar")
     p_replay.set_defaults(func=_run_bench_replay)
+    add_bench_commands(command, bench_sub)  # bench live, bench compare
+    _add_fleet(command, sub)
     return parser
 
 
