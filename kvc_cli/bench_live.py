@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -84,8 +83,6 @@ def _run_live(ns: argparse.Namespace, log_level: str) -> int:
     except (SimConfigError, TraceError, ValueError, OSError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    if log_level != "DEBUG":  # httpx logs every request at INFO: thousands of lines
-        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         summary = asyncio.run(replay_live(requests, Path(ns.out), options))
     except PromptError as exc:
