@@ -85,6 +85,16 @@ def kv_input_counts(router_metrics: str) -> dict[str, float]:
     return counts
 
 
+def status_note(live: dict[str, Any]) -> str | None:
+    """What the client got besides 200, from ``kvc bench live``'s ``live`` block: a target
+    whose requests all failed upstream must not read as merely "rejected"."""
+    counts = {k: v for k, v in (live.get("status_counts") or {}).items() if k != "200"}
+    if not counts:
+        return None
+    answers = ", ".join(f"{k} ×{v}" for k, v in sorted(counts.items()))
+    return f"responses other than 200: {answers} (per-request CSV: error_code, client_error)"
+
+
 def hit_ratio_delta(before: dict[str, float], after: dict[str, float]) -> float | None:
     """Engines' prefix-cache hit ratio over an interval from their summed counters."""
     queries = after["queries"] - before["queries"]
@@ -102,6 +112,7 @@ def write_report(opts: FieldOptions, results: Sequence[TargetResult], command: s
         else f"{opts.engines} simulated vLLM engines (aggregated, profile {opts.profile}, "
         f"{opts.block_size}-token blocks, {opts.num_gpu_blocks} blocks each)"
     )
+    requests = "every request" if opts.limit is None else f"first {opts.limit} requests"
     lines = [
         "# The field on the same fleet",
         "",
@@ -109,7 +120,7 @@ def write_report(opts: FieldOptions, results: Sequence[TargetResult], command: s
         "",
         f"Machine: {machine()}",
         "",
-        f"Fleet: {fleet}; trace {opts.trace} (first {opts.limit} requests), time scale "
+        f"Fleet: {fleet}; trace {opts.trace} ({requests}), time scale "
         f"{opts.time_scale:g}, speed {opts.speed:g}; SLOs TTFT {opts.ttft_slo_s:g} s, "
         f"TBT {opts.tbt_slo_s:g} s (trace time). Each target on a cold fleet; times in trace "
         "seconds; CPU seconds over the replay only.",

@@ -65,7 +65,13 @@ from bench.field_fleet import (
     label_value,
     metric_samples,
 )
-from bench.field_report import TargetResult, hit_ratio_delta, kv_input_counts, write_report
+from bench.field_report import (
+    TargetResult,
+    hit_ratio_delta,
+    kv_input_counts,
+    status_note,
+    write_report,
+)
 from bench.field_targets import (
     HOST,
     TARGETS,
@@ -268,6 +274,8 @@ def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetRe
             return result
         summary = json.loads((out_dir / "summary.json").read_text())
         result.summary = summary["policies"][target.slug]
+        if note := status_note(result.summary.get("live") or {}):
+            result.notes.append(note)
     except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
         result.status = f"failed: {exc}"
     finally:

@@ -15,6 +15,7 @@ from bench.field_report import (
     TargetResult,
     hit_ratio_delta,
     kv_input_counts,
+    status_note,
     table_rows,
 )
 from bench.field_routers import build_parser, options_from_args
@@ -225,3 +226,11 @@ def test_engines_and_agents_use_vllms_default_empty_topic() -> None:
     agent = agent_argv(opts, 0, 4, ENGINES[0])
     assert agent[agent.index("--kv-events-topic") + 1] == ""
     assert agent[agent.index("--kv-events-endpoint") + 1] == ENGINES[0].events
+
+
+def test_answers_other_than_200_are_noted() -> None:
+    assert status_note({"status_counts": {"200": 5}}) is None
+    assert status_note({}) is None
+    note = status_note({"status_counts": {"200": 5, "429": 2, "400": 3}})
+    assert note is not None
+    assert "400 ×3, 429 ×2" in note
