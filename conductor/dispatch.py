@@ -62,7 +62,16 @@ from kvc.priors import DecodePrior, PrefillPrior
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.wire import sampling_to_pb
 
+_MAX_TX_LEASE_S = 600.0  # node_agent max_lease_s default; the settings cap lease_s here too
 log = logging.getLogger("conductor.dispatch")
+
+
+def tx_lease_s(lease_s: float, predicted_ttft_s: float) -> float:
+    """The lease of a request's Tx. It stays open until the first token (queue, prefill,
+    hand-off): the configured lease plus twice the predicted TTFT, so a long prompt
+    queued behind others does not outlive a fixed lease (seen live: a 134k-token prompt
+    failed at commit after 30 s), within the agents' default ``max_lease_s``."""
+    return min(_MAX_TX_LEASE_S, lease_s + 2.0 * max(0.0, predicted_ttft_s))
 
 
 class DispatchTelemetry(Protocol):
@@ -389,7 +398,7 @@ class Dispatcher:
                         tx_id=tx_id,
                         tenant=req.tenant,
                         block_keys=keys,
-                        lease_s=self._lease_s,
+                        lease_s=tx_lease_s(self._lease_s, placement.ttft_s),
                         mode=pb.TX_MODE_ALLOCATE,
                     ),
                     timeout=self._rpc_timeout_s,

@@ -87,7 +87,12 @@ class ConductorSettings(BaseSettings):
         2.0, gt=0, description="Agent health/info poll period", json_schema_extra=_AGENTS
     )
     lease_s: float = Field(
-        30.0, gt=0, le=600, description="Lease on node-side block locks", json_schema_extra=_AGENTS
+        30.0,
+        gt=0,
+        le=600,
+        description="Lease on node-side block locks; a request's Tx gets this plus twice its "
+        "predicted TTFT (at most 600 s)",
+        json_schema_extra=_AGENTS,
     )
 
     api_keys: Annotated[list[str], NoDecode] = Field(
