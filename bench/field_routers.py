@@ -189,6 +189,10 @@ def _run_replay(argv: Sequence[str], log: Path, timeout_s: float) -> tuple[int, 
     timer.start()
     try:
         _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # Ctrl-C included: the client runs in its own session
+        kill()
+        proc.wait()
+        raise
     finally:
         timer.cancel()
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -270,7 +274,10 @@ def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetRe
                 f"{dead.name} exited (code {dead.proc.returncode}) during the replay"
             )
         if code != 0:
-            result.status = f"failed: kvc bench live exited {code} (see {out_dir / 'replay.log'})"
+            why = " (killed at --replay-timeout-s)" if wall_s >= opts.replay_timeout_s else ""
+            result.status = (
+                f"failed: kvc bench live exited {code}{why} (see {out_dir / 'replay.log'})"
+            )
             return result
         summary = json.loads((out_dir / "summary.json").read_text())
         result.summary = summary["policies"][target.slug]
@@ -283,8 +290,8 @@ def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetRe
     return result
 
 
-def run_all(opts: FieldOptions) -> list[TargetResult]:
-    results = []
+def run_all(opts: FieldOptions, results: list[TargetResult]) -> None:
+    """Every target in order, each result appended as it is known (kept on Ctrl-C)."""
     executables: dict[str, Path | str] = {}
     for target in opts.targets:
         exe: Path | None = None
@@ -304,7 +311,6 @@ def run_all(opts: FieldOptions) -> list[TargetResult]:
         result = run_target(target, opts, exe)
         print(f"field: {target.name}: {result.status}", flush=True)
         results.append(result)
-    return results
 
 
 # ---------------------------------------------------------------- CLI
@@ -396,9 +402,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if not opts.trace.is_file():
         parser.error(f"--trace {opts.trace}: no such file")
-    results = run_all(opts)
+    results: list[TargetResult] = []
+    interrupted = False
+    try:
+        run_all(opts, results)
+    except KeyboardInterrupt:  # each target stops its own processes; report what finished
+        interrupted = True
     md = write_report(opts, results, shlex.join(["python", "-m", "bench.field_routers", *args]))
     print(md.read_text())
+    if interrupted:
+        return 130
     return 0 if all(r.status == "ok" for r in results) else 1
 
 
