@@ -291,7 +291,20 @@ def test_compose_services_run_their_role_image() -> None:
         if "build" in svc:
             target = svc["build"]["target"]
             assert target in stages, name
-            assert svc["command"][0] == target, name
+            # kvc fleet up runs agents and simulated engines: the agent image (ZMQ extra).
+            expected = "agent" if svc["command"][0] == "fleet" else svc["command"][0]
+            assert target == expected, name
+
+
+def test_compose_fleet_profile_plans_a_fleet() -> None:
+    from kvc_cli.fleet import FleetOptions, plan_fleet
+
+    fleet = compose()["services"]["fleet"]
+    assert fleet["profiles"] == ["fleet"]
+    ns = build_parser().parse_args(fleet["command"])
+    plan = plan_fleet(FleetOptions(prefill=ns.prefill, decode=ns.decode, port=ns.port), "/tmp/x")
+    assert f"{ns.port}:{ns.port}" in fleet["ports"]
+    assert len(plan.engines) == 8
 
 
 def test_dockerfile_passes_checkov() -> None:
