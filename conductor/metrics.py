@@ -153,7 +153,8 @@ class ConductorMetrics:
         )
         self.event_lag = Histogram(
             "conductor_shadow_event_lag_seconds",
-            "Delay from an agent emitting a block/load event to this conductor applying it.",
+            "Delay from a block/load event's origin (the engine's KV event for engines that "
+            "report them, like vLLM; else the agent) to this conductor applying it.",
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
             registry=r,
         )

@@ -67,24 +67,27 @@ class EventPublisher:
         return self._log.last_seq
 
     # ------------------------------------------------------------------ publishing
-    def _append(self, event: pb.Event) -> None:
-        event.time_s = time.time()
+    def _append(self, event: pb.Event, time_s: float | None = None) -> None:
+        event.time_s = time.time() if time_s is None else time_s
         event.seq = self._log.append(event)
         self._metrics.record_event(event.WhichOneof("kind"))
 
-    def publish_pool_events(self) -> None:
-        """Append what the pool changed since the last call (not yet waking anyone)."""
+    def publish_pool_events(self, origin_time_s: float | None = None) -> None:
+        """Append what the pool changed since the last call (not yet waking anyone),
+        stamped ``origin_time_s`` (when the engine reported the change) or now."""
         for ev in self._pool.take_events():
             if isinstance(ev, BlockStored):
                 stored = pb.BlockStored(block_keys=list(ev.keys))
                 if ev.parent_key is not None:
                     stored.parent_key = ev.parent_key
                     stored.has_parent = True
-                self._append(pb.Event(stored=stored))
+                self._append(pb.Event(stored=stored), origin_time_s)
             elif isinstance(ev, BlockRemoved):
-                self._append(pb.Event(removed=pb.BlockRemoved(block_keys=list(ev.keys))))
+                self._append(
+                    pb.Event(removed=pb.BlockRemoved(block_keys=list(ev.keys))), origin_time_s
+                )
             elif isinstance(ev, AllBlocksCleared):
-                self._append(pb.Event(cleared=pb.AllBlocksCleared()))
+                self._append(pb.Event(cleared=pb.AllBlocksCleared()), origin_time_s)
 
     def publish_load(self) -> None:
         """Append a load update when it differs from the last one published."""
@@ -104,7 +107,9 @@ class EventPublisher:
         await self.notify()
 
     async def apply_engine_cache_events(self, events: Sequence[EngineCacheEvent]) -> None:
-        """Mirror an engine-owned KV cache (vLLM's KV events) into the pool; publish it."""
+        """Mirror an engine-owned KV cache (vLLM's KV events) into the pool; publish it,
+        stamped with the engine's time (the earliest in the batch) when it gave one, so a
+        conductor's ``conductor_shadow_event_lag_seconds`` runs from the engine's event."""
         for ev in events:
             if isinstance(ev, CacheStored):
                 self._pool.mirror_stored(ev.keys, ev.parent_key)
@@ -112,7 +117,9 @@ class EventPublisher:
                 self._pool.mirror_clear()
             else:
                 self._pool.mirror_removed(ev.keys)
-        await self.after_mutation()
+        origins = [ev.engine_time_s for ev in events if ev.engine_time_s is not None]
+        self.publish_pool_events(min(origins, default=None))
+        await self.notify()
 
     async def close(self) -> None:
         """End every ``WatchEvents`` stream (at their next wake-up: now)."""

@@ -88,22 +88,29 @@ class EngineLoad:
 
 @dataclass(frozen=True, slots=True)
 class CacheStored:
-    """The engine cached ``keys`` (canonical block keys, a chain after ``parent_key``)."""
+    """The engine cached ``keys`` (canonical block keys, a chain after ``parent_key``).
+
+    ``engine_time_s``: wall time the engine reported the change (vLLM's batch timestamp),
+    carried into the published events so conductors measure engine → shadow lag."""
 
     keys: tuple[BlockKey, ...]
     parent_key: BlockKey | None
+    engine_time_s: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class CacheRemoved:
-    """The engine evicted ``keys``."""
+    """The engine evicted ``keys`` (``engine_time_s`` as for ``CacheStored``)."""
 
     keys: tuple[BlockKey, ...]
+    engine_time_s: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class CacheCleared:
     """The engine dropped its whole cache (or the mirror lost track of it)."""
+
+    engine_time_s: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,6 +94,16 @@ def test_stored_blocks_get_the_conductors_keys() -> None:
     )
 
 
+def test_events_carry_the_engines_batch_time() -> None:
+    """The time vLLM stamped on the batch travels with the mirror events, so a
+    conductor's event lag runs from the engine's event, not the agent's."""
+    d = decoder()
+    (stored_ev,) = d.decode(batch(stored([11, 12, 13], TOKENS, salt="acme"), ts=1_700_000_123.5))
+    assert stored_ev.engine_time_s == 1_700_000_123.5
+    (removed_ev,) = d.decode(batch({"type": "BlockRemoved", "block_hashes": [13]}, ts=7.0))
+    assert removed_ev.engine_time_s == 7.0
+
+
 def test_a_chain_continues_from_its_parent_and_inherits_the_tenant() -> None:
     d = decoder()
     d.decode(batch(stored([11], TOKENS[:4], salt="acme")))

@@ -49,7 +49,7 @@ import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -158,6 +158,9 @@ class KvEventDecoder:
             elif kind == "AllBlocksCleared":
                 self.reset()
                 out.append(CacheCleared())
+        ts = batch[0]
+        if isinstance(ts, int | float) and not isinstance(ts, bool) and ts > 0:
+            out = [replace(ev, engine_time_s=float(ts)) for ev in out]
         return out
 
     @staticmethod
