@@ -281,8 +281,11 @@ def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetRe
             return result
         summary = json.loads((out_dir / "summary.json").read_text())
         result.summary = summary["policies"][target.slug]
-        if note := status_note(result.summary.get("live") or {}):
+        note = status_note(result.summary.get("live") or {})
+        if note:
             result.notes.append(note)
+        if not result.summary.get("completed"):
+            result.status = f"failed: no request served; {note or 'see replay.log'}"
     except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
         result.status = f"failed: {exc}"
     finally:
