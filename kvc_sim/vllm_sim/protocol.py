@@ -8,7 +8,9 @@ In
     ``cache_salt``, ``kv_transfer_params``, ``vllm_xargs.kv_cache_report_mode``,
     ``add_special_tokens``, ``add_generation_prompt``, ``chat_template_kwargs``,
     ``request_id``, ``user``) and fields that are accepted at their neutral value only
-    (``n=1``, ``echo=false``, ``logprobs`` unset). Anything else is refused (400) rather
+    (``n=1``, ``echo=false``, ``logprobs`` unset, ``skip_special_tokens=true``,
+    ``no_stop_trim=false``, ``return_hidden_states=false`` — vLLM's defaults, which
+    vllm-router writes into every body it re-serializes). Anything else is refused (400) rather
     than silently ignored: a simulated engine must not pretend to do what it does not.
 
 Out
@@ -65,6 +67,12 @@ class _GenerationRequest(BaseModel):
     vllm_xargs: dict[str, XargValue] | None = None
     n: Literal[1] = 1
     logprobs: None = None
+    # vLLM's defaults, which routers (vllm-router) spell out: this engine already behaves
+    # so (its stand-in ids are no special tokens, stop strings are trimmed, no hidden
+    # states); any other value is refused.
+    skip_special_tokens: Literal[True] = True
+    no_stop_trim: Literal[False] = False
+    return_hidden_states: Literal[False] = False
     request_id: str | None = None
     user: str | None = None
 

@@ -304,11 +304,24 @@ async def test_models_and_errors(client: httpx.AsyncClient) -> None:
         ({"prompt": [5, 999999]}, 400),  # out of vocabulary
         ({"prompt": "x", "model": "other"}, 404),
         ({"prompt": "x", "vllm_xargs": {"kv_cache_report_mode": "sometimes"}}, 400),
+        ({"prompt": "x", "skip_special_tokens": False}, 400),  # only vLLM's default
+        ({"prompt": "x", "no_stop_trim": True}, 400),
+        ({"prompt": "x", "return_hidden_states": True}, 400),
     ]
     for body, status in cases:
         r = await client.post("/v1/completions", json=body)
         assert r.status_code == status, (body, r.text)
         assert _shape(r.json()) == _shape(VLLM["error"])
+
+
+async def test_a_routers_spelled_out_defaults_are_served(client: httpx.AsyncClient) -> None:
+    """vllm-router re-serializes a streamed body with vLLM's defaults written out."""
+    body = {
+        "prompt": "x", "max_tokens": 2, "stream": True, "ignore_eos": True, "echo": False,
+        "no_stop_trim": False, "return_hidden_states": False, "skip_special_tokens": True,
+    }  # fmt: skip
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
 
 
 async def test_stop_strings_end_the_output_before_them(client: httpx.AsyncClient) -> None:
