@@ -65,7 +65,7 @@ from kvc_sim.vllm_sim.protocol import (
 )
 from kvc_sim.vllm_sim.runner import EngineRunner, RequestStream
 from kvc_sim.vllm_sim.scheduler import EngineRequest, EngineScheduler
-from kvc_sim.vllm_sim.tokens import OutputTokens, StopStrings
+from kvc_sim.vllm_sim.tokens import OutputTokens, StopStrings, incomplete_text_ids
 from kvc_sim.vllm_sim.transfer import (
     PULL_PATH,
     KvPuller,
@@ -158,7 +158,12 @@ def create_app(
                 enable_caching=config.enable_prefix_caching,
                 enable_events=events.publishes,
             )
-            output = OutputTokens(tok.vocab_size, tok.special_token_ids | tok.eos_token_ids)
+            output = OutputTokens(
+                tok.vocab_size,
+                tok.special_token_ids
+                | tok.eos_token_ids
+                | incomplete_text_ids(tok.decode, tok.vocab_size),
+            )
             scheduler = EngineScheduler(
                 pool,
                 profile,

@@ -7,7 +7,10 @@ Output ids (``OutputTokens``)
     would) whatever their temperature. Ids are drawn from the vocabulary minus every
     special and end-of-sequence id: the simulated model never emits EOS, so every
     generation runs to ``max_tokens`` (or the context limit) unless a stop string
-    ends it; ``ignore_eos`` is therefore always satisfied.
+    ends it; ``ignore_eos`` is therefore always satisfied. Also left out: ids that do
+    not decode to text on their own (byte pieces of a multi-byte character,
+    ``incomplete_text_ids``), so every generated token streams as one chunk with text
+    and a client times every token gap, as it would for a model writing words.
 
 Stop strings (``StopStrings``)
     The output is detokenized as it grows (``kvc.tokenization.IncrementalDetokenizer``)
@@ -24,9 +27,9 @@ Complexity
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["OutputTokens", "StopStrings"]
+__all__ = ["OutputTokens", "StopStrings", "incomplete_text_ids"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -36,6 +39,11 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def incomplete_text_ids(decode: Callable[[list[int]], str], vocab_size: int) -> frozenset[int]:
+    """Ids whose text alone is empty or a partial character (U+FFFD). O(vocabulary)."""
+    return frozenset(i for i in range(vocab_size) if not (text := decode([i])) or "\ufffd" in text)
 
 
 class OutputTokens:

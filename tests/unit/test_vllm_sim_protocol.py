@@ -324,6 +324,20 @@ async def test_a_routers_spelled_out_defaults_are_served(client: httpx.AsyncClie
     assert r.status_code == 200, r.text
 
 
+async def test_every_generated_token_streams_as_a_chunk_with_text(
+    client: httpx.AsyncClient,
+) -> None:
+    """No byte pieces of a character among the outputs: a client sees each token's gap."""
+    body = {"prompt": list(range(5, 40)), "max_tokens": 60, "stream": True, "seed": 3}
+    texts = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                texts += [c["text"] for c in json.loads(line[6:])["choices"] if c["text"]]
+    assert len(texts) == 60
+    assert all("\ufffd" not in t for t in texts)
+
+
 async def test_stop_strings_end_the_output_before_them(client: httpx.AsyncClient) -> None:
     body = {"prompt": "Hello there", "max_tokens": 12, "seed": 7}
     full = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
