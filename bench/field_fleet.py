@@ -10,31 +10,26 @@ Peers
     the benchmark skips that peer's targets and says why.
 
 Processes
-    ``Processes`` starts each child in its own session (its own process group), its output in
-    a log file; ``stop_all`` sends SIGTERM to every group, waits ``grace_s`` for all of them,
-    then SIGKILLs the groups still there. Children also get SIGTERM if this process dies
-    (Linux parent-death signal), so an interrupted benchmark leaves no fleet behind.
+    started, watched and stopped by ``kvc_cli.supervisor.Supervisor`` (own sessions, a log
+    file each, SIGTERM then SIGKILL to every group, parent-death signal), the same
+    supervision as ``kvc fleet up``.
 
 CPU seconds
     ``cpu_seconds(pid)`` is user + system time of a process and every live descendant, read
     from ``/proc`` (Linux); the benchmark samples it just before and just after the replay, so
     start-up (imports, calibration) is not counted.
 
-Knobs: ``PEERS`` (pins), ``grace_s``. Complexity: O(processes) per sample.
+Knobs: ``PEERS`` (pins). Complexity: O(processes) per sample.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import re
-import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,18 +38,14 @@ import httpx
 __all__ = [
     "PEERS",
     "PeerSpec",
-    "Processes",
     "cpu_seconds",
     "ensure_peer",
     "free_ports",
     "http_ok",
-    "label_value",
-    "metric_samples",
     "parse_proc_stat",
     "sum_cpu",
 ]
 
-_PR_SET_PDEATHSIG = 1
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -150,103 +141,6 @@ def cpu_seconds(pid: int) -> float:
         total += seconds
         todo.extend(_children(current))
     return total
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
-
-
-def metric_samples(text: str, name: str) -> list[tuple[str, float]]:
-    """Every sample of metric ``name`` in Prometheus text: ``(labels text, value)``."""
-    out: list[tuple[str, float]] = []
-    for line in text.splitlines():
-        found = _SAMPLE.match(line)
-        if found and found[1] == name:
-            with contextlib.suppress(ValueError):
-                out.append((found[2] or "", float(found[3])))
-    return out
-
-
-def label_value(labels: str, key: str) -> str | None:
-    """The value of label ``key`` in a sample's ``{a="x",b="y"}`` text (None when absent)."""
-    for part in labels.strip("{}").split(","):
-        name, _, value = part.partition("=")
-        if name.strip() == key:
-            return value.strip().strip('"')
-    return None
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-
-class Processes:
-    """Children started in their own process groups, logs in ``log_dir``; stopped together."""
-
-    def __init__(self, log_dir: Path, grace_s: float = 10.0) -> None:
-        self.log_dir = log_dir
-        self.grace_s = grace_s
-        self.children: list[Child] = []
-        log_dir.mkdir(parents=True, exist_ok=True)
-
-    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
-        log = self.log_dir / f"{name}.log"
-        with log.open("ab") as out:
-            out.write(f"$ {' '.join(argv)}\n".encode())
-            out.flush()
-            proc = subprocess.Popen(
-                list(argv),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,  # only prctl: safe between fork and exec
-            )
-        child = Child(name, proc, log)
-        self.children.append(child)
-        return child
-
-    def exited(self) -> Child | None:
-        return next((c for c in self.children if c.proc.poll() is not None), None)
-
-    def wait_until(self, ready: Callable[[], bool], what: str, timeout_s: float) -> None:
-        """Poll ``ready`` until true; raise with the dead child's log tail if one exits."""
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            if (dead := self.exited()) is not None:
-                tail = dead.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(
-                    f"{dead.name} exited with code {dead.proc.returncode} while waiting for "
-                    f"{what}; its log ({dead.log}) ends:\n{tail}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{what}: not ready after {timeout_s:.0f} s (logs: {self.log_dir})"
-                )
-            time.sleep(0.25)
-
-    def stop_all(self) -> None:
-        live = [c for c in self.children if c.proc.poll() is None]
-        for child in live:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        for child in live:
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-                child.proc.wait()
-        self.children.clear()
 
 
 def http_ok(url: str, check: Callable[[httpx.Response], bool] | None = None) -> bool:

@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.field_fleet import label_value, metric_samples
 from bench.field_targets import FieldOptions
 from bench.report import markdown_table
 from kvc_sim.replay import machine
+from node_agent.engines.vllm.http_parsing import metric_values
 
 
 @dataclass(slots=True)
@@ -79,8 +79,9 @@ def kv_input_counts(router_metrics: str) -> dict[str, float]:
     """vllm-router's ``kv_routing_inputs_total`` by ``result``: how kv_aware got token ids
     (``tokenize``/``token_ids``) or why it could not (``render_unavailable``, ...)."""
     counts: dict[str, float] = {}
-    for labels, value in metric_samples(router_metrics, "vllm_router_kv_routing_inputs_total"):
-        key = label_value(labels, "result") or "?"
+    samples = metric_values(router_metrics).get("vllm_router_kv_routing_inputs_total", [])
+    for labels, value in samples:
+        key = labels.get("result") or "?"
         counts[key] = counts.get(key, 0.0) + value
     return counts
 

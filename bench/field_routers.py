@@ -57,13 +57,10 @@ import httpx
 
 from bench.field_fleet import (
     PEERS,
-    Processes,
     cpu_seconds,
     ensure_peer,
     free_ports,
     http_ok,
-    label_value,
-    metric_samples,
 )
 from bench.field_report import (
     TargetResult,
@@ -88,6 +85,8 @@ from bench.field_targets import (
     smg_argv,
     vllm_router_argv,
 )
+from kvc_cli.supervisor import Supervisor
+from node_agent.engines.vllm.http_parsing import metric_values
 
 # ---------------------------------------------------------------- running
 
@@ -96,8 +95,9 @@ def _engine_counters(engines: Sequence[Engine]) -> dict[str, float]:
     hits = queries = 0.0
     for e in engines:
         text = httpx.get(f"{e.url}/metrics", timeout=10.0).text
-        hits += sum(v for _, v in metric_samples(text, "vllm:prefix_cache_hits_total"))
-        queries += sum(v for _, v in metric_samples(text, "vllm:prefix_cache_queries_total"))
+        values = metric_values(text)
+        hits += sum(v for _, v in values.get("vllm:prefix_cache_hits_total", []))
+        queries += sum(v for _, v in values.get("vllm:prefix_cache_queries_total", []))
     return {"hits": hits, "queries": queries}
 
 
@@ -107,14 +107,11 @@ def read_engine_info(engines: Sequence[Engine]) -> EngineInfo:
     for e in engines:
         models = httpx.get(f"{e.url}/v1/models", timeout=10.0).json().get("data") or []
         text = httpx.get(f"{e.url}/metrics", timeout=10.0).text
-        config = metric_samples(text, "vllm:cache_config_info")
+        config = metric_values(text).get("vllm:cache_config_info", [])
         if not models or not config:
             raise RuntimeError(f"{e.url} reports no model or no vllm:cache_config_info")
         labels = config[0][0]
-        block_size, blocks = (
-            label_value(labels, "block_size"),
-            label_value(labels, "num_gpu_blocks"),
-        )
+        block_size, blocks = labels.get("block_size"), labels.get("num_gpu_blocks")
         if block_size is None or blocks is None:
             raise RuntimeError(f"{e.url}: vllm:cache_config_info lacks block_size/num_gpu_blocks")
         seen.add(EngineInfo(str(models[0]["id"]), int(block_size), int(blocks)))
@@ -124,7 +121,7 @@ def read_engine_info(engines: Sequence[Engine]) -> EngineInfo:
 
 
 def _start_engines(
-    opts: FieldOptions, procs: Processes, commands: dict[str, str]
+    opts: FieldOptions, procs: Supervisor, commands: dict[str, str]
 ) -> tuple[list[Engine], list[int]]:
     engines: list[Engine] = []
     pids: list[int] = []
@@ -134,7 +131,7 @@ def _start_engines(
         argv = sim_engine_argv(opts, i, http, ev, replay)
         if i == 0:
             commands["engine-0"] = shlex.join(argv)
-        child = procs.spawn(f"engine-{i}", argv)
+        child = procs.spawn_argv(f"engine-{i}", argv)
         pids.append(child.proc.pid)
         engines.append(
             Engine(f"http://{HOST}:{http}", f"tcp://{HOST}:{ev}", f"tcp://{HOST}:{replay}")
@@ -204,7 +201,7 @@ def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetRe
     result = TargetResult(target.name)
     out_dir = opts.out / target.slug
     out_dir.mkdir(parents=True, exist_ok=True)
-    procs = Processes(out_dir / "logs")
+    procs = Supervisor(grace_s=10.0, log_dir=out_dir / "logs")
     try:
         engines: list[Engine]
         engine_pids: list[int]
@@ -224,9 +221,9 @@ def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetRe
                 agent_argv(opts, i, p, e)
                 for i, (e, p) in enumerate(zip(engines, grpc_ports, strict=True))
             ]
-            agents = [procs.spawn(f"agent-{i}", cmd) for i, cmd in enumerate(agent_cmds)]
+            agents = [procs.spawn_argv(f"agent-{i}", cmd) for i, cmd in enumerate(agent_cmds)]
             argv = conductor_argv(opts, target.policy, port, [f"{HOST}:{p}" for p in grpc_ports])
-            conductor = procs.spawn("conductor", argv)
+            conductor = procs.spawn_argv("conductor", argv)
             result.commands["agent-0"] = shlex.join(agent_cmds[0])
             result.commands["conductor"] = shlex.join(argv)
             groups["conductor"] = [conductor.proc.pid]
@@ -242,7 +239,7 @@ def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetRe
                 argv = vllm_router_argv(exe, target.policy, port, metrics_port, engines, info)
             else:
                 argv = smg_argv(exe, target.policy, port, metrics_port, engines)
-            router = procs.spawn("router", argv)
+            router = procs.spawn_argv("router", argv)
             result.commands["router"] = shlex.join(argv)
             groups["router"] = [router.proc.pid]
             ready = _ready_workers(len(engines))

@@ -105,7 +105,8 @@ def _run(opts: DemoOptions, sup: Supervisor, stop: threading.Event) -> int:
     )
     while not stop.is_set():
         if (dead := sup.exited()) is not None:
-            print(f"kvc demo: the {dead[0]} exited with code {dead[1]}", file=sys.stderr)
+            code = dead.proc.returncode
+            print(f"kvc demo: the {dead.name} exited with code {code}", file=sys.stderr)
             return 1
         stop.wait(0.5)
     return 0

@@ -34,7 +34,6 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,11 +224,10 @@ def _plan_and_run(opts: FleetOptions, ipc_dir: str) -> int:
         print(f"kvc fleet up: ports already in use on {opts.host}: {busy[:8]}", file=sys.stderr)
         return 2
     log_dir = Path(opts.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with stop_on_signals() as stop, contextlib.ExitStack() as files:
-        sup = Supervisor(opts.grace_s)
+    with stop_on_signals() as stop:
+        sup = Supervisor(opts.grace_s, log_dir)
         try:
-            return _run(opts, plan, sup, stop, log_dir, files)
+            return _run(opts, plan, sup, stop, log_dir)
         finally:
             sup.stop_all()
             print("kvc fleet: stopped", file=sys.stderr, flush=True)
@@ -241,16 +239,9 @@ def _run(
     sup: Supervisor,
     stop: threading.Event,
     log_dir: Path,
-    files: contextlib.ExitStack,
 ) -> int:
-    def spawn(specs: Sequence[ProcessSpec]) -> None:
-        for spec in specs:
-            log = files.enter_context((log_dir / f"{spec.name}.log").open("ab"))
-            sup.spawn(spec.name, spec.args, log=log)
-
-    spawn(plan.engines)
-    spawn(plan.agents)
-    spawn(plan.conductors)
+    for spec in plan.processes:  # engines, then agents, then conductors
+        sup.spawn(spec.name, spec.args)
     n = len(plan.agents)
     probes = [lambda url=url: _all_agents_usable(url, n) for url in plan.conductor_urls]
     failure = sup.wait_ready(probes, stop, opts.startup_timeout_s)
@@ -280,7 +271,8 @@ def _run(
     while not stop.is_set():
         if (dead := sup.exited()) is not None:
             print(
-                f"kvc fleet: the {dead[0]} exited with code {dead[1]} (logs in {log_dir}/)",
+                f"kvc fleet: the {dead.name} exited with code {dead.proc.returncode} "
+                f"(logs in {log_dir}/)",
                 file=sys.stderr,
             )
             return 1

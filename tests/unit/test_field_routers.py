@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.field_fleet import metric_samples, parse_proc_stat
+from bench.field_fleet import parse_proc_stat
 from bench.field_report import (
     TABLE_HEADERS,
     TargetResult,
@@ -152,20 +152,6 @@ def test_proc_stat_with_spaces_and_parentheses_in_the_name() -> None:
     ppid, seconds = parse_proc_stat("1234 (smg::router (x) y) " + " ".join(fields))
     assert ppid == 42
     assert seconds == pytest.approx(400 / os.sysconf("SC_CLK_TCK"))  # utime + stime, in ticks
-
-
-def test_metric_samples_by_exact_name() -> None:
-    text = (
-        "# HELP vllm:prefix_cache_hits_total Hits.\n"
-        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1536.0\n'
-        "vllm:prefix_cache_hits_total_created 1.7e9\n"
-        "vllm:prefix_cache_queries_total 4096\n"
-    )
-    assert metric_samples(text, "vllm:prefix_cache_hits_total") == [
-        ('{engine="0",model_name="m"}', 1536.0)
-    ]
-    assert metric_samples(text, "vllm:prefix_cache_queries_total") == [("", 4096.0)]
-    assert metric_samples(text, "absent") == []
 
 
 def test_hit_ratio_over_the_replay_only() -> None:
