@@ -60,6 +60,7 @@ class StandInVllm:
 
     def __init__(self) -> None:
         self.completions: list[tuple[str, dict[str, Any]]] = []
+        self.fail_with: httpx.HTTPError | None = None  # raised by the next completion
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -70,6 +71,9 @@ class StandInVllm:
         if path == "/metrics":
             return httpx.Response(200, text=METRICS)
         assert path == "/v1/completions", path
+        if self.fail_with is not None:
+            error, self.fail_with = self.fail_with, None
+            raise error
         body = json.loads(request.content)
         self.completions.append((request.headers.get("x-request-id", ""), body))
         if not body["stream"]:  # the prefill leg
@@ -186,3 +190,21 @@ async def test_without_the_switch_a_vllm_node_refuses_prefill(
             )
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "pd_connector" in (exc.value.details() or "")
+
+
+async def test_a_connection_lost_under_a_prefill_is_named_and_frees_the_blocks(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]], conductor: ConductorFactory
+) -> None:
+    """httpx's ReadError (the engine closed the connection) has an empty message: the
+    client is told its type, gets a 502, and nothing stays locked."""
+    (prefill, decode, _), (p_vllm, _, _) = vllm_agents
+    p_vllm.fail_with = httpx.ReadError("")
+    async with conductor([prefill, decode], api_keys=["k1"]) as c:
+        r = await c.client.post(
+            "/v1/chat/completions",
+            json=chat_body("one two three four five six seven", max_tokens=3),
+            headers={"Authorization": "Bearer k1"},
+        )
+    assert r.status_code == 502, r.text
+    assert "vLLM request failed: ReadError" in r.json()["error"]["message"]
+    assert_no_locks(prefill, decode)

@@ -171,9 +171,16 @@ class VllmEngineAdapter:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> KvGeometry:
         """Launch (or reach) vLLM, wait until it serves, learn its KV geometry."""
-        timeout = httpx.Timeout(10.0, read=self._config.request_timeout_s)
+        # Connect/write within 10 s; a response may take the request timeout, and so may a
+        # wait for a pooled connection. No cap on connections: the agent's admission and the
+        # conductor bound the concurrency, and httpx's default cap (100, 10 s pool timeout)
+        # below them would fail requests queued behind it.
+        timeout = httpx.Timeout(
+            10.0, read=self._config.request_timeout_s, pool=self._config.request_timeout_s
+        )
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self._http = httpx.AsyncClient(
-            base_url=self.url, timeout=timeout, transport=self._transport
+            base_url=self.url, timeout=timeout, limits=limits, transport=self._transport
         )
         if self._process is not None:
             await self._process.start()
@@ -404,7 +411,7 @@ class VllmEngineAdapter:
                     "/v1/completions", json=body, headers={"X-Request-Id": job.request_id}
                 )
             except httpx.HTTPError as exc:
-                raise EngineError(f"vLLM request failed: {exc}") from exc
+                raise EngineError(f"vLLM request failed: {_describe(exc)}") from exc
             await self._raise_for_status(response)
         finally:
             self._queued_prefill_tokens -= len(job.prompt_ids)
@@ -486,7 +493,7 @@ class VllmEngineAdapter:
                     if ended_here:
                         break
         except httpx.HTTPError as exc:
-            raise EngineError(f"vLLM stream failed: {exc}") from exc
+            raise EngineError(f"vLLM stream failed: {_describe(exc)}") from exc
         finally:
             first_token()
             self._running -= 1
@@ -514,7 +521,7 @@ class VllmEngineAdapter:
                 "/v1/completions", json=self._probe_body(prompt_ids, 1, stream=False)
             )
         except httpx.HTTPError as exc:
-            raise EngineError(f"vLLM calibration request failed: {exc}") from exc
+            raise EngineError(f"vLLM calibration request failed: {_describe(exc)}") from exc
         await self._raise_for_status(response)
         data: dict[str, Any] = response.json()
         return data
@@ -560,7 +567,7 @@ class VllmEngineAdapter:
                         if tokens:
                             stamps.append((time.perf_counter(), tokens))
             except httpx.HTTPError as exc:
-                raise EngineError(f"vLLM calibration stream failed: {exc}") from exc
+                raise EngineError(f"vLLM calibration stream failed: {_describe(exc)}") from exc
             # Chunk i's tokens took (t_i - t_{i-1}) / n_i each. Dropped: the first token
             # (prefill) and the interval after it (the batch may still be forming).
             return [(t - t_prev) / n for (t_prev, _), (t, n) in itertools.pairwise(stamps[1:])]
@@ -596,3 +603,10 @@ class VllmEngineAdapter:
             raise EngineError(f"vLLM finished the request with {finish!r}")
         text += stops.push(detok.flush()).emit + stops.flush()
         return GenerationStep(token_ids=ids, text=text, finish_reason=str(finish))
+
+
+def _describe(exc: httpx.HTTPError) -> str:
+    """The exception's type and text: several httpx errors (ReadError, timeouts) have an
+    empty message, and "request failed: " alone does not say what happened."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
