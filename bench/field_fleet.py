@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +47,7 @@ __all__ = [
     "free_ports",
     "http_ok",
     "parse_proc_stat",
+    "run_client",
     "sum_cpu",
 ]
 
@@ -154,3 +159,32 @@ def http_ok(url: str, check: Callable[[httpx.Response], bool] | None = None) -> 
 
 def sum_cpu(pids: Iterable[int]) -> float:
     return sum(cpu_seconds(pid) for pid in pids)
+
+
+def run_client(argv: Sequence[str], log: Path, timeout_s: float) -> tuple[int, float, float]:
+    """Run a client to its end (own session, output appended to ``log``, SIGKILLed at
+    ``timeout_s``); its exit code, wall seconds and CPU seconds (from wait4)."""
+    started = time.perf_counter()
+    with log.open("ab") as out:
+        out.write(f"$ {shlex.join(argv)}\n".encode())
+        out.flush()
+        proc = subprocess.Popen(
+            list(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout_s, kill)
+    timer.start()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # Ctrl-C included: the client runs in its own session
+        kill()
+        proc.wait()
+        raise
+    finally:
+        timer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, time.perf_counter() - started, usage.ru_utime + usage.ru_stime

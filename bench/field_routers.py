@@ -42,13 +42,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shlex
-import signal
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -61,6 +56,7 @@ from bench.field_fleet import (
     ensure_peer,
     free_ports,
     http_ok,
+    run_client,
 )
 from bench.field_report import (
     TargetResult,
@@ -85,6 +81,7 @@ from bench.field_targets import (
     smg_argv,
     vllm_router_argv,
 )
+from bench.report import run_then_report
 from kvc_cli.supervisor import Supervisor
 from node_agent.engines.vllm.http_parsing import metric_values
 
@@ -168,34 +165,6 @@ def _agents_usable(expected: int) -> Callable[[httpx.Response], bool]:
     return check
 
 
-def _run_replay(argv: Sequence[str], log: Path, timeout_s: float) -> tuple[int, float, float]:
-    """Run the client; its exit code, wall seconds and CPU seconds (from wait4)."""
-    started = time.perf_counter()
-    with log.open("ab") as out:
-        out.write(f"$ {shlex.join(argv)}\n".encode())
-        out.flush()
-        proc = subprocess.Popen(
-            list(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def kill() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-
-    timer = threading.Timer(timeout_s, kill)
-    timer.start()
-    try:
-        _, status, usage = os.wait4(proc.pid, 0)
-    except BaseException:  # Ctrl-C included: the client runs in its own session
-        kill()
-        proc.wait()
-        raise
-    finally:
-        timer.cancel()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, time.perf_counter() - started, usage.ru_utime + usage.ru_stime
-
-
 def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetResult:
     """One target on a cold fleet: start, replay, measure, stop."""
     result = TargetResult(target.name)
@@ -250,7 +219,7 @@ def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetRe
         result.commands["replay"] = shlex.join(live)
         counters_before = _engine_counters(engines)
         cpu_before = {k: sum(cpu_seconds(p) for p in pids) for k, pids in groups.items()}
-        code, wall_s, client_cpu = _run_replay(live, out_dir / "replay.log", opts.replay_timeout_s)
+        code, wall_s, client_cpu = run_client(live, out_dir / "replay.log", opts.replay_timeout_s)
         cpu_after = {k: sum(cpu_seconds(p) for p in pids) for k, pids in groups.items()}
         result.cpu_s = {k: cpu_after[k] - cpu_before[k] for k in groups if groups[k]}
         result.cpu_s["client"] = client_cpu
@@ -357,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--live-arg", action="append", default=[], metavar="ARG",
         help="pass ARG to kvc bench live (repeatable)",
     )  # fmt: skip
+    p.add_argument(
+        "--conductor-arg", action="append", default=[], metavar="ARG",
+        help="pass ARG to the conductor targets' kvc conductor (repeatable; "
+        "--conductor-arg=--admission=none)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=d.out)
     p.add_argument("--peers-dir", type=Path, default=d.peers_dir)
     p.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
@@ -385,6 +359,7 @@ def options_from_args(ns: argparse.Namespace) -> FieldOptions:
         max_running=ns.max_running,
         engine_args=tuple(ns.engine_arg),
         live_args=tuple(ns.live_arg),
+        conductor_args=tuple(ns.conductor_arg),
         out=ns.out,
         peers_dir=ns.peers_dir,
         startup_timeout_s=ns.startup_timeout_s,
@@ -402,17 +377,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if not opts.trace.is_file():
         parser.error(f"--trace {opts.trace}: no such file")
-    results: list[TargetResult] = []
-    interrupted = False
-    try:
-        run_all(opts, results)
-    except KeyboardInterrupt:  # each target stops its own processes; report what finished
-        interrupted = True
-    md = write_report(opts, results, shlex.join(["python", "-m", "bench.field_routers", *args]))
-    print(md.read_text())
-    if interrupted:
-        return 130
-    return 0 if all(r.status == "ok" for r in results) else 1
+    command = shlex.join(["python", "-m", "bench.field_routers", *args])
+
+    def report(results: list[TargetResult]) -> Path:
+        return write_report(opts, results, command)
+
+    return run_then_report(partial(run_all, opts), report)
 
 
 if __name__ == "__main__":

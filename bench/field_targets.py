@@ -136,6 +136,7 @@ class FieldOptions:
     max_running: int = 256
     engine_args: tuple[str, ...] = ()
     live_args: tuple[str, ...] = ()
+    conductor_args: tuple[str, ...] = ()
     out: Path = REPO / "bench" / "results" / "field"
     peers_dir: Path = REPO / ".peers"
     startup_timeout_s: float = 300.0
@@ -250,6 +251,7 @@ def conductor_argv(opts: FieldOptions, policy: str, port: int, agents: Sequence[
         "--policy", policy, "--drain-delay-s", "0",
         "--ttft-slo-s", f"{opts.ttft_slo_s * opts.time_scale:.6g}",
         "--tbt-slo-s", f"{opts.tbt_slo_s * opts.time_scale:.6g}",
+        *opts.conductor_args,
     )  # fmt: skip
 
 

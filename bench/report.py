@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from kvc_sim.replay import machine
 
@@ -42,3 +42,27 @@ def write_results(out: Path, name: str, title: str, table: str, data: dict[str, 
     md.write_text(f"# {title}\n\nMachine: {machine()}\n\n{table}\n")
     (out / f"{name}.json").write_text(json.dumps({"machine": machine(), **data}, indent=2))
     return md
+
+
+class _HasStatus(Protocol):
+    @property
+    def status(self) -> str: ...
+
+
+R = TypeVar("R", bound=_HasStatus)
+
+
+def run_then_report(run: Callable[[list[R]], None], report: Callable[[list[R]], Path]) -> int:
+    """``run`` appends a result per part as each finishes; on Ctrl-C what finished is still
+    reported. Prints the report; exit code 130 when interrupted, 0 when every result's
+    status is ``"ok"``, else 1."""
+    results: list[R] = []
+    interrupted = False
+    try:
+        run(results)
+    except KeyboardInterrupt:  # each part stops its own processes
+        interrupted = True
+    print(report(results).read_text())
+    if interrupted:
+        return 130
+    return 0 if all(r.status == "ok" for r in results) else 1

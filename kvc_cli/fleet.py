@@ -41,7 +41,14 @@ import httpx
 
 from kvc_cli.supervisor import Supervisor, port_free, stop_on_signals
 
-__all__ = ["FleetOptions", "FleetPlan", "ProcessSpec", "plan_fleet", "run_fleet"]
+__all__ = [
+    "FleetOptions",
+    "FleetPlan",
+    "ProcessSpec",
+    "all_agents_usable",
+    "plan_fleet",
+    "run_fleet",
+]
 
 _PORTS_PER_ENGINE = 2
 
@@ -191,7 +198,8 @@ def plan_fleet(opts: FleetOptions, ipc_dir: str) -> FleetPlan:
     return FleetPlan(tuple(engines), tuple(agents), tuple(conductors), tuple(urls), addresses)
 
 
-def _all_agents_usable(base: str, expected: int) -> bool:
+def all_agents_usable(base: str, expected: int) -> bool:
+    """Whether the conductor at ``base`` answers /ready with ``expected`` usable agents."""
     with contextlib.suppress(httpx.HTTPError, ValueError):
         response = httpx.get(f"{base}/ready", timeout=2.0)
         agents = response.json().get("agents") or []
@@ -243,7 +251,7 @@ def _run(
     for spec in plan.processes:  # engines, then agents, then conductors
         sup.spawn(spec.name, spec.args)
     n = len(plan.agents)
-    probes = [lambda url=url: _all_agents_usable(url, n) for url in plan.conductor_urls]
+    probes = [lambda url=url: all_agents_usable(url, n) for url in plan.conductor_urls]
     failure = sup.wait_ready(probes, stop, opts.startup_timeout_s)
     if failure == "stopped":
         return 0

@@ -109,3 +109,33 @@ def test_kv_centric_reuses_more_than_round_robin_and_loses_nothing(tmp_path: Pat
     assert results["kv_centric"]["hit_ratio"] > results["round_robin"]["hit_ratio"], {
         policy: run["hit_ratio"] for policy, run in results.items()
     }
+
+
+def test_the_fleet_scale_benchmark_measures_a_small_fleet(tmp_path: Path) -> None:
+    """bench.fleet_scale end to end on a 1 + 1 fleet: every figure it reports comes from
+    the running processes (requests the conductor answered, its CPU and memory, KV events
+    it applied and their lag)."""
+    base = _free_base(6)
+    argv = [
+        sys.executable, "-m", "bench.fleet_scale", "--shapes", "1+1",
+        "--trace", str(TRACE), "--limit", "20", "--max-tokens", "4",
+        "--time-scale", TIME_SCALE, "--idle-s", "1", "--policy", "kv_centric",
+        "--port", str(base + 5), "--base-port", str(base), "--out", str(tmp_path),
+        "--startup-timeout-s", str(STARTUP_S), "--replay-timeout-s", "300",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "fleet_scale.json").read_text())["results"]
+    assert result["status"] == "ok"
+    assert result["requests_answered"] == 20
+    assert result["completed"] + result["rejected"] == 20
+    assert result["cpu_s"]["conductor"] > 0
+    assert result["conductor_cpu_ms_per_request"] > 0
+    assert result["events_applied"] > 0  # the engines' KV events reached the shadow index
+    assert result["event_lag_s"]["p99"] is not None
+    assert result["ttft_s"]["p50"] > 0
+    assert result["hit_ratio"] is not None
+    assert result["conductor_memory_kib"]["VmRSS"] > 10 * 1024
+    assert result["fleet_pss_kib"] > result["conductor_memory_kib"]["VmRSS"] // 2
+    assert (tmp_path / "fleet_scale.png").is_file()
+    assert "| 1+1 (2) | ok |" in (tmp_path / "fleet_scale.md").read_text()

@@ -137,6 +137,12 @@ def test_options_from_the_command_line() -> None:
     assert [t.name for t in opts.targets] == ["round_robin"]
 
 
+def test_conductor_args_reach_the_conductor_targets_last() -> None:
+    ns = build_parser().parse_args(["--conductor-arg=--admission=none"])
+    argv = conductor_argv(options_from_args(ns), "kv_centric", 10, ["127.0.0.1:1"])
+    assert argv[-1] == "--admission=none"  # after the defaults, so it overrides them
+
+
 def test_event_driven_targets_need_every_engines_events() -> None:
     ns = build_parser().parse_args(
         ["--engine-url", "http://h:1", "--targets", "round_robin,conductor:kv_centric"]
