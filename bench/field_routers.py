@@ -44,7 +44,8 @@ import contextlib
 import json
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -117,7 +118,7 @@ def read_engine_info(engines: Sequence[Engine]) -> EngineInfo:
     return seen.pop()
 
 
-def _start_engines(
+def start_engines(
     opts: FieldOptions, procs: Supervisor, commands: dict[str, str]
 ) -> tuple[list[Engine], list[int]]:
     engines: list[Engine] = []
@@ -165,11 +166,30 @@ def _agents_usable(expected: int) -> Callable[[httpx.Response], bool]:
     return check
 
 
-def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetResult:
-    """One target on a cold fleet: start, replay, measure, stop."""
-    result = TargetResult(target.name)
-    out_dir = opts.out / target.slug
-    out_dir.mkdir(parents=True, exist_ok=True)
+@dataclass(slots=True)
+class Serving:
+    """A target running in front of its engines: where to send requests and what to
+    measure (pids by group: ``engines``, and ``router`` or ``conductor`` + ``agents``)."""
+
+    base_url: str
+    engines: list[Engine]
+    info: EngineInfo
+    groups: dict[str, list[int]]
+    metrics_url: str | None  # a peer's Prometheus endpoint; None for the conductor
+    procs: Supervisor
+
+
+@contextlib.contextmanager
+def serving(
+    target: Target,
+    opts: FieldOptions,
+    exe: Path | None,
+    out_dir: Path,
+    commands: dict[str, str],
+) -> Iterator[Serving]:
+    """Start a cold fleet (or reset the given engines) and ``target`` in front of it, wait
+    until it routes to every engine; stop every process on exit. The commands started are
+    recorded in ``commands``. Startup failures raise RuntimeError (with a dead child's log)."""
     procs = Supervisor(grace_s=10.0, log_dir=out_dir / "logs")
     try:
         engines: list[Engine]
@@ -178,7 +198,7 @@ def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetRe
             engines, engine_pids = list(opts.engine_urls), []
             _reset_engines(engines)
         else:
-            engines, engine_pids = _start_engines(opts, procs, result.commands)
+            engines, engine_pids = start_engines(opts, procs, commands)
         info = read_engine_info(engines)
         groups: dict[str, list[int]] = {"engines": engine_pids}
         port, metrics_port = free_ports(2)
@@ -193,8 +213,8 @@ def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetRe
             agents = [procs.spawn_argv(f"agent-{i}", cmd) for i, cmd in enumerate(agent_cmds)]
             argv = conductor_argv(opts, target.policy, port, [f"{HOST}:{p}" for p in grpc_ports])
             conductor = procs.spawn_argv("conductor", argv)
-            result.commands["agent-0"] = shlex.join(agent_cmds[0])
-            result.commands["conductor"] = shlex.join(argv)
+            commands["agent-0"] = shlex.join(agent_cmds[0])
+            commands["conductor"] = shlex.join(argv)
             groups["conductor"] = [conductor.proc.pid]
             groups["agents"] = [a.proc.pid for a in agents]
             ready = _agents_usable(len(engines))
@@ -209,54 +229,67 @@ def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetRe
             else:
                 argv = smg_argv(exe, target.policy, port, metrics_port, engines)
             router = procs.spawn_argv("router", argv)
-            result.commands["router"] = shlex.join(argv)
+            commands["router"] = shlex.join(argv)
             groups["router"] = [router.proc.pid]
             ready = _ready_workers(len(engines))
             procs.wait_until(
                 lambda: http_ok(f"{base}/readiness", ready), target.name, opts.startup_timeout_s
             )
-        live = live_argv(opts, base, out_dir, target.slug)
-        result.commands["replay"] = shlex.join(live)
-        counters_before = _engine_counters(engines)
-        cpu_before = {k: sum(cpu_seconds(p) for p in pids) for k, pids in groups.items()}
-        code, wall_s, client_cpu = run_client(live, out_dir / "replay.log", opts.replay_timeout_s)
-        cpu_after = {k: sum(cpu_seconds(p) for p in pids) for k, pids in groups.items()}
-        result.cpu_s = {k: cpu_after[k] - cpu_before[k] for k in groups if groups[k]}
-        result.cpu_s["client"] = client_cpu
-        result.replay_wall_s = wall_s
-        result.engine_hit_ratio = hit_ratio_delta(counters_before, _engine_counters(engines))
-        if metrics_url is not None:
-            with contextlib.suppress(httpx.HTTPError):
-                text = httpx.get(metrics_url, timeout=10).text
-                (out_dir / "router_metrics.txt").write_text(text)
-                if target.policy == "kv_aware":
-                    inputs = kv_input_counts(text)
-                    result.notes.append(
-                        "token inputs of its KV scoring (vllm_router_kv_routing_inputs_total): "
-                        + (", ".join(f"{k} {v:g}" for k, v in inputs.items()) or "none")
-                    )
-        if (dead := procs.exited()) is not None:
-            result.notes.append(
-                f"{dead.name} exited (code {dead.proc.returncode}) during the replay"
-            )
-        if code != 0:
-            why = " (killed at --replay-timeout-s)" if wall_s >= opts.replay_timeout_s else ""
-            result.status = (
-                f"failed: kvc bench live exited {code}{why} (see {out_dir / 'replay.log'})"
-            )
-            return result
-        summary = json.loads((out_dir / "summary.json").read_text())
-        result.summary = summary["policies"][target.slug]
-        note = status_note(result.summary.get("live") or {})
-        if note:
-            result.notes.append(note)
-        if not result.summary.get("completed"):
-            result.status = f"failed: no request served; {note or 'see replay.log'}"
-    except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
-        result.status = f"failed: {exc}"
+        yield Serving(base, engines, info, groups, metrics_url, procs)
     finally:
         procs.stop_all()
+
+
+def run_target(target: Target, opts: FieldOptions, exe: Path | None) -> TargetResult:
+    """One target on a cold fleet: start, replay, measure, stop."""
+    result = TargetResult(target.name)
+    out_dir = opts.out / target.slug
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with serving(target, opts, exe, out_dir, result.commands) as s:
+            _replay_and_measure(target, opts, s, out_dir, result)
+    except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
+        result.status = f"failed: {exc}"
     return result
+
+
+def _replay_and_measure(
+    target: Target, opts: FieldOptions, s: Serving, out_dir: Path, result: TargetResult
+) -> None:
+    live = live_argv(opts, s.base_url, out_dir, target.slug)
+    result.commands["replay"] = shlex.join(live)
+    groups = s.groups
+    counters_before = _engine_counters(s.engines)
+    cpu_before = {k: sum(cpu_seconds(p) for p in pids) for k, pids in groups.items()}
+    code, wall_s, client_cpu = run_client(live, out_dir / "replay.log", opts.replay_timeout_s)
+    cpu_after = {k: sum(cpu_seconds(p) for p in pids) for k, pids in groups.items()}
+    result.cpu_s = {k: cpu_after[k] - cpu_before[k] for k in groups if groups[k]}
+    result.cpu_s["client"] = client_cpu
+    result.replay_wall_s = wall_s
+    result.engine_hit_ratio = hit_ratio_delta(counters_before, _engine_counters(s.engines))
+    if s.metrics_url is not None:
+        with contextlib.suppress(httpx.HTTPError):
+            text = httpx.get(s.metrics_url, timeout=10).text
+            (out_dir / "router_metrics.txt").write_text(text)
+            if target.policy == "kv_aware":
+                inputs = kv_input_counts(text)
+                result.notes.append(
+                    "token inputs of its KV scoring (vllm_router_kv_routing_inputs_total): "
+                    + (", ".join(f"{k} {v:g}" for k, v in inputs.items()) or "none")
+                )
+    if (dead := s.procs.exited()) is not None:
+        result.notes.append(f"{dead.name} exited (code {dead.proc.returncode}) during the replay")
+    if code != 0:
+        why = " (killed at --replay-timeout-s)" if wall_s >= opts.replay_timeout_s else ""
+        result.status = f"failed: kvc bench live exited {code}{why} (see {out_dir / 'replay.log'})"
+        return
+    summary = json.loads((out_dir / "summary.json").read_text())
+    result.summary = summary["policies"][target.slug]
+    note = status_note(result.summary.get("live") or {})
+    if note:
+        result.notes.append(note)
+    if not result.summary.get("completed"):
+        result.status = f"failed: no request served; {note or 'see replay.log'}"
 
 
 def run_all(opts: FieldOptions, results: list[TargetResult]) -> None:

@@ -56,7 +56,7 @@ from pathlib import Path
 import httpx
 
 from bench.field_fleet import cpu_seconds, run_client
-from bench.report import markdown_table, run_then_report, write_results
+from bench.report import bar_panels, markdown_table, run_then_report, write_results
 from conductor.core.policies import Policy
 from kvc_cli.fleet import FleetOptions, FleetPlan, all_agents_usable, plan_fleet
 from kvc_cli.supervisor import Supervisor, port_free
@@ -391,11 +391,6 @@ HEADERS = [
 
 
 def _plot(path: Path, results: Sequence[ShapeResult]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     done = [r for r in results if r.status == "ok"]
     if not done:
         return
@@ -406,15 +401,8 @@ def _plot(path: Path, results: Sequence[ShapeResult]) -> None:
         ("KV-event lag p99 (s)", [r.event_lag_s.get("p99") or 0 for r in done]),
         ("conductor RSS (MiB)", [r.conductor_memory_kib.get("VmRSS", 0) / 1024 for r in done]),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5))
-    for ax, (title, values) in zip(axes, panels, strict=True):
-        ax.bar(labels, values, color="#4C72B0")
-        ax.set_title(title, fontsize=10)
-        ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle("kvc conductor in front of simulated vLLM fleets (bench.fleet_scale)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = "kvc conductor in front of simulated vLLM fleets (bench.fleet_scale)"
+    bar_panels(path, title, labels, panels)
 
 
 def write_report(opts: ScaleOptions, results: Sequence[ShapeResult], command: str) -> Path:

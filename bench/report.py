@@ -66,3 +66,29 @@ def run_then_report(run: Callable[[list[R]], None], report: Callable[[list[R]], 
     if interrupted:
         return 130
     return 0 if all(r.status == "ok" for r in results) else 1
+
+
+def bar_panels(
+    path: Path,
+    title: str,
+    labels: Sequence[str],
+    panels: Sequence[tuple[str, Sequence[float]]],
+    *,
+    panel_width: float = 4.0,
+    label_size: int = 8,
+) -> None:
+    """One PNG: a bar chart per ``(panel title, value per label)``, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(panel_width * len(panels), 3.6))
+    for ax, (panel, values) in zip(axes, panels, strict=True):
+        ax.bar(list(labels), list(values), color="#4C72B0")
+        ax.set_title(panel, fontsize=10)
+        ax.tick_params(axis="x", labelsize=label_size)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
