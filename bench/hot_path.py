@@ -80,6 +80,7 @@ _DEFAULT_TARGETS = (
 class LoadResult:
     latencies_s: list[float] = field(default_factory=list)  # served requests, to last byte
     errors: dict[str, int] = field(default_factory=dict)  # status or exception -> count
+    first_error: str | None = None  # the first failed answer's body (300 chars) or exception
     wall_s: float = 0.0
 
     @property
@@ -98,16 +99,23 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], out: L
     try:
         async with client.stream("POST", url, json=body) as response:
             done = False
+            lines: list[str] = []
             async for line in response.aiter_lines():
                 if line.strip() == "data: [DONE]":
                     done = True
+                elif response.status_code != 200:
+                    lines.append(line)
             if response.status_code != 200 or not done:
                 key = str(response.status_code) if response.status_code != 200 else "no [DONE]"
                 out.errors[key] = out.errors.get(key, 0) + 1
+                if out.first_error is None:
+                    out.first_error = f"{key}: {' '.join(lines)[:300]}"
                 return
     except httpx.HTTPError as exc:
         key = type(exc).__name__
         out.errors[key] = out.errors.get(key, 0) + 1
+        if out.first_error is None:
+            out.first_error = f"{key}: {exc}"[:300]
         return
     out.latencies_s.append(time.perf_counter() - started)
 
@@ -179,6 +187,7 @@ class HotPathResult:
     rps: float | None = None
     served: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    first_error: str | None = None
     cpu_s: dict[str, float] = field(default_factory=dict)  # over the throughput phase
     peak_rss_kib: int | None = None  # the router's / conductor's VmHWM
     commands: dict[str, str] = field(default_factory=dict)
@@ -231,14 +240,15 @@ def _measure(
     result.cpu_s = {k: after[k] - before[k] for k in before}
     result.served = loaded.served
     result.rps = loaded.served / loaded.wall_s if loaded.wall_s > 0 else None
-    for source in (single.errors, loaded.errors):
-        for key, n in source.items():
+    for load in (single, loaded):
+        for key, n in load.errors.items():
             result.errors[key] = result.errors.get(key, 0) + n
+        result.first_error = result.first_error or load.first_error
     router = groups.get("router") or groups.get("conductor") or []
     if router:
         result.peak_rss_kib = proc_memory_kib(router[0]).get("VmHWM")
     if not result.served:
-        result.status = f"failed: nothing served ({result.errors})"
+        result.status = f"failed: nothing served ({result.errors}; first: {result.first_error})"
 
 
 def run_target(name: str, opts: HotPathOptions, exe: Path | None) -> HotPathResult:

@@ -8,10 +8,14 @@ In
     ``cache_salt``, ``kv_transfer_params``, ``vllm_xargs.kv_cache_report_mode``,
     ``add_special_tokens``, ``add_generation_prompt``, ``chat_template_kwargs``,
     ``request_id``, ``user``) and fields that are accepted at their neutral value only
-    (``n=1``, ``echo=false``, ``logprobs`` unset, ``skip_special_tokens=true``,
+    (``n=1``, ``echo=false``, ``logprobs`` unset (chat: or false),
+    ``continue_final_message=false`` (chat), ``skip_special_tokens=true``,
     ``no_stop_trim=false``, ``return_hidden_states=false`` — vLLM's defaults, which
-    vllm-router writes into every body it re-serializes). Anything else is refused (400) rather
-    than silently ignored: a simulated engine must not pretend to do what it does not.
+    vllm-router and smg write into every body they re-serialize); chat also takes SGLang's
+    ``separate_reasoning``/``stream_reasoning``/``include_reasoning`` (vllm-router sends
+    them), which change nothing for a model without a reasoning parser. Anything else is
+    refused (400) rather than silently ignored: a simulated engine must not pretend to do
+    what it does not.
 
 Out
     Dicts with vLLM's keys in vLLM's order: non-streamed bodies are vLLM's
@@ -66,7 +70,6 @@ class _GenerationRequest(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, XargValue] | None = None
     n: Literal[1] = 1
-    logprobs: None = None
     # vLLM's defaults, which routers (vllm-router) spell out: this engine already behaves
     # so (its stand-in ids are no special tokens, stop strings are trimmed, no hidden
     # states); any other value is refused.
@@ -105,6 +108,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=1)
     echo: Literal[False] = False
+    logprobs: None = None
     add_special_tokens: bool = True
 
     @field_validator("prompt")
@@ -121,6 +125,16 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Chat's logprobs is a switch (OpenAI's default false), which routers (vllm-router,
+    # smg) spell out; only off is served. vLLM's continue_final_message likewise.
+    logprobs: Literal[False] | None = None
+    continue_final_message: Literal[False] = False
+    # SGLang's reasoning switches, which vllm-router writes into chat bodies. Without a
+    # reasoning parser (none here, as vLLM without --reasoning-parser) an answer has no
+    # reasoning part to separate, stream or include, so every value behaves the same.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
 
     @property
     def requested_max_tokens(self) -> int | None:

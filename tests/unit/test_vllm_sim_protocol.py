@@ -324,6 +324,24 @@ async def test_a_routers_spelled_out_defaults_are_served(client: httpx.AsyncClie
     assert r.status_code == 200, r.text
 
 
+async def test_a_routers_spelled_out_chat_defaults_are_served(client: httpx.AsyncClient) -> None:
+    """vllm-router and smg re-serialize chat bodies with chat's logprobs switch off, vLLM's
+    continue_final_message and SGLang's reasoning switches written out; anything that would
+    change the answer is still refused."""
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    spelled = {
+        **base, "logprobs": False, "continue_final_message": False,
+        "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True,
+    }  # fmt: skip
+    r = await client.post("/v1/chat/completions", json=spelled)
+    assert r.status_code == 200, r.text
+    for bad in ({"logprobs": True}, {"continue_final_message": True}, {"reasoning_effort": 1}):
+        r = await client.post("/v1/chat/completions", json={**base, **bad})
+        assert r.status_code == 400, (bad, r.text)
+    r = await client.post("/v1/completions", json={"prompt": "x", "logprobs": False})
+    assert r.status_code == 400, r.text  # completions' logprobs is a count: unset only
+
+
 async def test_every_generated_token_streams_as_a_chunk_with_text(
     client: httpx.AsyncClient,
 ) -> None:
