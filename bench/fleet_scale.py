@@ -34,7 +34,8 @@ and the client compete with the conductor, so the requests/s column is what this
 sustains with the whole fleet on it, and CPU per request is the conductor's own share (what
 a conductor on its own cores would need per request).
 
-Knobs: the flags (``--help``). Complexity: shapes × (fleet start + idle + replay).
+Linux only (``/proc``). Knobs: the flags (``--help``). Complexity: shapes × (fleet start +
+idle + replay).
 """
 
 from __future__ import annotations
@@ -50,13 +51,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from bench.field_fleet import cpu_seconds, run_client
-from bench.report import bar_panels, markdown_table, run_then_report, write_results
+from bench.report import bar_panels, markdown_table, run_then_report, write_run_report
 from conductor.core.policies import Policy
 from kvc_cli.fleet import FleetOptions, FleetPlan, all_agents_usable, plan_fleet
 from kvc_cli.supervisor import Supervisor, port_free
@@ -277,7 +278,7 @@ def run_shape(opts: ScaleOptions, prefill: int, decode: int) -> ShapeResult:
         result.startup_s = time.perf_counter() - started
         groups = _groups(sup)
         idle_before = _cpu(groups)
-        time.sleep(opts.idle_s)
+        time.sleep(opts.idle_s)  # the measurement window itself, not a wait for a state
         idle_after = _cpu(groups)
         result.idle_cpu_cores = {k: (idle_after[k] - idle_before[k]) / opts.idle_s for k in groups}
         live = _live_argv(opts, url, out)
@@ -406,26 +407,17 @@ def _plot(path: Path, results: Sequence[ShapeResult]) -> None:
 
 
 def write_report(opts: ScaleOptions, results: Sequence[ShapeResult], command: str) -> Path:
-    table = markdown_table(HEADERS, table_rows(results))
-    commands = "\n".join(
-        f"- {r.label} {name}: `{cmd}`" for r in results for name, cmd in r.commands.items()
-    )
-    body = (
-        f"Command: `{command}`\n\n{table}\n\n"
+    text = (
+        f"{markdown_table(HEADERS, table_rows(results))}\n\n"
         f"Trace {opts.trace.name}, first {opts.limit} requests at speed {opts.speed:g}, "
         f"max_tokens {opts.max_tokens}, time scale {opts.time_scale:g}, policy {opts.policy}, "
         f"profile {opts.profile}. Requests answered = completed + refused (429), from "
         "conductor_requests_total over the replay; CPU is user + system over the replay "
-        "(/proc); event lag is engine KV event → shadow index over the replay.\n\n"
-        f"Processes:\n{commands}\n"
+        "(/proc); event lag is engine KV event → shadow index over the replay."
     )
-    data = {
-        "command": command,
-        "options": {k: str(v) for k, v in asdict(opts).items()},
-        "results": [asdict(r) for r in results],
-    }
+    commands = [(f"{r.label} {name}", cmd) for r in results for name, cmd in r.commands.items()]
     title = "The conductor in front of a large fleet"
-    md = write_results(opts.out, "fleet_scale", title, body, data)
+    md = write_run_report(opts.out, "fleet_scale", title, command, text, commands, opts, results)
     _plot(opts.out / "fleet_scale.png", results)
     return md
 

@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,13 @@ from bench.field_fleet import PEERS, cpu_seconds, ensure_peer
 from bench.field_routers import read_engine_info, serving, start_engines
 from bench.field_targets import REPO, TARGETS, FieldOptions, Target, parse_targets
 from bench.fleet_scale import proc_memory_kib
-from bench.report import bar_panels, markdown_table, percentile, run_then_report, write_results
+from bench.report import (
+    bar_panels,
+    markdown_table,
+    percentile,
+    run_then_report,
+    write_run_report,
+)
 from kvc_cli.supervisor import Supervisor
 
 __all__ = [
@@ -386,26 +392,19 @@ def _plot(path: Path, results: Sequence[HotPathResult]) -> None:
 
 def write_report(opts: HotPathOptions, results: Sequence[HotPathResult], command: str) -> Path:
     headers = [h.replace("c=64", f"c={opts.concurrency}") for h in HEADERS]
-    table = markdown_table(headers, table_rows(results))
     ratios = "\n".join(ratio_lines(results)) or "(no conductor and peer both measured)"
-    commands = "\n".join(
-        f"- {r.target}, {name}: `{cmd}`" for r in results for name, cmd in r.commands.items()
-    )
-    body = (
-        f"Command: `{command}`\n\n{table}\n\nRatios, conductor / peer (same run):\n{ratios}\n\n"
+    text = (
+        f"{markdown_table(headers, table_rows(results))}\n\n"
+        f"Ratios, conductor / peer (same run):\n{ratios}\n\n"
         f"{opts.engines} simulated engines (time scale {opts.time_scale:g}); streamed chat "
         f"completions, {opts.prompt_words}-word prompts unique per request, max_tokens "
         f"{opts.max_tokens}; {opts.requests} requests at concurrency 1 after {opts.warmup} "
         f"warm-up, {opts.throughput_requests} at concurrency {opts.concurrency}. CPU: user + "
-        "system over the concurrency phase (/proc), per request served.\n\n"
-        f"Processes:\n{commands}\n"
+        "system over the concurrency phase (/proc), per request served."
     )
-    data: dict[str, Any] = {
-        "command": command,
-        "options": {k: str(v) for k, v in asdict(opts).items()},
-        "results": [asdict(r) for r in results],
-    }
-    md = write_results(opts.out, "hot_path", "The request hot path, side by side", body, data)
+    commands = [(f"{r.target}, {name}", cmd) for r in results for name, cmd in r.commands.items()]
+    title = "The request hot path, side by side"
+    md = write_run_report(opts.out, "hot_path", title, command, text, commands, opts, results)
     _plot(opts.out / "hot_path.png", results)
     return md
 

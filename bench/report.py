@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from collections.abc import Callable, Sequence
@@ -34,6 +35,28 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def write_run_report(
+    out: Path,
+    name: str,
+    title: str,
+    command: str,
+    text: str,
+    commands: Sequence[tuple[str, str]],
+    options: Any,
+    results: Sequence[Any],
+) -> Path:
+    """A benchmark run's ``name``.md (the command, ``text``, every process started) and
+    ``name``.json (command, options, results; both dataclasses)."""
+    listed = "\n".join(f"- {what}: `{cmd}`" for what, cmd in commands)
+    body = f"Command: `{command}`\n\n{text}\n\nProcesses:\n{listed}\n"
+    data = {
+        "command": command,
+        "options": {k: str(v) for k, v in dataclasses.asdict(options).items()},
+        "results": [dataclasses.asdict(r) for r in results],
+    }
+    return write_results(out, name, title, body, data)
 
 
 def write_results(out: Path, name: str, title: str, table: str, data: dict[str, Any]) -> Path:
