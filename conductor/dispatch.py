@@ -10,6 +10,9 @@
    ``kv_source`` pointing back at the staged KV. Colocated ("both" node): ``Generate``
    with the ``tx_id``; the node prefills locally.
 5. First token → ``TxCommit`` on the prefill node: new blocks become reusable prefix.
+   Colocated without a migration, on an agent that advertises ``fused_generate_tx``,
+   steps 3-5 are one call: ``Generate`` carries the ``TxAllocate`` and the agent commits
+   before the first token leaves (or aborts when the call ends earlier).
 6. Any failure or cancellation before the commit ``TxAbort``s every Tx held (shielded
    from cancellation); node-side leases are the backstop if this process dies.
 
@@ -390,19 +393,27 @@ class Dispatcher:
                     agent.inflight -= 1
                 self._free_capacity()
 
+        # One round trip where the agent can (colocated, no migration): it allocates,
+        # generates and commits in the Generate call itself.
+        fused = (
+            bool(keys)
+            and not disaggregated
+            and placement.migration is None
+            and prefill.info.fused_generate_tx
+        )
         try:
             reused_blocks = migrated = 0
-            if keys:
-                alloc = await prefill.stub.TxAllocate(
-                    pb.TxAllocateRequest(
-                        tx_id=tx_id,
-                        tenant=req.tenant,
-                        block_keys=keys,
-                        lease_s=tx_lease_s(self._lease_s, placement.ttft_s),
-                        mode=pb.TX_MODE_ALLOCATE,
-                    ),
-                    timeout=self._rpc_timeout_s,
-                )
+            allocate = pb.TxAllocateRequest(
+                tx_id=tx_id,
+                tenant=req.tenant,
+                block_keys=keys,
+                lease_s=tx_lease_s(self._lease_s, placement.ttft_s),
+                mode=pb.TX_MODE_ALLOCATE,
+            )
+            if fused:
+                loop_state.allocated()
+            elif keys:
+                alloc = await prefill.stub.TxAllocate(allocate, timeout=self._rpc_timeout_s)
                 tx_open = True
                 loop_state.allocated()
                 reused_blocks = alloc.reused_blocks
@@ -443,6 +454,8 @@ class Dispatcher:
                 )
             else:
                 gen.tx_id = tx_id
+                if fused:
+                    gen.tx.CopyFrom(allocate)
             address = decode.address
             call = decode.stub.Generate(gen, timeout=self._request_timeout_s)
             first = await call.read()
@@ -453,6 +466,9 @@ class Dispatcher:
             assert isinstance(first, pb.GenerateResponse)
             ttft_s = time.perf_counter() - started
             timings = first.timings
+            if fused:  # the agent allocated and has committed by now
+                cached_tokens = timings.cached_tokens
+                loop_state.committed()
             if not disaggregated:
                 loop_state.prefill_done(prompt_len, cached_tokens, timings.prefill_s)
             elif timings.transfer_bytes:

@@ -72,6 +72,7 @@ def serve(settings: ConductorSettings, log_level: str) -> None:
         host=settings.host,
         port=settings.port,
         log_level=log_level.lower(),
+        timeout_keep_alive=settings.keepalive_timeout_s,
         timeout_graceful_shutdown=30,
     )
     GracefulServer(config, app, settings.drain_delay_s).run()

@@ -63,6 +63,16 @@ class ConductorSettings(BaseSettings):
     request_timeout_s: float = Field(
         600.0, gt=0, description="Deadline of one generation", json_schema_extra=_HTTP
     )
+    keepalive_timeout_s: int = Field(
+        75,
+        gt=0,
+        description=(
+            "Close an idle client connection after this long; longer than the idle "
+            "timeout of the load balancer or client pool in front (AWS ALB: 60 s), so "
+            "the server never closes a connection a client is about to reuse"
+        ),
+        json_schema_extra=_HTTP,
+    )
     drain_delay_s: float = Field(
         5.0,
         ge=0,

@@ -18,7 +18,6 @@ before or after the subcommand.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.metadata
 import logging
 import sys
@@ -28,6 +27,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvc_cli.event_loop import run_event_loop
 from kvc_cli.settings_cli import InvalidSettings, SettingsCommand, settings_from_args
 from kvc_cli.sim_engine import register_sim_engine
 
@@ -79,7 +79,7 @@ def _run_agent(ns: argparse.Namespace, log_level: LogLevel) -> int:
 
     settings = settings_from_args(AgentSettings, ns)
     try:
-        asyncio.run(serve(settings))
+        run_event_loop(serve(settings))
     except EngineError as exc:  # no engine to serve: a missing extra, vLLM that died
         print(f"kvc agent: error: {exc}", file=sys.stderr)
         return 1

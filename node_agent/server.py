@@ -48,7 +48,13 @@ from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import MAX_MESSAGE_BYTES, ROLE_TO_PB, SERVICE_NAME
 from node_agent.agent_state import AgentState
 from node_agent.blocks.pool import BlockPool
-from node_agent.blocks.types import AllocateParams, BlockPoolError, TxMode
+from node_agent.blocks.types import (
+    AllocateParams,
+    AllocateResult,
+    BlockPoolError,
+    InvalidArgument,
+    TxMode,
+)
 from node_agent.calibration import Calibration, calibrate_before_serving
 from node_agent.engines.base import CacheMirroringEngine, EngineAdapter
 from node_agent.errors import Draining
@@ -147,6 +153,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             advertise_address=s.resolved_advertise_address(port),
             version=_version(),
             max_running_requests=s.max_running,
+            fused_generate_tx=True,
         )
         self.metrics.set_info(role=s.role, engine=info.engine, model=info.model)
 
@@ -224,6 +231,18 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
     async def TxAllocate(
         self, request: pb.TxAllocateRequest, context: Context
     ) -> pb.TxAllocateResponse:
+        result = await self._allocate(request)
+        return pb.TxAllocateResponse(
+            tx_id=result.tx_id,
+            handles=list(result.handles),
+            reused_blocks=result.reused_blocks,
+            new_blocks=result.new_blocks,
+            lease_remaining_s=max(0.0, result.lease_deadline - self.state.clock()),
+            free_blocks=self.pool.stats().free_blocks,
+            allocatable_blocks=self.events.allocatable_blocks(),
+        )
+
+    async def _allocate(self, request: pb.TxAllocateRequest) -> AllocateResult:
         mode = TxMode.LOCK_ONLY if request.mode == pb.TX_MODE_LOCK_ONLY else TxMode.ALLOCATE
         op = "lock_only" if mode is TxMode.LOCK_ONLY else "allocate"
         if self.draining and mode is TxMode.ALLOCATE:  # a source may still lend its blocks
@@ -236,16 +255,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             lease_s=request.lease_s,
             mode=mode,
         )
-        result = await self._tx(op, lambda: self.pool.tx_allocate(params))
-        return pb.TxAllocateResponse(
-            tx_id=result.tx_id,
-            handles=list(result.handles),
-            reused_blocks=result.reused_blocks,
-            new_blocks=result.new_blocks,
-            lease_remaining_s=max(0.0, result.lease_deadline - self.state.clock()),
-            free_blocks=self.pool.stats().free_blocks,
-            allocatable_blocks=self.events.allocatable_blocks(),
-        )
+        return await self._tx(op, lambda: self.pool.tx_allocate(params))
 
     @maps_errors
     async def TxCommit(self, request: pb.TxCommitRequest, context: Context) -> pb.TxCommitResponse:
@@ -288,8 +298,40 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async for msg in self.generation.generate(request):
+        if not request.HasField("tx"):
+            async for msg in self.generation.generate(request):
+                yield msg
+            return
+        async for msg in self._generate_in_tx(request):
             yield msg
+
+    async def _generate_in_tx(
+        self, request: pb.GenerateRequest
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The fused call: TxAllocate, Generate, and TxCommit before the first token
+        leaves; a call that ends before that aborts the Tx (the lease is the backstop
+        only if this process dies)."""
+        tx = request.tx
+        if request.HasField("kv_source") or tx.mode == pb.TX_MODE_LOCK_ONLY:
+            raise InvalidArgument("a fused Tx allocates for a local prefill (no kv_source)")
+        if tx.tx_id != request.tx_id or not tx.tx_id or tx.tenant != request.tenant:
+            raise InvalidArgument("tx.tx_id and tx.tenant must equal the request's")
+        self.state.require_role("both")
+        allocated = await self._allocate(tx)
+        committed = False
+        try:
+            async for msg in self.generation.generate(request):
+                if not committed:
+                    await self._tx("commit", lambda: self.pool.tx_commit(tx.tx_id))
+                    committed = True
+                    msg.timings.cached_tokens = (
+                        allocated.reused_blocks * self.state.settings.block_size
+                    )
+                yield msg
+        finally:
+            if not committed:
+                with contextlib.suppress(BlockPoolError):  # gone already: nothing held
+                    await self._tx("abort", lambda: self.pool.tx_abort(tx.tx_id))
 
     @maps_errors
     async def FetchKv(

@@ -12,7 +12,9 @@ from conductor.state import AppState
 from conductor.tenants import Tenant
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    """The app state. ``async`` on purpose: FastAPI runs a plain ``def`` dependency in a
+    worker thread, a thread hop per request for a dict lookup."""
     state: AppState = request.app.state.conductor
     return state
 

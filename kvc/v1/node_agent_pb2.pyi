@@ -164,6 +164,7 @@ class NodeInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
     CALIBRATION_FIELD_NUMBER: _builtins.int
+    FUSED_GENERATE_TX_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -186,6 +187,10 @@ class NodeInfo(_message.Message):
     """Generations this node runs at once (the agent's max_running); one more is
     refused with RESOURCE_EXHAUSTED reason "busy". Lets a conductor check decode
     slots before it spends a prefill.
+    """
+    fused_generate_tx: _builtins.bool
+    """Generate takes GenerateRequest.tx (allocate, generate and commit in one call).
+    Conductors fuse only with agents that say so, so agents can be upgraded first.
     """
     @_builtins.property
     def kv_layout(self) -> Global___KvLayout: ...
@@ -213,10 +218,11 @@ class NodeInfo(_message.Message):
         draining: _builtins.bool = ...,
         max_running_requests: _builtins.int = ...,
         calibration: Global___EngineCalibration | None = ...,
+        fused_generate_tx: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_generate_tx", b"fused_generate_tx", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -882,6 +888,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     KV_SOURCE_FIELD_NUMBER: _builtins.int
     TX_ID_FIELD_NUMBER: _builtins.int
+    TX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     tenant: _builtins.str
     tx_id: _builtins.str
@@ -894,6 +901,15 @@ class GenerateRequest(_message.Message):
     def kv_source(self) -> Global___KvSource:
         """unset: compute the prompt here"""
 
+    @_builtins.property
+    def tx(self) -> Global___TxAllocateRequest:
+        """Fused transaction (role "both", no kv_source): the agent runs this TxAllocate
+        first (its tx_id must equal tx_id above), commits the Tx just before the first
+        token leaves and aborts it when the call ends earlier (error, cancellation). One
+        round trip instead of TxAllocate + Generate + TxCommit; errors are TxAllocate's
+        (RESOURCE_EXHAUSTED "capacity"/"busy", FAILED_PRECONDITION "draining").
+        """
+
     def __init__(
         self,
         *,
@@ -903,10 +919,11 @@ class GenerateRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         kv_source: Global___KvSource | None = ...,
         tx_id: _builtins.str = ...,
+        tx: Global___TxAllocateRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_source", b"kv_source", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_source", b"kv_source", "sampling", b"sampling", "tx", b"tx"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_source", b"kv_source", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_source", b"kv_source", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "tenant", b"tenant", "tx", b"tx", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -945,10 +962,13 @@ class GenerateTimings(_message.Message):
     PREFILL_S_FIELD_NUMBER: _builtins.int
     TRANSFER_S_FIELD_NUMBER: _builtins.int
     TRANSFER_BYTES_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     queue_s: _builtins.float
     prefill_s: _builtins.float
     transfer_s: _builtins.float
     transfer_bytes: _builtins.int
+    cached_tokens: _builtins.int
+    """Prompt tokens whose KV this node reused (the fused Tx's reused blocks x block size)."""
     def __init__(
         self,
         *,
@@ -956,10 +976,11 @@ class GenerateTimings(_message.Message):
         prefill_s: _builtins.float = ...,
         transfer_s: _builtins.float = ...,
         transfer_bytes: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefill_s", b"prefill_s", "queue_s", b"queue_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "prefill_s", b"prefill_s", "queue_s", b"queue_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -95,6 +95,27 @@ async def test_a_disaggregated_request_is_counted_on_both_sides(
     assert_no_locks(prefill, decode)
 
 
+async def test_a_colocated_request_is_one_fused_call(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """On a "both" node the allocation and the commit ride in the Generate call: the
+    agent's block table records both, the conductor makes no TxAllocate/TxCommit call."""
+    agent = await start_agent("both", metrics_port=free_port())
+    async with conductor([agent]) as c:
+        for _ in range(2):
+            r = await c.client.post("/v1/chat/completions", json=chat_body(LONG_PROMPT))
+            assert r.status_code == 200, r.text
+        a = await scrape(agent)
+        assert value(a, "node_agent_tx_total", op="allocate", outcome="ok") == 2
+        assert value(a, "node_agent_tx_total", op="commit", outcome="ok") == 2
+        metrics = (await c.client.get("/metrics")).text
+        for method in ("TxAllocate", "TxCommit", "TxAbort"):
+            assert value(metrics, "conductor_agent_calls_total", method=method, code="OK") == 0
+        cached = value(metrics, "conductor_prompt_cache_tokens_total", source="local")
+        assert cached >= 32  # the second request reused the first one's committed blocks
+    assert_no_locks(agent)
+
+
 async def test_tx_failures_and_lease_expiries_are_counted(start_agent: AgentFactory) -> None:
     agent = await start_agent("both", metrics_port=free_port(), capacity_blocks=4)
     async with grpc.aio.insecure_channel(agent.address) as channel:

@@ -1,0 +1,148 @@
+"""The fused Generate: TxAllocate, generation and TxCommit in one call on a "both" node.
+
+Over a real channel on loopback, against the embedded engine: the Tx commits before the
+first token leaves (its blocks are reusable prefix after), any call that ends before
+that leaves nothing locked, and its errors are TxAllocate's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from conductor.adapters.agents import translate_rpc_error
+from kvc.block_keys import compute_block_keys
+from kvc.v1 import node_agent_pb2 as pb
+from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from node_agent.server import AgentServer
+from tests.conftest import MODEL, AgentFactory, assert_no_locks, wait_until
+
+PROMPT = list(range(100, 100 + 70))  # prompt[:-1] is 69 tokens: 2 full 32-token blocks
+
+
+@pytest.fixture
+async def agent(start_agent: AgentFactory) -> AgentServer:
+    return await start_agent("both", capacity_blocks=64)
+
+
+@pytest.fixture
+async def stub(agent: AgentServer) -> AsyncIterator[pb_grpc.NodeAgentAsyncStub]:
+    async with grpc.aio.insecure_channel(agent.address) as channel:
+        yield pb_grpc.NodeAgentStub(channel)
+
+
+def fused(tx_id: str, prompt: list[int], *, keys: list[int] | None = None) -> pb.GenerateRequest:
+    if keys is None:
+        keys = list(compute_block_keys(prompt[:-1], tenant="t", model=MODEL, block_size=32))
+    return pb.GenerateRequest(
+        request_id=f"r-{tx_id}",
+        tenant="t",
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(max_tokens=4, temperature=0.0),
+        tx_id=tx_id,
+        tx=pb.TxAllocateRequest(
+            tx_id=tx_id, tenant="t", block_keys=keys, lease_s=30.0, mode=pb.TX_MODE_ALLOCATE
+        ),
+    )
+
+
+async def test_the_agent_says_it_fuses(stub: pb_grpc.NodeAgentAsyncStub) -> None:
+    assert (await stub.GetInfo(pb.GetInfoRequest())).fused_generate_tx
+
+
+async def test_commits_before_the_first_token_and_reuses_after(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    call = stub.Generate(fused("tx-1", PROMPT))
+    first = await call.read()
+    assert isinstance(first, pb.GenerateResponse)
+    assert first.token_ids
+    assert first.timings.cached_tokens == 0
+    assert agent.service.pool.stats().open_txs == 0  # committed before it was sent
+    assert agent.service.pool.stats().cached_blocks == 2
+    last = first
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        assert isinstance(msg, pb.GenerateResponse)
+        last = msg
+    assert last.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    again = [msg async for msg in stub.Generate(fused("tx-2", PROMPT))]
+    assert again[0].timings.cached_tokens == 64
+    assert again[-1].usage.cached_tokens == 64
+    assert_no_locks(agent)
+
+
+async def test_a_call_that_fails_after_allocating_leaves_nothing_locked(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    other = [
+        int(k)
+        for k in compute_block_keys(range(5000, 5064), tenant="t", model=MODEL, block_size=32)
+    ]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(fused("tx-bad", PROMPT, keys=other)).read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # keys of another prompt
+    assert_no_locks(agent)
+    assert agent.service.pool.stats().cached_blocks == 0
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.01, 0.05])
+async def test_a_cancelled_call_leaves_nothing_locked(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub, delay_s: float
+) -> None:
+    """Wherever the cancel lands (before the allocation, during the prefill, after the
+    commit), the agent ends up holding nothing."""
+    request = fused("tx-c", PROMPT)
+    request.sampling.max_tokens = 64
+    call = stub.Generate(request)
+    await asyncio.sleep(delay_s)
+    call.cancel()
+    await wait_until(lambda: agent.service.pool.stats().open_txs == 0)
+    await asyncio.sleep(0.05)  # a handler still running would allocate by now
+    assert_no_locks(agent)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "code"),
+    [
+        (lambda r: setattr(r, "tx_id", "other"), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: setattr(r.tx, "tenant", "u"), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: setattr(r.tx, "mode", pb.TX_MODE_LOCK_ONLY), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: setattr(r.tx, "lease_s", 0.0), grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_malformed_fused_calls_are_refused_and_change_nothing(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub, mutate: object, code: grpc.StatusCode
+) -> None:
+    request = fused("tx-m", PROMPT)
+    assert callable(mutate)
+    mutate(request)
+    before = agent.service.pool.stats()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(request).read()
+    assert info.value.code() == code
+    assert agent.service.pool.stats() == before
+
+
+async def test_capacity_refusal_is_the_allocations(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    prompt = list(range(65 * 32 + 1))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(fused("tx-big", prompt)).read()
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    error = translate_rpc_error(agent.address, info.value)
+    assert error.reason == "capacity"  # the conductor tries another node
+    assert_no_locks(agent)
+
+
+async def test_a_draining_node_refuses_fused_calls(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    await stub.Drain(pb.DrainRequest())
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(fused("tx-d", PROMPT)).read()
+    assert translate_rpc_error(agent.address, info.value).reason == "draining"
+    assert_no_locks(agent)
