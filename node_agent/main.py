@@ -65,7 +65,7 @@ def build_engine(settings: AgentSettings) -> EngineAdapter:
         model,
         tokenizer,
         served_model_name=settings.resolved_served_model_name(),
-        max_running=settings.max_running,
+        max_running=settings.resolved_max_running(),
     )
 
 

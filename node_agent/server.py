@@ -152,7 +152,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             kv_layout=layout_to_pb(info.kv_layout),
             advertise_address=s.resolved_advertise_address(port),
             version=_version(),
-            max_running_requests=s.max_running,
+            max_running_requests=s.resolved_max_running(),
             fused_generate_tx=True,
         )
         self.metrics.set_info(role=s.role, engine=info.engine, model=info.model)

@@ -24,6 +24,9 @@ _BLOCKS: Final[JsonDict] = {"group": "KV blocks and transfer"}
 _VLLM: Final[JsonDict] = {"group": "vLLM engine (--engine vllm, docs/engines.md)"}
 
 
+DEFAULT_MAX_RUNNING: Final = {"embedded": 16, "vllm": 256}
+
+
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVC_AGENT_", extra="forbid")
 
@@ -102,7 +105,13 @@ class AgentSettings(BaseSettings):
         0, ge=0, description="torch CPU threads (0 = torch default)", json_schema_extra=_ENGINE
     )
     max_running: int = Field(
-        16, ge=1, description="Concurrent generations before busy", json_schema_extra=_ENGINE
+        0,
+        ge=0,
+        description=(
+            "Concurrent generations before busy (0 = the engine's own: 16 embedded, "
+            "256 vLLM, as vLLM's max_num_seqs; a launched vLLM gets it as --max-num-seqs)"
+        ),
+        json_schema_extra=_ENGINE,
     )
     calibrate: bool = Field(
         True,
@@ -226,6 +235,14 @@ class AgentSettings(BaseSettings):
     def vllm_launch_arg_list(self) -> list[str]:
         """``vllm_launch_args`` split the way a POSIX shell would."""
         return shlex.split(self.vllm_launch_args)
+
+    def resolved_max_running(self) -> int:
+        """``max_running``, or the engine's default when 0: the embedded engine time-slices
+        one model on this process (16); vLLM batches up to its ``max_num_seqs`` (256 by
+        default) and a lower cap here would leave its batch half empty unnoticed."""
+        if self.max_running:
+            return self.max_running
+        return DEFAULT_MAX_RUNNING[self.engine]
 
     def resolved_served_model_name(self) -> str:
         return self.served_model_name or self.model.name

@@ -97,7 +97,7 @@ class VllmConfig:
             kv_events_replay_endpoint=settings.kv_events_replay_endpoint,
             kv_events_topic=settings.kv_events_topic,
             pd_connector=settings.pd_connector,
-            max_running=settings.max_running,
+            max_running=settings.resolved_max_running(),
             metrics_interval_s=settings.load_interval_s,
         )
 

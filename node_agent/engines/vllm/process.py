@@ -95,6 +95,9 @@ class VllmProcess:
             "--enable-prompt-tokens-details",
             "--kv-events-config", json.dumps(events),
         ]  # fmt: skip
+        if not any(a.split("=")[0] == "--max-num-seqs" for a in c.launch_args):
+            # vLLM batches as many as the agent admits: the agent's busy limit is the batch.
+            args += ["--max-num-seqs", str(c.max_running)]
         if (c.model_dir / "kvc_init.json").is_file() and "--load-format" not in c.launch_args:
             args += ["--load-format", "dummy"]  # a random-weights model folder (tiny-llama)
         return [*args, *c.launch_args]
