@@ -1,13 +1,20 @@
-"""Scheduling decision latency: block keys + shadow prefix match + Algorithm 1.
+"""Scheduling decision latency: block keys + shadow prefix match + placement, with the
+cost models learning between decisions as they do live.
 
   python -m bench.scheduler_decision [--out bench/results] [--repeats 200]
 
-For prompts of 1k/8k/32k/128k tokens over 8/64/256 nodes: each node's shadow holds
+For prompts of 1k/8k/32k/128k tokens over 8/64/256/1024 nodes: each node's shadow holds
 ``--keys-per-node`` unrelated keys, and a quarter of the nodes also hold a prefix of
 the prompt of varying length (so matching walks real candidate sets). The decision is
-timed as the conductor runs it (keys, ``PrefixIndex.match``, ``Scheduler.schedule``);
-tokenization of an equally long text is reported separately. Writes
-``scheduler_decision.md``/``.json`` and a PNG (p99 by prompt length, one line per fleet size).
+timed as the conductor's dispatcher runs it: keys, ``PrefixIndex.match``, then
+``PlacementLoop.begin`` + ``RequestPlacement.decide`` (the policy's placement and
+admission). Between decisions, untimed, the placed request reports what a live one
+does — allocated, prefill done (the predicted time x a factor in [0.7, 1.4]), decode
+started, finished after 64 tokens at the predicted TBT x the same kind of factor — so
+every timed decision finds the cost models freshly observed (their lazy refresh is in
+the time) and the in-flight prefix book in use. Tokenization of an equally long text
+is reported separately. Writes ``scheduler_decision.md``/``.json`` and a PNG (p99 by
+prompt length, one line per fleet size).
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import markdown_table, summarize_ms, write_results
+from conductor.core.placement import PlacementLoop, Refusal, RequestPlacement, Wait
 from conductor.core.prefix_index import NodeId, PrefixIndex
 from conductor.core.scheduler import (
     NodeState,
+    Placement,
     Scheduler,
     SchedulerConfig,
     ScheduleRequest,
@@ -34,7 +43,7 @@ from kvc.roles import NodeRole
 from kvc.tokenization import ChatTokenizer
 
 PROMPTS = (1024, 8192, 32768, 131072)
-FLEETS = (8, 64, 256)
+FLEETS = (8, 64, 256, 1024)
 MODEL = "bench-model"
 
 
@@ -82,25 +91,49 @@ def measure(prompt_tokens: int, fleet: Fleet, repeats: int) -> dict[str, Any]:
             fleet.index.apply(node.node_id, "epoch", fleet.seq, stored=held)
         else:
             fleet.index.apply(node.node_id, "epoch", fleet.seq)
-    scheduler = Scheduler(SchedulerConfig())
+    loop = PlacementLoop(Scheduler(SchedulerConfig()))
     samples: list[float] = []
+    now_s = 1000.0
     for r in range(repeats):
         started = time.perf_counter()
         keys = compute_block_keys(tokens[:-1], tenant="t", model=MODEL, block_size=32)
-        prefix = fleet.index.match(keys)
-        scheduler.schedule(
-            ScheduleRequest(
-                request_id=f"r{r}",
-                prompt_tokens=prompt_tokens,
-                prefix_blocks=prefix,
-                max_new_tokens=256,
-                slo=Slo(ttft_s=30.0, tbt_s=0.1),
-            ),
-            fleet.nodes,
-            1000.0 + r,
+        request = ScheduleRequest(
+            request_id=f"r{r}",
+            prompt_tokens=prompt_tokens,
+            prefix_blocks=fleet.index.match(keys),
+            max_new_tokens=256,
+            slo=Slo(ttft_s=30.0, tbt_s=0.1),
+            length_key=(MODEL, "t"),
         )
+        placement = loop.begin(request, keys, now_s)
+        step = placement.decide(fleet.nodes, now_s)
         samples.append(time.perf_counter() - started)
+        now_s = _report_like_live(placement, step, prompt_tokens, now_s, rng)
     return {"prompt_tokens": prompt_tokens, "nodes": len(fleet.nodes), **summarize_ms(samples)}
+
+
+def _report_like_live(
+    placement: RequestPlacement,
+    step: Placement | Wait | Refusal,
+    prompt_tokens: int,
+    now_s: float,
+    rng: random.Random,
+) -> float:
+    """What the dispatcher reports of a placed request, with measured times near the
+    predictions; returns the clock after it."""
+    if not isinstance(step, Placement):
+        placement.finished()
+        return now_s + 0.01
+    placement.allocated()
+    prefill_s = step.prefill_s * rng.uniform(0.7, 1.4)
+    placement.prefill_done(prompt_tokens, step.cached_tokens, prefill_s)
+    placement.committed()
+    now_s += step.queue_s + prefill_s
+    placement.decode_started(now_s)
+    gap_s = step.tbt_s * rng.uniform(0.7, 1.4)
+    now_s += 64 * gap_s
+    placement.finished(64, stopped=True, now_s=now_s, mean_gap_s=gap_s)
+    return now_s
 
 
 def tokenization_ms(prompt_tokens: int, repeats: int) -> dict[str, float]:
@@ -147,21 +180,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--keys-per-node", type=int, default=50_000)
+    parser.add_argument(
+        "--max-total-keys",
+        type=int,
+        default=16_000_000,
+        help="cap on keys over the whole fleet (a fleet gets min(keys-per-node, this / nodes) "
+        "per node; 1,024 nodes x 50k keys would need ~7 GiB)",
+    )
     parser.add_argument("--prompts", type=int, nargs="*", default=list(PROMPTS))
     parser.add_argument("--fleets", type=int, nargs="*", default=list(FLEETS))
     ns = parser.parse_args(argv)
     rows = []
     for n in ns.fleets:
-        fleet = build_fleet(n, ns.keys_per_node, random.Random(n))
-        rows += [measure(p, fleet, ns.repeats) for p in ns.prompts]
+        per_node = min(ns.keys_per_node, ns.max_total_keys // n)
+        fleet = build_fleet(n, per_node, random.Random(n))
+        rows += [{**measure(p, fleet, ns.repeats), "keys_per_node": per_node} for p in ns.prompts]
         del fleet
     tok = {p: tokenization_ms(p, ns.repeats) for p in ns.prompts}
     table = markdown_table(
-        ["prompt tokens", "nodes", "decision p50 ms", "decision p99 ms", "tokenize p50 ms"],
+        [
+            "prompt tokens",
+            "nodes",
+            "shadow keys per node",
+            "decision p50 ms",
+            "decision p99 ms",
+            "tokenize p50 ms",
+        ],
         [
             [
                 r["prompt_tokens"],
                 r["nodes"],
+                r["keys_per_node"],
                 r["p50_ms"],
                 r["p99_ms"],
                 tok[r["prompt_tokens"]]["p50_ms"],
@@ -173,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         ns.out,
         "scheduler_decision",
         "Scheduling decision latency",
-        f"{ns.keys_per_node} shadow keys per node, 32-token blocks, {ns.repeats} decisions "
-        f"per cell.\n\n{table}",
+        f"Up to {ns.keys_per_node} shadow keys per node ({ns.max_total_keys} over a fleet), "
+        f"32-token blocks, {ns.repeats} decisions per cell, cost models observed between "
+        f"decisions as live.\n\n{table}",
         {"rows": rows, "tokenization": {str(k): v for k, v in tok.items()}},
     )
     plot(ns.out / "scheduler_decision.png", rows)
