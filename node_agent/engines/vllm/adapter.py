@@ -78,8 +78,14 @@ from node_agent.engines.vllm.config import (
     salt_for_tenant,
 )
 from node_agent.engines.vllm.events import KvEventDecoder, KvEventSubscriber
-from node_agent.engines.vllm.http_parsing import metric_values, sse_data
+from node_agent.engines.vllm.http_parsing import metric_values, sse_data, sse_payloads
 from node_agent.engines.vllm.process import VllmProcess
+from node_agent.engines.vllm.stream_client import (
+    HttpStreamClient,
+    HttpxStreamClient,
+    StreamClientError,
+    StreamingPost,
+)
 from node_agent.errors import EngineBusy, EngineError, PromptRejected
 from node_agent.kv import KvCodec
 from node_agent.stopping import StopStringMatcher
@@ -115,6 +121,7 @@ class VllmEngineAdapter:
         self._process: VllmProcess | None = None if config.url else VllmProcess(config)
         self.url = config.url.rstrip("/") if config.url else self._process_url()
         self._http: httpx.AsyncClient | None = None
+        self._stream: StreamingPost | None = None  # Generate's streamed completions
         self._sink: EngineCacheSink | None = None
         self._subscriber: KvEventSubscriber | None = None
         self._stop = asyncio.Event()
@@ -181,6 +188,11 @@ class VllmEngineAdapter:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self._http = httpx.AsyncClient(
             base_url=self.url, timeout=timeout, limits=limits, transport=self._transport
+        )
+        self._stream = (
+            HttpxStreamClient(self._http)
+            if self._transport is not None
+            else HttpStreamClient(self.url, read_timeout_s=self._config.request_timeout_s)
         )
         if self._process is not None:
             await self._process.start()
@@ -276,6 +288,8 @@ class VllmEngineAdapter:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        if self._stream is not None:
+            await self._stream.aclose()
         if self._http is not None:
             await self._http.aclose()
         if self._process is not None:
@@ -373,18 +387,8 @@ class VllmEngineAdapter:
 
     @staticmethod
     async def _raise_for_status(response: httpx.Response) -> None:
-        if response.status_code == 200:
-            return
-        await response.aread()
-        try:
-            message = str(response.json().get("error", {}).get("message") or response.text)
-        except ValueError:
-            message = response.text
-        if response.status_code == 400:
-            raise PromptRejected(f"vLLM refused the request: {message}")
-        if response.status_code in (429, 503):
-            raise EngineBusy(f"vLLM is busy: {message}")
-        raise EngineError(f"vLLM answered {response.status_code}: {message}")
+        if response.status_code != 200:
+            raise _status_error(response.status_code, await response.aread())
 
     async def prefill(self, job: PrefillJob) -> PrefillOutcome:
         """The prefill leg of vLLM's P/D protocol; only with ``pd_connector`` set."""
@@ -434,7 +438,7 @@ class VllmEngineAdapter:
         """Stream one completion from vLLM; text is detokenized here."""
         sampling = job.sampling
         self._validate(job.prompt_ids, sampling.max_tokens)
-        http = self._require_open()
+        self._require_open()
         if self._running >= self._config.max_running:
             raise EngineBusy(f"{self._running} generations already running")
         body = self._body(
@@ -464,12 +468,14 @@ class VllmEngineAdapter:
         detok = IncrementalDetokenizer(self._tokenizer, prompt_ids=job.prompt_ids)
         stops = StopStringMatcher(sampling.stop)
         final: GenerationStep | None = None
+        assert self._stream is not None
         try:
-            async with http.stream(
-                "POST", "/v1/completions", json=body, headers={"X-Request-Id": job.request_id}
+            async with self._stream.post(
+                "/v1/completions", json.dumps(body).encode(), {"X-Request-Id": job.request_id}
             ) as response:
-                await self._raise_for_status(response)
-                async for data in sse_data(response):
+                if response.status != 200:
+                    raise _status_error(response.status, await response.aread())
+                async for data in sse_payloads(response.aiter_bytes()):
                     chunk = json.loads(data)
                     if "error" in chunk:
                         raise EngineError(f"vLLM failed the request: {chunk['error']}")
@@ -492,8 +498,8 @@ class VllmEngineAdapter:
                         break
                     if ended_here:
                         break
-        except httpx.HTTPError as exc:
-            raise EngineError(f"vLLM stream failed: {_describe(exc)}") from exc
+        except StreamClientError as exc:
+            raise EngineError(f"vLLM stream failed: {exc}") from exc
         finally:
             first_token()
             self._running -= 1
@@ -610,3 +616,18 @@ def _describe(exc: httpx.HTTPError) -> str:
     empty message, and "request failed: " alone does not say what happened."""
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _status_error(status: int, body: bytes) -> Exception:
+    """The agent's error for a vLLM answer that is not 200."""
+    text = body.decode("utf-8", "replace")
+    try:
+        parsed = json.loads(text)
+        message = str(parsed.get("error", {}).get("message") or text)
+    except (ValueError, AttributeError):
+        message = text
+    if status == 400:
+        return PromptRejected(f"vLLM refused the request: {message}")
+    if status in (429, 503):
+        return EngineBusy(f"vLLM is busy: {message}")
+    return EngineError(f"vLLM answered {status}: {message}")

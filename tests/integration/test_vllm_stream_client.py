@@ -1,0 +1,228 @@
+"""The vLLM adapter's lean streaming client against real sockets on loopback.
+
+Each test runs a small scripted HTTP/1.1 server (``asyncio.start_server``) and runs on
+both event loops the agent may use: asyncio's and uvloop's (the agent's default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import pytest
+import uvloop
+
+from node_agent.engines.vllm.http_parsing import sse_payloads
+from node_agent.engines.vllm.stream_client import HttpStreamClient, StreamClientError
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+LOOPS = ["asyncio", "uvloop"]
+
+
+def run(loop: str, coro: Coroutine[Any, Any, None]) -> None:
+    factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(coro)
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return await reader.readexactly(length)
+
+
+class Server:
+    """Serves each connection with ``handler(reader, writer, connection_number)``."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await self.handler(reader, writer, self.connections)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+def chunked(*pieces: bytes) -> bytes:
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+    return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
+
+
+def fixed(status: int, body: bytes, extra: bytes = b"") -> bytes:
+    head = b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n%s\r\n" % (status, len(body), extra)
+    return head + body
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_streams_chunked_sse_and_reuses_the_connection(loop: str) -> None:
+    events = [json.dumps({"i": i, "text": "é" * i}).encode() for i in range(5)]
+    sse = b"".join(b"data: " + e + b"\r\n\r\n" for e in events) + b"data: [DONE]\n\n"
+    # Pieces that split lines (and a UTF-8 character) anywhere.
+    pieces = [sse[i : i + 7] for i in range(0, len(sse), 7)]
+    seen: list[bytes] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, _: int) -> None:
+        while True:
+            seen.append(await read_request(r))
+            w.write(chunked(*pieces))
+            await w.drain()
+
+    async def main() -> None:
+        server = Server(handler)
+        async with server as url:
+            client = HttpStreamClient(url)
+            for n in range(3):
+                body = json.dumps({"n": n}).encode()
+                async with client.post("/v1/completions", body, {"X-Request-Id": "r"}) as resp:
+                    assert resp.status == 200
+                    got = [json.loads(d) async for d in sse_payloads(resp.aiter_bytes())]
+                assert got == [json.loads(e) for e in events]
+            await client.aclose()
+        assert server.connections == 1  # kept alive and reused
+        assert seen == [json.dumps({"n": n}).encode() for n in range(3)]
+
+    run(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_error_status_hands_over_its_body(loop: str) -> None:
+    error = json.dumps({"error": {"message": "too long"}}).encode()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, _: int) -> None:
+        await read_request(r)
+        w.write(fixed(400, error))
+        await w.drain()
+        await r.read()
+
+    async def main() -> None:
+        async with Server(handler) as url:
+            client = HttpStreamClient(url)
+            async with client.post("/x", b"{}", {}) as resp:
+                assert resp.status == 400
+                assert await resp.aread() == error
+            await client.aclose()
+
+    run(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_connection_left_mid_body_is_not_reused(loop: str) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, _: int) -> None:
+        while True:
+            await read_request(r)
+            whole = chunked(b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n")
+            w.write(whole[:60])  # the first event; the rest comes later
+            await w.drain()
+            await asyncio.sleep(0.2)
+            w.write(whole[60:])
+            await w.drain()
+
+    async def main() -> None:
+        server = Server(handler)
+        async with server as url:
+            client = HttpStreamClient(url)
+            for _ in range(2):
+                async with client.post("/x", b"{}", {}) as resp:
+                    async for _data in sse_payloads(resp.aiter_bytes()):
+                        break  # the caller stops reading early
+            await client.aclose()
+        assert server.connections == 2
+
+    run(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_server_that_closes_its_idle_connections_is_followed(loop: str) -> None:
+    """The server closes after each response (keep-alive announced, as after an idle
+    timeout), or drops the second request on a reused connection unanswered: the client
+    goes on with a new connection either way."""
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await read_request(r)
+        w.write(fixed(200, b"one"))
+        await w.drain()
+        if n == 1:
+            await read_request(r)  # read the reused request, then drop it unanswered
+            return
+        w.close()
+
+    async def main() -> None:
+        server = Server(handler)
+        async with server as url:
+            client = HttpStreamClient(url)
+            for _ in range(4):
+                async with client.post("/x", b"{}", {}) as resp:
+                    assert await resp.aread() == b"one"
+                await asyncio.sleep(0.05)  # let a close arrive
+            await client.aclose()
+        assert server.connections >= 3
+
+    run(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_failures_raise_stream_client_error(loop: str) -> None:
+    async def cut(r: asyncio.StreamReader, w: asyncio.StreamWriter, _: int) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        await w.drain()
+
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter, _: int) -> None:
+        await read_request(r)
+        await asyncio.sleep(5)
+
+    async def garbage(r: asyncio.StreamReader, w: asyncio.StreamWriter, _: int) -> None:
+        await read_request(r)
+        w.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(1)
+
+    async def main() -> None:
+        async with Server(cut) as url:
+            client = HttpStreamClient(url)
+            with pytest.raises(StreamClientError, match="closed mid-response"):
+                async with client.post("/x", b"{}", {}) as resp:
+                    await resp.aread()
+        async with Server(silent) as url:
+            client = HttpStreamClient(url, read_timeout_s=0.2)
+            with pytest.raises(StreamClientError, match="timed out"):
+                async with client.post("/x", b"{}", {}) as resp:
+                    pass
+            await client.aclose()
+        async with Server(garbage) as url:
+            client = HttpStreamClient(url)
+            with pytest.raises(StreamClientError, match="malformed"):
+                async with client.post("/x", b"{}", {}) as resp:
+                    pass
+        port = url.rsplit(":", 1)[1]  # the server is gone: refused
+        client = HttpStreamClient(f"http://127.0.0.1:{port}")
+        with pytest.raises(StreamClientError, match="cannot connect"):
+            async with client.post("/x", b"{}", {}) as resp:
+                pass
+
+    run(loop, main())
+
+
+def test_only_plain_http_urls_are_taken() -> None:
+    with pytest.raises(ValueError, match="http://host:port"):
+        HttpStreamClient("https://vllm:8000")
