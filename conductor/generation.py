@@ -153,7 +153,10 @@ class GenerationStream:
             assert isinstance(read, pb.GenerateResponse)
             msg = read
             now = time.perf_counter()
-            self._gaps_s.append(now - self._last_token_at)
+            # A message may carry several tokens (an agent relays what arrived together):
+            # each gets its share of the gap, so the mean stays per token.
+            tokens = max(1, len(msg.token_ids))
+            self._gaps_s.extend([(now - self._last_token_at) / tokens] * tokens)
             self._last_token_at = now
         delta = _to_delta(msg, self.placed)
         self._tokens += len(delta.token_ids)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -69,6 +71,23 @@ def _reject_unsupported(n: int, logprobs: Any) -> None:
         )
 
 
+# Text up to this many characters (~4k tokens, ~1-2 ms to render and encode) is
+# tokenized on the event loop; longer text in a worker thread, so one long prompt does
+# not stall every other request. A thread hop costs more than encoding a short prompt.
+_INLINE_TOKENIZE_CHARS = 16_384
+
+
+def _text_size(messages: list[dict[str, Any]], tools: list[Any] | None) -> int:
+    size = sum(len(str(m.get("content") or "")) for m in messages)
+    return size + (len(str(tools)) if tools else 0)
+
+
+async def _off_loop_if_long(chars: int, work: Callable[[], list[int]]) -> list[int]:
+    if chars <= _INLINE_TOKENIZE_CHARS:
+        return work()
+    return await asyncio.to_thread(work)
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep
@@ -81,8 +100,11 @@ async def chat_completions(
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = body.tools if isinstance(body.tools, list) else None
     try:
-        prompt_ids = await asyncio.to_thread(
-            state.tokenizer.chat_token_ids, messages, add_generation_prompt=True, tools=tools
+        prompt_ids = await _off_loop_if_long(
+            _text_size(messages, tools),
+            partial(
+                state.tokenizer.chat_token_ids, messages, add_generation_prompt=True, tools=tools
+            ),
         )
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
@@ -162,7 +184,7 @@ async def completions(
     if prompt is None:
         raise InvalidRequest("Only a single prompt per request is supported.", param="prompt")
     if isinstance(prompt, str):
-        prompt_ids = await asyncio.to_thread(state.tokenizer.encode, prompt)
+        prompt_ids = await _off_loop_if_long(len(prompt), partial(state.tokenizer.encode, prompt))
     else:
         vocab = state.tokenizer.vocab_size
         if any(t >= vocab for t in prompt):

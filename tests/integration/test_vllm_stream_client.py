@@ -1,4 +1,5 @@
-"""The vLLM adapter's lean streaming client against real sockets on loopback.
+"""The vLLM adapter's streamed completions: the lean client against real sockets on
+loopback, server-sent events in batches, and tokens relayed in batches.
 
 Each test runs a small scripted HTTP/1.1 server (``asyncio.start_server``) and runs on
 both event loops the agent may use: asyncio's and uvloop's (the agent's default).
@@ -8,14 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
+import httpx
 import pytest
 import uvloop
 
-from node_agent.engines.vllm.http_parsing import sse_payloads
+from kvc.models import DEFAULT_MODEL_DIR
+from kvc.sampling import Sampling
+from kvc.tokenization import ChatTokenizer
+from node_agent.engines.base import GenerateJob
+from node_agent.engines.vllm.adapter import VllmEngineAdapter
+from node_agent.engines.vllm.config import VllmConfig
+from node_agent.engines.vllm.http_parsing import sse_payload_batches, sse_payloads
 from node_agent.engines.vllm.stream_client import HttpStreamClient, StreamClientError
+from node_agent.settings import AgentSettings
+from tests.conftest import MODEL
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 LOOPS = ["asyncio", "uvloop"]
@@ -226,3 +236,66 @@ def test_failures_raise_stream_client_error(loop: str) -> None:
 def test_only_plain_http_urls_are_taken() -> None:
     with pytest.raises(ValueError, match="http://host:port"):
         HttpStreamClient("https://vllm:8000")
+
+
+async def _batches(*pieces: bytes) -> list[list[str]]:
+    async def chunks() -> AsyncIterator[bytes]:
+        for piece in pieces:
+            yield piece
+
+    return [batch async for batch in sse_payload_batches(chunks())]
+
+
+async def test_sse_batches_group_what_arrived_together() -> None:
+    assert await _batches(b"data: 1\n\ndata: 2\n\n", b"data:", b" 3\r\n\r\n: note\n") == [
+        ["1", "2"],
+        ["3"],
+    ]
+    assert await _batches(b"data: 1\n\ndata: [DONE]\n\ndata: 9\n\n") == [["1"]]
+    assert await _batches(b"data: 1\n\ndata: 2") == [["1"], ["2"]]  # no final newline
+
+
+METRICS = (
+    '# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="32",'
+    'enable_prefix_caching="True",num_gpu_blocks="17"} 1.0\n'
+)
+
+
+async def test_tokens_that_arrive_together_leave_as_one_step() -> None:
+    """Five token events and the finish in one piece of body: the adapter relays the
+    four tokens as one step (one gRPC message), then the final step; the text is what
+    detokenizing token by token gives."""
+    tokenizer = ChatTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    ids = tokenizer.encode(" hello brave new world again")[:5]
+    events: list[dict[str, Any]] = [
+        {"choices": [{"index": 0, "token_ids": [t], "finish_reason": None}]} for t in ids
+    ]
+    events[-1]["choices"][0]["finish_reason"] = "length"
+    events.append({"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 32}}})
+    sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    def vllm(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": MODEL, "max_model_len": 2048}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=METRICS)
+        return httpx.Response(200)
+
+    settings = AgentSettings(port=0, engine="vllm", vllm_url="http://vllm", calibrate=False)
+    engine = VllmEngineAdapter(
+        VllmConfig.from_settings(settings), tokenizer, transport=httpx.MockTransport(vllm)
+    )
+    await engine.start()
+    try:
+        job = GenerateJob(
+            request_id="r", prompt_ids=(1, 2, 3), sampling=Sampling(max_tokens=5), prefix_kv=None
+        )
+        steps = [step async for step in engine.generate(job)]
+    finally:
+        await engine.aclose()
+    assert [s.token_ids for s in steps] == [tuple(ids[:4]), (ids[4],)]
+    assert steps[-1].finish_reason == "length"
+    assert steps[-1].cached_tokens == 32
+    assert "".join(s.text for s in steps) == tokenizer.decode(ids)

@@ -78,7 +78,7 @@ from node_agent.engines.vllm.config import (
     salt_for_tenant,
 )
 from node_agent.engines.vllm.events import KvEventDecoder, KvEventSubscriber
-from node_agent.engines.vllm.http_parsing import metric_values, sse_data, sse_payloads
+from node_agent.engines.vllm.http_parsing import metric_values, sse_data, sse_payload_batches
 from node_agent.engines.vllm.process import VllmProcess
 from node_agent.engines.vllm.stream_client import (
     HttpStreamClient,
@@ -475,28 +475,42 @@ class VllmEngineAdapter:
             ) as response:
                 if response.status != 200:
                     raise _status_error(response.status, await response.aread())
-                async for data in sse_payloads(response.aiter_bytes()):
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise EngineError(f"vLLM failed the request: {chunk['error']}")
-                    ended_here = False
-                    for choice in chunk.get("choices") or []:
-                        step = self._step(choice, detok, stops)
-                        if step is None:
-                            continue
-                        first_token()
-                        if step.finish_reason is None:
-                            yield step
-                            continue
-                        final = step
-                        # A stop string matched here before vLLM finished: end now.
-                        ended_here = choice.get("finish_reason") is None
-                    usage = chunk.get("usage")
-                    if final is not None and usage:
-                        details = usage.get("prompt_tokens_details") or {}
-                        final = replace(final, cached_tokens=int(details.get("cached_tokens") or 0))
-                        break
-                    if ended_here:
+                # Events that arrived together leave as one step (one gRPC message):
+                # under load the relay does per-message work once per batch.
+                done = False
+                async for batch in sse_payload_batches(response.aiter_bytes()):
+                    ids: list[int] = []
+                    text = ""
+                    for data in batch:
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            raise EngineError(f"vLLM failed the request: {chunk['error']}")
+                        ended_here = False
+                        for choice in chunk.get("choices") or []:
+                            step = self._step(choice, detok, stops)
+                            if step is None:
+                                continue
+                            first_token()
+                            if step.finish_reason is None:
+                                ids += step.token_ids
+                                text += step.text
+                                continue
+                            final = step
+                            # A stop string matched here before vLLM finished: end now.
+                            ended_here = choice.get("finish_reason") is None
+                        usage = chunk.get("usage")
+                        if final is not None and usage:
+                            details = usage.get("prompt_tokens_details") or {}
+                            cached = int(details.get("cached_tokens") or 0)
+                            final = replace(final, cached_tokens=cached)
+                            done = True
+                            break
+                        if ended_here:
+                            done = True
+                            break
+                    if ids:
+                        yield GenerationStep(token_ids=tuple(ids), text=text)
+                    if done:
                         break
         except StreamClientError as exc:
             raise EngineError(f"vLLM stream failed: {exc}") from exc

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["metric_values", "sse_data", "sse_payloads"]
+__all__ = ["metric_values", "sse_data", "sse_payload_batches", "sse_payloads"]
 
 
 async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
@@ -19,21 +19,34 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
 async def sse_payloads(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
     """The ``data:`` payloads of a server-sent-event body arriving in arbitrary pieces
     (lines may be split across them; ``\n`` or ``\r\n`` ends a line), up to ``[DONE]``."""
+    async for batch in sse_payload_batches(chunks):
+        for data in batch:
+            yield data
+
+
+async def sse_payload_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[str]]:
+    """``sse_payloads`` grouped by the piece of body that completed them: a reader that
+    lags behind the server gets every event that has arrived in one batch."""
     pending = b""
     async for chunk in chunks:
         pending += chunk
         if b"\n" not in chunk:
             continue
         *lines, pending = pending.split(b"\n")
+        batch: list[str] = []
         for line in lines:
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
             if data == b"[DONE]":
+                if batch:
+                    yield batch
                 return
-            yield data.decode("utf-8")
+            batch.append(data.decode("utf-8"))
+        if batch:
+            yield batch
     if pending.startswith(b"data:") and (data := pending[5:].strip()) != b"[DONE]" and data:
-        yield data.decode("utf-8")
+        yield [data.decode("utf-8")]
 
 
 def metric_values(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -177,10 +177,15 @@ class _Connection(asyncio.Protocol):
         self._raise_if_failed()
 
     async def next_chunk(self, timeout_s: float) -> bytes | None:
-        """The next piece of body, or None at its end."""
+        """All the body that has arrived since the last call (so a reader that lags
+        gets several events at once), or None at its end."""
         while True:
             if self._chunks:
-                return self._chunks.popleft()
+                if len(self._chunks) == 1:
+                    return self._chunks.popleft()
+                joined = b"".join(self._chunks)
+                self._chunks.clear()
+                return joined
             if self.message_done:
                 return None
             self._raise_if_failed()
