@@ -244,14 +244,12 @@ class Dispatcher:
             )
         return states
 
-    def block_size(self) -> int | None:
-        return fleet_view(self.node_states())[0]
-
     # ------------------------------------------------------------------ entry point
     async def start(self, req: GenerationRequest) -> GenerationStream:
         """Schedule the request and return once its first token has been produced."""
         decision_started = time.perf_counter()
-        block_size = self.block_size()
+        nodes = self.node_states()  # one view for the keys and the first decision
+        block_size = fleet_view(nodes)[0]
         if block_size is None:
             raise ServiceUnavailable(
                 "No prefill and decode capable node is available.", retry_after_s=2.0
@@ -273,7 +271,8 @@ class Dispatcher:
         first_decision = True
         try:
             while True:
-                step = placement.decide(self.node_states(), self._clock())
+                step = placement.decide(nodes or self.node_states(), self._clock())
+                nodes = []  # a later decision (after a wait or a refusal) looks again
                 if first_decision and self._telemetry is not None:
                     self._telemetry.observe_decision(time.perf_counter() - decision_started)
                 first_decision = False
