@@ -10,9 +10,11 @@
    ``kv_source`` pointing back at the staged KV. Colocated ("both" node): ``Generate``
    with the ``tx_id``; the node prefills locally.
 5. First token → ``TxCommit`` on the prefill node: new blocks become reusable prefix.
-   Colocated without a migration, on an agent that advertises ``fused_generate_tx``,
-   steps 3-5 are one call: ``Generate`` carries the ``TxAllocate`` and the agent commits
-   before the first token leaves (or aborts when the call ends earlier).
+   Without a migration, on an agent that advertises ``fused_tx``, the allocation rides
+   in the call that does the work and the agent commits: colocated, ``Generate`` commits
+   before the first token leaves; disaggregated, ``Prefill`` commits once the KV is
+   computed and staged (valid cache whatever happens to the decode). A call that fails
+   first aborts its Tx on the agent.
 6. Any failure or cancellation before the commit ``TxAbort``s every Tx held (shielded
    from cancellation); node-side leases are the backstop if this process dies.
 
@@ -392,14 +394,10 @@ class Dispatcher:
                     agent.inflight -= 1
                 self._free_capacity()
 
-        # One round trip where the agent can (colocated, no migration): it allocates,
-        # generates and commits in the Generate call itself.
-        fused = (
-            bool(keys)
-            and not disaggregated
-            and placement.migration is None
-            and prefill.info.fused_generate_tx
-        )
+        # Where the agent can (no migration to pull into the Tx first), the allocation
+        # rides in the call that does the work and the agent commits: colocated, in
+        # Generate before the first token; disaggregated, in Prefill once the KV is staged.
+        fused = bool(keys) and placement.migration is None and prefill.info.fused_tx
         try:
             reused_blocks = migrated = 0
             allocate = pb.TxAllocateRequest(
@@ -430,16 +428,18 @@ class Dispatcher:
                 sampling=sampling_to_pb(req.sampling),
             )
             if disaggregated:
-                pre = await prefill.stub.Prefill(
-                    pb.PrefillRequest(
-                        request_id=req.request_id,
-                        tenant=req.tenant,
-                        tx_id=tx_id,
-                        prompt_token_ids=req.prompt_ids,
-                        stage_ttl_s=self._lease_s,
-                    ),
-                    timeout=self._request_timeout_s,
+                prefill_request = pb.PrefillRequest(
+                    request_id=req.request_id,
+                    tenant=req.tenant,
+                    tx_id=tx_id,
+                    prompt_token_ids=req.prompt_ids,
+                    stage_ttl_s=self._lease_s,
                 )
+                if fused:
+                    prefill_request.tx.CopyFrom(allocate)
+                pre = await prefill.stub.Prefill(prefill_request, timeout=self._request_timeout_s)
+                if fused:  # allocated and committed by the agent
+                    loop_state.committed()
                 cached_tokens = pre.cached_tokens
                 loop_state.prefill_done(prompt_len, pre.cached_tokens, pre.prefill_s)
                 gen.kv_source.CopyFrom(
@@ -465,7 +465,7 @@ class Dispatcher:
             assert isinstance(first, pb.GenerateResponse)
             ttft_s = time.perf_counter() - started
             timings = first.timings
-            if fused:  # the agent allocated and has committed by now
+            if fused and not disaggregated:  # the agent allocated and has committed by now
                 cached_tokens = timings.cached_tokens
                 loop_state.committed()
             if not disaggregated:

@@ -153,7 +153,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             advertise_address=s.resolved_advertise_address(port),
             version=_version(),
             max_running_requests=s.resolved_max_running(),
-            fused_generate_tx=True,
+            fused_tx=True,
         )
         self.metrics.set_info(role=s.role, engine=info.engine, model=info.model)
 
@@ -292,7 +292,33 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
 
     @maps_errors
     async def Prefill(self, request: pb.PrefillRequest, context: Context) -> pb.PrefillResponse:
-        return await self.generation.prefill(request)
+        if not request.HasField("tx"):
+            return await self.generation.prefill(request)
+        tx = self._fused_tx(request.tx, request.tx_id, request.tenant)
+        self.state.require_role("prefill", "both")
+        await self._allocate(tx)
+        try:
+            response = await self.generation.prefill(request)
+        except BaseException:
+            await self._abort_quietly(tx.tx_id)
+            raise
+        # The KV is computed and staged (or in the engine's hands for its own transfer):
+        # the blocks are valid cache now, whatever happens to the decode.
+        await self._tx("commit", lambda: self.pool.tx_commit(tx.tx_id))
+        return response
+
+    @staticmethod
+    def _fused_tx(tx: pb.TxAllocateRequest, tx_id: str, tenant: str) -> pb.TxAllocateRequest:
+        """A call's own TxAllocate, checked against the call."""
+        if tx.mode == pb.TX_MODE_LOCK_ONLY:
+            raise InvalidArgument("a fused Tx allocates (mode ALLOCATE)")
+        if tx.tx_id != tx_id or not tx.tx_id or tx.tenant != tenant:
+            raise InvalidArgument("tx.tx_id and tx.tenant must equal the request's")
+        return tx
+
+    async def _abort_quietly(self, tx_id: str) -> None:
+        with contextlib.suppress(BlockPoolError):  # gone already: nothing held
+            await self._tx("abort", lambda: self.pool.tx_abort(tx_id))
 
     @maps_errors
     async def Generate(
@@ -311,11 +337,9 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         """The fused call: TxAllocate, Generate, and TxCommit before the first token
         leaves; a call that ends before that aborts the Tx (the lease is the backstop
         only if this process dies)."""
-        tx = request.tx
-        if request.HasField("kv_source") or tx.mode == pb.TX_MODE_LOCK_ONLY:
+        if request.HasField("kv_source"):
             raise InvalidArgument("a fused Tx allocates for a local prefill (no kv_source)")
-        if tx.tx_id != request.tx_id or not tx.tx_id or tx.tenant != request.tenant:
-            raise InvalidArgument("tx.tx_id and tx.tenant must equal the request's")
+        tx = self._fused_tx(request.tx, request.tx_id, request.tenant)
         self.state.require_role("both")
         allocated = await self._allocate(tx)
         committed = False
@@ -330,8 +354,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 yield msg
         finally:
             if not committed:
-                with contextlib.suppress(BlockPoolError):  # gone already: nothing held
-                    await self._tx("abort", lambda: self.pool.tx_abort(tx.tx_id))
+                await self._abort_quietly(tx.tx_id)
 
     @maps_errors
     async def FetchKv(

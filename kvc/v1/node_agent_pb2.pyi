@@ -164,7 +164,7 @@ class NodeInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
     CALIBRATION_FIELD_NUMBER: _builtins.int
-    FUSED_GENERATE_TX_FIELD_NUMBER: _builtins.int
+    FUSED_TX_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -188,9 +188,10 @@ class NodeInfo(_message.Message):
     refused with RESOURCE_EXHAUSTED reason "busy". Lets a conductor check decode
     slots before it spends a prefill.
     """
-    fused_generate_tx: _builtins.bool
-    """Generate takes GenerateRequest.tx (allocate, generate and commit in one call).
-    Conductors fuse only with agents that say so, so agents can be upgraded first.
+    fused_tx: _builtins.bool
+    """Generate and Prefill take their TxAllocate along (GenerateRequest.tx,
+    PrefillRequest.tx): one call instead of allocate + work + commit. Conductors fuse
+    only with agents that say so, so agents can be upgraded first.
     """
     @_builtins.property
     def kv_layout(self) -> Global___KvLayout: ...
@@ -218,11 +219,11 @@ class NodeInfo(_message.Message):
         draining: _builtins.bool = ...,
         max_running_requests: _builtins.int = ...,
         calibration: Global___EngineCalibration | None = ...,
-        fused_generate_tx: _builtins.bool = ...,
+        fused_tx: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_generate_tx", b"fused_generate_tx", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -779,6 +780,7 @@ class PrefillRequest(_message.Message):
     TX_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     STAGE_TTL_S_FIELD_NUMBER: _builtins.int
+    TX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     tenant: _builtins.str
     tx_id: _builtins.str
@@ -787,6 +789,14 @@ class PrefillRequest(_message.Message):
     """how long the staged KV waits for FetchKv"""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def tx(self) -> Global___TxAllocateRequest:
+        """Fused transaction: the agent runs this TxAllocate first (tx_id and tenant equal to
+        the request's; mode ALLOCATE), prefills into it and commits it as soon as the KV is
+        computed and staged (or handed to the engine's own transfer): the blocks are valid
+        cache from then on, whatever happens to the decode. A failed prefill aborts it.
+        """
+
     def __init__(
         self,
         *,
@@ -795,10 +805,11 @@ class PrefillRequest(_message.Message):
         tx_id: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         stage_ttl_s: _builtins.float = ...,
+        tx: Global___TxAllocateRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tx", b"tx"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "stage_ttl_s", b"stage_ttl_s", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "stage_ttl_s", b"stage_ttl_s", "tenant", b"tenant", "tx", b"tx", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

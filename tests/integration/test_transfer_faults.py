@@ -121,5 +121,7 @@ async def test_conductor_reports_a_broken_handoff_and_leaks_nothing(
         assert resp.json()["error"]["code"] == "upstream_error"
         # The decode node did nothing wrong: it stays usable for the next request.
         assert c.state.fleet.get(decode.address).usable
-    assert prefill.service.pool.stats().cached_blocks == 0  # the Tx was aborted, not committed
+    # The prefill committed its Tx once the KV was staged (a fused Prefill): the blocks
+    # hold valid KV and stay as cache for a retry; nothing is left locked or open.
+    assert prefill.service.pool.stats().cached_blocks > 0
     assert_no_locks(prefill, decode)

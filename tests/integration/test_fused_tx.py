@@ -1,8 +1,9 @@
-"""The fused Generate: TxAllocate, generation and TxCommit in one call on a "both" node.
+"""Fused transactions: the TxAllocate rides in the call that does the work.
 
-Over a real channel on loopback, against the embedded engine: the Tx commits before the
-first token leaves (its blocks are reusable prefix after), any call that ends before
-that leaves nothing locked, and its errors are TxAllocate's.
+Over a real channel on loopback, against the embedded engine. ``Generate`` on a "both"
+node commits before the first token leaves; ``Prefill`` on a prefill node commits once
+the KV is staged. Either way the blocks are reusable prefix afterwards, any call that
+fails before its commit leaves nothing locked, and the errors are TxAllocate's.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def fused(tx_id: str, prompt: list[int], *, keys: list[int] | None = None) -> pb
 
 
 async def test_the_agent_says_it_fuses(stub: pb_grpc.NodeAgentAsyncStub) -> None:
-    assert (await stub.GetInfo(pb.GetInfoRequest())).fused_generate_tx
+    assert (await stub.GetInfo(pb.GetInfoRequest())).fused_tx
 
 
 async def test_commits_before_the_first_token_and_reuses_after(
@@ -146,3 +147,60 @@ async def test_a_draining_node_refuses_fused_calls(
         await stub.Generate(fused("tx-d", PROMPT)).read()
     assert translate_rpc_error(agent.address, info.value).reason == "draining"
     assert_no_locks(agent)
+
+
+def fused_prefill(tx_id: str, prompt: list[int], tenant: str = "t") -> pb.PrefillRequest:
+    keys = list(compute_block_keys(prompt[:-1], tenant="t", model=MODEL, block_size=32))
+    return pb.PrefillRequest(
+        request_id=f"r-{tx_id}",
+        tenant=tenant,
+        tx_id=tx_id,
+        prompt_token_ids=prompt,
+        tx=pb.TxAllocateRequest(
+            tx_id=tx_id, tenant="t", block_keys=keys, lease_s=30.0, mode=pb.TX_MODE_ALLOCATE
+        ),
+    )
+
+
+async def test_a_fused_prefill_commits_once_its_kv_is_staged(start_agent: AgentFactory) -> None:
+    prefill = await start_agent("prefill", capacity_blocks=64)
+    async with grpc.aio.insecure_channel(prefill.address) as channel:
+        stub = pb_grpc.NodeAgentStub(channel)
+        first = await stub.Prefill(fused_prefill("p-1", PROMPT))
+        assert (first.cached_tokens, first.computed_tokens) == (0, 69)
+        assert prefill.service.pool.stats().open_txs == 0
+        assert prefill.service.pool.stats().cached_blocks == 2
+        chunks = [c async for c in stub.FetchKv(pb.FetchKvRequest(request_id="r-p-1"))]
+        assert sum(len(c.data) for c in chunks) == chunks[0].total_bytes > 0
+        again = await stub.Prefill(fused_prefill("p-2", PROMPT))
+        assert again.cached_tokens == 64  # the first prefill's blocks, reused
+    assert_no_locks(prefill)
+
+
+async def test_a_fused_prefill_that_fails_leaves_nothing_locked(
+    start_agent: AgentFactory,
+) -> None:
+    prefill = await start_agent("prefill", capacity_blocks=64)
+    decode = await start_agent("decode", capacity_blocks=64)
+    async with (
+        grpc.aio.insecure_channel(prefill.address) as p_channel,
+        grpc.aio.insecure_channel(decode.address) as d_channel,
+    ):
+        stub = pb_grpc.NodeAgentStub(p_channel)
+        request = fused_prefill("p-bad", PROMPT)
+        request.request_id = ""  # refused by the prefill after the allocation
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Prefill(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        before = decode.service.pool.stats()
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # wrong role: refused up front
+            await pb_grpc.NodeAgentStub(d_channel).Prefill(fused_prefill("p-d", PROMPT))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert decode.service.pool.stats() == before
+        mismatched = fused_prefill("p-m", PROMPT)
+        mismatched.tx.tx_id = "other"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Prefill(mismatched)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_no_locks(prefill, decode)
+    assert prefill.service.pool.stats().cached_blocks == 0
