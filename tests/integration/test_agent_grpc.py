@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -14,17 +13,6 @@ from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import ERROR_INFO_KEY, SERVICE_NAME
 from node_agent.server import AgentServer
 from tests.conftest import MODEL, AgentFactory, assert_no_locks
-
-
-@pytest.fixture
-async def agent(start_agent: AgentFactory) -> AgentServer:
-    return await start_agent("both", capacity_blocks=64)
-
-
-@pytest.fixture
-async def stub(agent: AgentServer) -> AsyncIterator[pb_grpc.NodeAgentAsyncStub]:
-    async with grpc.aio.insecure_channel(agent.address) as channel:
-        yield pb_grpc.NodeAgentStub(channel)
 
 
 def keys_for(n_blocks: int, tenant: str = "t", offset: int = 0) -> list[int]:

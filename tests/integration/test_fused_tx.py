@@ -9,7 +9,6 @@ fails before its commit leaves nothing locked, and the errors are TxAllocate's.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -22,17 +21,6 @@ from node_agent.server import AgentServer
 from tests.conftest import MODEL, AgentFactory, assert_no_locks, wait_until
 
 PROMPT = list(range(100, 100 + 70))  # prompt[:-1] is 69 tokens: 2 full 32-token blocks
-
-
-@pytest.fixture
-async def agent(start_agent: AgentFactory) -> AgentServer:
-    return await start_agent("both", capacity_blocks=64)
-
-
-@pytest.fixture
-async def stub(agent: AgentServer) -> AsyncIterator[pb_grpc.NodeAgentAsyncStub]:
-    async with grpc.aio.insecure_channel(agent.address) as channel:
-        yield pb_grpc.NodeAgentStub(channel)
 
 
 def fused(tx_id: str, prompt: list[int], *, keys: list[int] | None = None) -> pb.GenerateRequest:
