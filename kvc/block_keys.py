@@ -16,6 +16,19 @@ Algorithm
     Because each key covers its parent, equal keys mean equal whole prefixes (up to a
     2**-64 collision chance per pair), which is what makes a flat key map a prefix index.
 
+Key width and collisions
+    Keys are 64 bits. A false match needs two different prefixes of the same tenant and
+    model to share a key; with ``N`` distinct blocks ever keyed in one namespace the
+    expected number of colliding pairs is about ``N**2 / 2**65``: 2.7e-4 at 10^8 blocks,
+    ~2.7 at 10 billion. What a lookup risks is smaller: one key against the ``M`` blocks
+    cached at that moment collides with probability ``M / 2**64`` (5.4e-10 per key at
+    M = 10^10; a fleet caches millions, not billions, at once). A collision makes an agent
+    reuse the KV of another prefix. On purpose: hitting a given key of another tenant
+    needs a second preimage of a salted 64-bit BLAKE2b output (~2^64 hashes); a birthday
+    search (~2^32) finds colliding prompts within one's own namespace only, so a tenant
+    can at worst spoil its own cache. 128-bit keys (a new layout version and wider keys
+    on the wire) would make it ~1.5e-19 pairs at 10 billion; not done.
+
 Determinism
     Only stdlib ``hashlib.blake2b`` and explicit little-endian encodings are used: keys are
     identical across processes, machines, endianness and ``PYTHONHASHSEED``. Python's
