@@ -190,7 +190,9 @@ def test_prometheus_scrapes_the_running_system(running: Running) -> None:
     assert sent > 0
     assert sent == got
     assert scalar(p, "sum(conductor_time_to_first_token_seconds_count)") == REQUESTS
-    assert scalar(p, 'sum(conductor_agent_calls_total{method="TxAllocate",code="OK"})') == REQUESTS
+    # The allocations rode in Prefill (fused Tx): no TxAllocate or TxCommit call.
+    assert scalar(p, 'sum(conductor_agent_calls_total{method="Prefill",code="OK"})') == REQUESTS
+    assert scalar(p, 'sum(conductor_agent_calls_total{method="TxAllocate",code="OK"})') == 0
 
 
 def test_rules_load_and_dashboard_queries_run(running: Running) -> None:
