@@ -90,6 +90,8 @@ class DispatchTelemetry(Protocol):
 
     def count_would_have_hit(self, tokens: int) -> None: ...
 
+    def record_agent_call(self, method: str, code: str) -> None: ...
+
 
 class RejectedBySchedule(RateLimited):
     """A scheduling rejection: the SLO cannot be met, or no node fits."""
@@ -381,6 +383,7 @@ class Dispatcher:
             agent.inflight += 1
         call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] | None = None
         tx_open = False
+        generating = False  # the Generate stream has sent its first message
         address = prefill.address
         prompt_len = len(req.prompt_ids)
         released = False
@@ -463,6 +466,9 @@ class Dispatcher:
                     decode.address, grpc.StatusCode.INTERNAL, "empty generation stream", None
                 )
             assert isinstance(first, pb.GenerateResponse)
+            generating = True
+            if self._telemetry is not None:
+                self._telemetry.record_agent_call("Generate", "OK")
             ttft_s = time.perf_counter() - started
             timings = first.timings
             if fused and not disaggregated:  # the agent allocated and has committed by now
@@ -485,6 +491,9 @@ class Dispatcher:
                 tx_open = False
         except BaseException as exc:
             if call is not None:
+                rpc_error = exc if isinstance(exc, grpc.aio.AioRpcError) else None
+                if rpc_error is not None and not generating and self._telemetry is not None:
+                    self._telemetry.record_agent_call("Generate", rpc_error.code().name)
                 call.cancel()
             loop_state.committed()  # its keys are no longer being computed there
             if tx_open:

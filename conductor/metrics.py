@@ -60,6 +60,7 @@ AGENT_METHODS = (
     "Snapshot",
     "Prefill",
     "PullBlocks",
+    "Generate",  # counted by how the stream starts: OK at its first token, or its error
     "other",
 )
 GRPC_CODES = (
@@ -213,8 +214,11 @@ class ConductorMetrics:
         )
         self.agent_calls = Counter(
             "conductor_agent_calls_total",
-            "Unary calls to node agents by RPC and gRPC status (TxAllocate RESOURCE_EXHAUSTED "
-            "is a capacity refusal; UNAVAILABLE an unreachable agent).",
+            "Calls to node agents by RPC and gRPC status: unary calls when they end, Generate "
+            "streams by how they start (OK at the first token, or the error before it). "
+            "RESOURCE_EXHAUSTED from TxAllocate, Prefill or Generate is a capacity refusal "
+            "(Prefill and Generate carry the allocation of a fused Tx); UNAVAILABLE an "
+            "unreachable agent.",
             ("method", "code"),
             registry=r,
         )
@@ -231,7 +235,7 @@ class ConductorMetrics:
         for quantity, roles in (("ttft", ("prefill", "both")), ("tbt", ("decode", "both"))):
             for role in roles:
                 self.prediction_ratio.labels(quantity, role)
-        for method in ("TxAllocate", "TxCommit", "TxAbort"):
+        for method in ("TxAllocate", "TxCommit", "TxAbort", "Prefill", "Generate"):
             for code in ("OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"):
                 self.agent_calls.labels(method, code)
 
@@ -251,7 +255,8 @@ class ConductorMetrics:
             self.would_have_hit_tokens.inc(tokens)
 
     def record_agent_call(self, method: str, code: str) -> None:
-        """Count one finished unary agent call; ``method`` may be a full gRPC path."""
+        """Count one agent call (a unary one that ended, a ``Generate`` stream that started
+        or failed first); ``method`` may be a full gRPC path."""
         name = method.rsplit("/", 1)[-1]
         self.agent_calls.labels(
             name if name in AGENT_METHODS else "other", code if code in GRPC_CODES else "UNKNOWN"

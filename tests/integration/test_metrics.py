@@ -113,6 +113,7 @@ async def test_a_colocated_request_is_one_fused_call(
         metrics = (await c.client.get("/metrics")).text
         for method in ("TxAllocate", "TxCommit", "TxAbort"):
             assert value(metrics, "conductor_agent_calls_total", method=method, code="OK") == 0
+        assert value(metrics, "conductor_agent_calls_total", method="Generate", code="OK") == 2
         cached = value(metrics, "conductor_prompt_cache_tokens_total", source="local")
         assert cached >= 32  # the second request reused the first one's committed blocks
     assert_no_locks(agent)
