@@ -296,15 +296,11 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             return await self.generation.prefill(request)
         tx = self._fused_tx(request.tx, request.tx_id, request.tenant)
         self.state.require_role("prefill", "both")
-        await self._allocate(tx)
-        try:
+        async with self._fused_allocation(tx) as fused:
             response = await self.generation.prefill(request)
-        except BaseException:
-            await self._abort_quietly(tx.tx_id)
-            raise
-        # The KV is computed and staged (or in the engine's hands for its own transfer):
-        # the blocks are valid cache now, whatever happens to the decode.
-        await self._tx("commit", lambda: self.pool.tx_commit(tx.tx_id))
+            # The KV is computed and staged (or in the engine's hands for its own
+            # transfer): the blocks are valid cache now, whatever happens to the decode.
+            await fused.commit()
         return response
 
     @staticmethod
@@ -316,9 +312,29 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             raise InvalidArgument("tx.tx_id and tx.tenant must equal the request's")
         return tx
 
-    async def _abort_quietly(self, tx_id: str) -> None:
-        with contextlib.suppress(BlockPoolError):  # gone already: nothing held
-            await self._tx("abort", lambda: self.pool.tx_abort(tx_id))
+    @contextlib.asynccontextmanager
+    async def _fused_allocation(self, tx: pb.TxAllocateRequest) -> AsyncIterator[_FusedTx]:
+        """Allocate ``tx`` for one call; abort it when the call ends (error, cancellation,
+        even mid-allocation) before its body committed it. A Tx that was already open
+        under this id (a repeated call) is left to its first owner and its lease."""
+        fused = _FusedTx(self, tx.tx_id, owned=not self._tx_open(tx.tx_id))
+        try:
+            fused.reused_blocks = (await self._allocate(tx)).reused_blocks
+            yield fused
+        finally:
+            if not fused.committed and fused.owned:
+                with contextlib.suppress(BlockPoolError):  # never allocated, or gone
+                    await self._tx("abort", lambda: self.pool.tx_abort(tx.tx_id))
+
+    def _tx_open(self, tx_id: str) -> bool:
+        try:
+            self.pool.get_tx(tx_id)
+        except BlockPoolError:
+            return False
+        return True
+
+    async def commit_fused(self, tx_id: str) -> None:
+        await self._tx("commit", lambda: self.pool.tx_commit(tx_id))
 
     @maps_errors
     async def Generate(
@@ -341,20 +357,12 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             raise InvalidArgument("a fused Tx allocates for a local prefill (no kv_source)")
         tx = self._fused_tx(request.tx, request.tx_id, request.tenant)
         self.state.require_role("both")
-        allocated = await self._allocate(tx)
-        committed = False
-        try:
+        async with self._fused_allocation(tx) as fused:
             async for msg in self.generation.generate(request):
-                if not committed:
-                    await self._tx("commit", lambda: self.pool.tx_commit(tx.tx_id))
-                    committed = True
-                    msg.timings.cached_tokens = (
-                        allocated.reused_blocks * self.state.settings.block_size
-                    )
+                if not fused.committed:
+                    await fused.commit()
+                    msg.timings.cached_tokens = fused.reused_blocks * self.state.settings.block_size
                 yield msg
-        finally:
-            if not committed:
-                await self._abort_quietly(tx.tx_id)
 
     @maps_errors
     async def FetchKv(
@@ -506,3 +514,20 @@ class AgentServer:
         self._tasks.clear()
         await self._server.stop(grace_s)
         await self.engine.aclose()
+
+
+class _FusedTx:
+    """A fused call's Tx: committed by the call's body, aborted otherwise."""
+
+    __slots__ = ("committed", "owned", "reused_blocks", "service", "tx_id")
+
+    def __init__(self, service: NodeAgentService, tx_id: str, *, owned: bool) -> None:
+        self.service = service
+        self.tx_id = tx_id
+        self.owned = owned
+        self.reused_blocks = 0
+        self.committed = False
+
+    async def commit(self) -> None:
+        await self.service.commit_fused(self.tx_id)
+        self.committed = True

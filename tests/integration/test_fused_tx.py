@@ -77,20 +77,33 @@ async def test_a_call_that_fails_after_allocating_leaves_nothing_locked(
     assert agent.service.pool.stats().cached_blocks == 0
 
 
-@pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.01, 0.05])
-async def test_a_cancelled_call_leaves_nothing_locked(
-    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub, delay_s: float
+async def test_a_call_cancelled_while_it_holds_the_tx_aborts_it(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
 ) -> None:
-    """Wherever the cancel lands (before the allocation, during the prefill, after the
-    commit), the agent ends up holding nothing."""
+    """Cancelled between the allocation and the first token: the agent aborts the Tx."""
     request = fused("tx-c", PROMPT)
     request.sampling.max_tokens = 64
     call = stub.Generate(request)
-    await asyncio.sleep(delay_s)
+    async with asyncio.timeout(10):
+        # The handler runs on this loop: yield to it until it holds the Tx.
+        while agent.service.pool.stats().open_txs == 0:  # noqa: ASYNC110
+            await asyncio.sleep(0)
     call.cancel()
     await wait_until(lambda: agent.service.pool.stats().open_txs == 0)
-    await asyncio.sleep(0.05)  # a handler still running would allocate by now
     assert_no_locks(agent)
+    assert agent.service.pool.stats().cached_blocks == 0  # aborted, not committed
+
+
+async def test_a_call_cancelled_after_its_first_token_keeps_the_commit(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    request = fused("tx-t", PROMPT)
+    request.sampling.max_tokens = 64
+    call = stub.Generate(request)
+    assert isinstance(await call.read(), pb.GenerateResponse)
+    call.cancel()
+    assert_no_locks(agent)
+    assert agent.service.pool.stats().cached_blocks == 2
 
 
 @pytest.mark.parametrize(
