@@ -23,14 +23,16 @@ from tests.conftest import MODEL, AgentFactory, assert_no_locks, wait_until
 PROMPT = list(range(100, 100 + 70))  # prompt[:-1] is 69 tokens: 2 full 32-token blocks
 
 
-def fused(tx_id: str, prompt: list[int], *, keys: list[int] | None = None) -> pb.GenerateRequest:
+def fused(
+    tx_id: str, prompt: list[int], *, keys: list[int] | None = None, max_tokens: int = 4
+) -> pb.GenerateRequest:
     if keys is None:
         keys = list(compute_block_keys(prompt[:-1], tenant="t", model=MODEL, block_size=32))
     return pb.GenerateRequest(
         request_id=f"r-{tx_id}",
         tenant="t",
         prompt_token_ids=prompt,
-        sampling=pb.SamplingParams(max_tokens=4, temperature=0.0),
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
         tx_id=tx_id,
         tx=pb.TxAllocateRequest(
             tx_id=tx_id, tenant="t", block_keys=keys, lease_s=30.0, mode=pb.TX_MODE_ALLOCATE
@@ -81,9 +83,7 @@ async def test_a_call_cancelled_while_it_holds_the_tx_aborts_it(
     agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
 ) -> None:
     """Cancelled between the allocation and the first token: the agent aborts the Tx."""
-    request = fused("tx-c", PROMPT)
-    request.sampling.max_tokens = 64
-    call = stub.Generate(request)
+    call = stub.Generate(fused("tx-c", PROMPT, max_tokens=64))
     async with asyncio.timeout(10):
         # The handler runs on this loop: yield to it until it holds the Tx.
         while agent.service.pool.stats().open_txs == 0:  # noqa: ASYNC110
@@ -97,9 +97,7 @@ async def test_a_call_cancelled_while_it_holds_the_tx_aborts_it(
 async def test_a_call_cancelled_after_its_first_token_keeps_the_commit(
     agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
 ) -> None:
-    request = fused("tx-t", PROMPT)
-    request.sampling.max_tokens = 64
-    call = stub.Generate(request)
+    call = stub.Generate(fused("tx-t", PROMPT, max_tokens=64))
     assert isinstance(await call.read(), pb.GenerateResponse)
     call.cancel()
     assert_no_locks(agent)
