@@ -16,7 +16,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import grpc
 from tenacity import (
@@ -31,6 +32,12 @@ from conductor.adapters.agents import AgentFleet, AgentHandle
 from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
 from kvc.block_keys import BlockKey
 from kvc.v1 import node_agent_pb2 as pb
+
+
+def _as_block_keys(field: Sequence[int]) -> Sequence[BlockKey]:
+    """A repeated ``fixed64`` field as block keys, without copying (``BlockKey`` is an int)."""
+    return cast("Sequence[BlockKey]", field)
+
 
 log = logging.getLogger("conductor.shadow")
 
@@ -108,7 +115,8 @@ class ShadowSync:
 
     async def _sync_once(self, agent: AgentHandle, node: NodeId, stop: asyncio.Event) -> None:
         snap = await agent.stub.Snapshot(pb.SnapshotRequest(), timeout=self._fleet.rpc_timeout_s)
-        self._index.reset_node(node, snap.epoch, snap.seq, [BlockKey(k) for k in snap.cached_keys])
+        # The repeated fixed64 fields go straight in (the index copies them into arrays).
+        self._index.reset_node(node, snap.epoch, snap.seq, _as_block_keys(snap.cached_keys))
         agent.load = snap.load
         call = agent.stub.WatchEvents(
             pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
@@ -137,10 +145,10 @@ class ShadowSync:
         for ev in batch.events:
             kind = ev.WhichOneof("kind")
             if kind == "stored":
-                keys = [BlockKey(k) for k in ev.stored.block_keys]
+                keys = _as_block_keys(ev.stored.block_keys)
                 outcome = self._index.apply(node, batch.epoch, ev.seq, stored=keys)
             elif kind == "removed":
-                keys = [BlockKey(k) for k in ev.removed.block_keys]
+                keys = _as_block_keys(ev.removed.block_keys)
                 outcome = self._index.apply(node, batch.epoch, ev.seq, removed=keys)
             elif kind == "cleared":
                 outcome = self._index.apply(node, batch.epoch, ev.seq, cleared=True)

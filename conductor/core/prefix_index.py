@@ -9,31 +9,39 @@ What it mirrors
     decides anything by itself — the agent re-checks every key on ``TxAllocate``, so a
     stale entry costs a recompute, never a wrong answer.
 
-Structure
+Structure (compact: no Python object per key)
     Each known node gets a small integer *slot* (lowest free slot first, so slot numbers
-    stay below the number of live nodes). The index is one flat map
-    ``key -> bitmask of the slots holding it`` (a Python ``int`` used as a bitset), plus,
-    per node, its keys (a ``dict`` of ``None``: for counts, ``cleared`` and removal). Block keys
-    are chained over their whole prefix (``block_keys``), so "node holds ``keys[i]``"
-    already implies it held the prefix when the key was made; a flat map is enough.
+    stay below the number of live nodes) and the bit ``1 << slot``. Every distinct key maps
+    to the *set* of slots holding it, and sets are interned: a set id (``uint32``) stands
+    for one bitmask (a Python ``int``), shared by every key held by exactly that set of
+    nodes. Sets are few (a fleet's keys fall into a handful of holder patterns: one node,
+    the nodes sharing a system prompt, ...) and reference-counted, so an id is recycled
+    when its last key leaves. Keys live in one open-addressing table of two NumPy arrays,
+    ``keys: uint64[C]`` and ``set_ids: uint32[C]`` (12 bytes a slot), in rows of 16 slots.
+    A key goes to the first row, from its home row ``(key * M mod 2**64) mod rows`` on,
+    with a free slot, and every full row it passes is flagged *overflowed* (one byte a
+    row); a lookup stops at the first row without the flag, so nearly every key, present
+    or not, is decided at its home row. ``M`` is a random odd multiplier drawn per process
+    (a tenant that can compute its own keys cannot aim them at one row). Set id 0 marks an
+    empty slot, 1 a deleted one (reused by later inserts). The table is rebuilt at twice
+    the live keys when live + deleted slots pass 3/4 of it or live keys fall under 1/4
+    (which also clears the flags). Block keys are chained over
+    their whole prefix (``block_keys``), so "node holds ``keys[i]``" already implies it
+    held the prefix when the key was made; a flat map is enough.
 
 Matching (``match``, ``best_match``)
-    Walk the prompt's keys with ``alive`` = the slots still matching. At key ``i``,
-    ``alive &= index[key]``; the slots that just dropped out matched exactly ``i`` blocks.
-    Stop as soon as ``alive`` is empty. Each step is a dict lookup and an ``&`` of
-    ``ceil(nodes / 64)``-word ints (a handful of machine words even for 256 nodes), and
-    each node leaves ``alive`` at most once, so::
+    Look up the prompt's first 2 keys one by one, then the rest in chunks (32 keys, then
+    8x larger, up to 1,024), a chunk in a few vectorised steps; walk the *runs* of equal
+    set ids with ``alive`` = the slots still matching: ``alive &= mask(run)``; the slots
+    that just dropped out matched exactly the run's start. Stop as soon as ``alive`` is
+    empty, so a prompt nobody holds costs one scalar lookup::
 
-        match       O(len(matched prefix) + number of nodes)
-        best_match  O(len(matched prefix) + holders of the best prefix)
+        match       O(len(matched prefix) + runs + number of nodes)
+        best_match  O(len(matched prefix) + runs + holders of the best prefix)
 
-    independent of ``len(keys)`` beyond the longest match (not ``O(len(keys) x nodes)``).
-    Measured (CPython 3.11, one core, 256-key prompt, ~48k keys per node, shared chains
-    held to random depths by half the nodes; p50/p99): 8 nodes 13/40 us, 64 nodes
-    25/78 us, 256 nodes 45/118 us; a prompt every node holds entirely 13/23/43 us p50;
-    a first-key miss 0.5/1.7/5.4 us. ``best_match`` is ~20-60% cheaper.
     ``match`` answers for every known node (0 when it holds no prefix); ``best_match``
-    breaks ties by the smallest node id, so results are deterministic.
+    breaks ties by the smallest node id, so results are deterministic. Measured numbers
+    are in docs/benchmarks.md (``python -m bench.shadow_index``).
 
 Event rules (``apply``)
     * unknown node, other epoch, a gap (``seq > last + 1``), or a node marked stale by
@@ -48,36 +56,45 @@ Memory bound (knob ``max_keys_per_node``, default 2,000,000)
     A node never holds more than ``max_keys_per_node`` keys in the shadow. When a stored
     event would push it over, the node's keys are all dropped, the node is marked stale
     (its position is kept) and ``apply`` answers ``RESYNC`` until ``reset_node``. A snapshot
-    larger than the bound is truncated to its first ``max_keys_per_node`` keys: the shadow
-    is then a subset of the truth, which is safe. Size the bound at or above every node's
-    capacity in blocks, or such a node will keep cycling through resyncs.
-    Memory is O(distinct keys + sum of per-node key counts): one dict entry per distinct
-    key (its bitmask shared across nodes) and one dict entry per (node, key) — measured
-    ~154 B per entry when no key is shared (64 nodes x 50k keys), less when nodes share
-    prefixes. The bound is per node: budget nodes x bound x ~154 B.
-    Garbage collector: every map holds only ints, so none is tracked and a full
-    collection never walks them (per-node ``set``s were: 0.18 s at 3.2M entries, 0.8 s at
-    16M, a stall of the conductor's event loop; the dicts cost ~8% more memory).
+    larger than the bound is truncated to its first ``max_keys_per_node`` distinct keys: the
+    shadow is then a subset of the truth, which is safe. Size the bound at or above every
+    node's capacity in blocks, or such a node will keep cycling through resyncs.
+    Memory: ~12 bytes per table slot with live keys filling 1/4 to 3/4 of it, about half
+    after a rebuild: 16-48 bytes per distinct key, ~24 typical, whatever the number of
+    nodes (a key held by k nodes costs what a key held by one does), plus the interned
+    sets. Budget ``distinct keys x ~24 B``; the previous design (a dict entry and an int
+    object per (node, key) plus one per key) kept ~141 B per entry alive. The garbage
+    collector never walks the table (NumPy buffers hold no Python objects).
 
 Other costs
-    ``reset_node`` O(old keys + new keys); ``remove_node`` and ``cleared`` O(node's keys);
-    ``apply`` O(keys in the event); ``nodes`` O(1) amortised (cached, sorted by id);
-    ``node_key_count``/``position`` O(1); ``stats`` O(nodes).
+    ``apply`` O(keys in the event) plus a few vectorised steps (tens of microseconds);
+    ``reset_node`` of a node that held keys, ``remove_node`` and ``cleared`` are O(table)
+    vectorised passes (a node's keys are found through the sets that contain its bit, not
+    kept in a per-node list) — resyncs and departures, not the steady state; ``nodes``
+    O(1) amortised (cached, sorted by id); ``node_key_count``/``position`` O(1);
+    ``stats`` O(nodes); ``node_keys`` O(table) (tests and debugging).
 
 Invariants (checked by ``check_invariants``, used by the tests)
-    * bit ``s`` is set in ``index[k]`` iff the node in slot ``s`` has ``k`` in its key set;
-    * no key maps to an empty mask; every node holds ``<= max_keys_per_node`` keys;
+    * every live slot's key is found by a lookup from its home row (past overflowed rows
+      only), and is stored once;
+    * a set's reference count is the number of live slots carrying its id, no live set is
+      empty, no two live ids share a mask;
+    * a node's key count is the number of live slots whose set contains its bit, and is
+      ``<= max_keys_per_node``;
     * ``stats().entries == sum(node_key_count(n) for n in nodes())``.
 """
 
 from __future__ import annotations
 
 import enum
-import gc
 import heapq
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import Final, NewType
+
+import numpy as np
+import numpy.typing as npt
 
 from kvc.block_keys import BlockKey
 
@@ -85,6 +102,23 @@ __all__ = ["ApplyOutcome", "IndexStats", "NodeId", "PrefixIndex"]
 
 NodeId = NewType("NodeId", str)
 """A node agent's stable identifier (as registered and reported by ``GetInfo``)."""
+
+_U64 = npt.NDArray[np.uint64]
+_U32 = npt.NDArray[np.uint32]
+_I64 = npt.NDArray[np.int64]
+
+_MASK64: Final = 2**64 - 1
+_ROW: Final = 16  # slots per row: 128 bytes of keys, two cache lines
+_EMPTY: Final = 0  # set id of a never-used slot
+_TOMB: Final = 1  # set id of a deleted slot (reused by inserts, skipped by lookups)
+_FIRST_SET: Final = 2
+_MIN_ROWS: Final = 8
+_MAX_FILL: Final = 0.75  # live + deleted slots over capacity that triggers a rebuild
+_MIN_FILL: Final = 0.25  # live slots over capacity under which the table shrinks
+_SCALAR_KEYS: Final = 2  # a prompt's first keys, looked up one by one
+_FIRST_CHUNK: Final = 32  # then keys looked up together, 8x more each time
+_MAX_CHUNK: Final = 1024
+_SMALL: Final = 64  # arrays up to this length are cheaper walked in Python than in NumPy
 
 
 class ApplyOutcome(enum.Enum):
@@ -105,13 +139,10 @@ class _NodeState:
     """Mutable per-node bookkeeping (private: never handed out)."""
 
     slot: int
-    bit: int  # 1 << slot, made once and shared by every single-holder key of this node
+    bit: int  # 1 << slot
     epoch: str
     seq: int
-    # The node's keys as a dict of None, not a set: a dict holding only ints is not
-    # tracked by the garbage collector, a set always is, and a full collection would
-    # walk every entry (measured: 0.8 s at 16M entries, a stall of the event loop).
-    keys: dict[BlockKey, None]
+    count: int = 0  # keys this node holds in the shadow
     stale: bool = False
 
 
@@ -120,10 +151,180 @@ def _check_seq(seq: int) -> None:
         raise ValueError(f"seq must be a non-negative int, got {seq!r}")
 
 
+def _as_keys(keys: Iterable[BlockKey]) -> _U64:
+    try:
+        return np.fromiter(keys, dtype=np.uint64)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise ValueError(f"block keys must be unsigned 64-bit ints: {exc}") from exc
+
+
+def _distinct_keys(keys: Sequence[BlockKey]) -> _U64:
+    """``keys`` without repeats, in any order."""
+    if len(keys) <= _SMALL:
+        return _as_keys(dict.fromkeys(keys))
+    return np.unique(_as_keys(keys))
+
+
+class _KeyTable:
+    """Open-addressing map ``uint64 key -> uint32 set id`` in two NumPy arrays.
+
+    A key sits in the first row, from its home row on, that had a free slot when it was
+    inserted; every row it passed is flagged as *overflowed*. A lookup therefore stops at
+    the first row without the flag: most keys (present or not) are decided at their home
+    row, in one vectorised step. Flags are only cleared by a rebuild.
+    """
+
+    __slots__ = ("_mult", "_mult_int", "ids", "keys", "live", "overflowed", "rows", "tombs")
+
+    def __init__(self, rows: int, mult: np.uint64) -> None:
+        self._mult = mult
+        self._mult_int = int(mult)
+        self.rows = rows
+        self.keys: _U64 = np.zeros(rows * _ROW, dtype=np.uint64)
+        self.ids: _U32 = np.zeros(rows * _ROW, dtype=np.uint32)
+        self.overflowed: npt.NDArray[np.bool_] = np.zeros(rows, dtype=bool)
+        self.live = 0  # slots holding a key
+        self.tombs = 0  # deleted slots
+
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.ids.nbytes + self.overflowed.nbytes)
+
+    def home(self, keys: _U64) -> _I64:
+        return ((keys * self._mult) % np.uint64(self.rows)).astype(np.int64)
+
+    def set_id_of(self, key: int) -> int:
+        """The set id of one key (``_EMPTY`` when absent), without vectorising: a few
+        row reads, cheaper than ``find`` for a key or two."""
+        row = (key * self._mult_int & _MASK64) % self.rows
+        while True:
+            at = row * _ROW
+            row_keys = self.keys[at : at + _ROW].tolist()
+            if key in row_keys:
+                row_ids = self.ids[at : at + _ROW].tolist()
+                for col in range(_ROW):
+                    if row_keys[col] == key and row_ids[col] > _TOMB:
+                        return int(row_ids[col])
+            if not self.overflowed[row]:
+                return _EMPTY
+            row = row + 1 if row + 1 < self.rows else 0
+
+    def find(self, keys: _U64) -> _I64:
+        """Table position of each key, -1 where absent."""
+        n = len(keys)
+        found = np.full(n, -1, dtype=np.int64)
+        if n == 0:
+            return found
+        row = self.home(keys)
+        pending: _I64 | None = None  # None: every key (saves the index arrays)
+        key_rows = self.keys.reshape(self.rows, _ROW)
+        id_rows = self.ids.reshape(self.rows, _ROW)
+        probe_keys = keys
+        while True:
+            hits = (key_rows[row] == probe_keys[:, None]) & (id_rows[row] > _TOMB)
+            hit = hits.any(axis=1)
+            if pending is None:
+                found[hit] = row[hit] * _ROW + hits[hit].argmax(axis=1)
+            else:
+                found[pending[hit]] = row[hit] * _ROW + hits[hit].argmax(axis=1)
+            go_on = ~hit & self.overflowed[row]
+            if not go_on.any():
+                return found
+            pending = np.flatnonzero(go_on) if pending is None else pending[go_on]
+            probe_keys = probe_keys[go_on]
+            row = row[go_on] + 1
+            row[row == self.rows] = 0
+
+    def set_ids_of(self, keys: _U64) -> _U32:
+        """The set id of each key (``_EMPTY`` where absent): ``find`` without positions."""
+        out = np.zeros(len(keys), dtype=np.uint32)
+        row = self.home(keys)
+        pending: _I64 | None = None
+        key_rows = self.keys.reshape(self.rows, _ROW)
+        id_rows = self.ids.reshape(self.rows, _ROW)
+        probe_keys = keys
+        while True:
+            row_ids = id_rows[row]
+            hits = (key_rows[row] == probe_keys[:, None]) & (row_ids > _TOMB)
+            # A key is live at most once: its row's sum over hits is its set id.
+            found = (row_ids * hits).sum(axis=1, dtype=np.uint32)
+            if pending is None:
+                out = found
+            else:
+                out[pending] = found
+            go_on = (found == 0) & self.overflowed[row]
+            if not go_on.any():
+                return out
+            pending = np.flatnonzero(go_on) if pending is None else pending[go_on]
+            probe_keys = probe_keys[go_on]
+            row = row[go_on] + 1
+            row[row == self.rows] = 0
+
+    def place(self, keys: _U64, ids: _U32) -> None:
+        """Insert distinct keys known to be absent (the caller keeps the fill in bounds)."""
+        n = len(keys)
+        if n == 0:
+            return
+        row = self.home(keys)
+        pending = np.arange(n)
+        id_rows = self.ids.reshape(self.rows, _ROW)
+        reused = 0
+        while True:
+            row_ids = id_rows[row]
+            free = row_ids <= _TOMB
+            if len(row) <= _SMALL and len(set(row.tolist())) == len(row):
+                repeats = None  # one key per row (the usual small batch)
+            else:
+                order = np.argsort(row)  # any order within a row will do
+                sorted_rows = row[order]
+                repeats = sorted_rows[1:] == sorted_rows[:-1]
+            if repeats is not None and repeats.any():
+                # Rank each key among the pending keys aiming at the same row this
+                # round: the r-th of them takes the row's r-th free slot, if any.
+                positions = np.arange(len(row))
+                starts = np.concatenate(([True], ~repeats))
+                group_start = np.maximum.accumulate(np.where(starts, positions, 0))
+                rank = np.empty(len(row), dtype=np.int64)
+                rank[order] = positions - group_start
+                taken = free & (np.cumsum(free, axis=1) == (rank + 1)[:, None])
+            else:  # one key per row: the first free slot
+                taken = free & (np.cumsum(free, axis=1) == 1)
+            fits = taken.any(axis=1)
+            if fits.any():
+                col = taken[fits].argmax(axis=1)
+                where = row[fits] * _ROW + col
+                reused += int(np.count_nonzero(row_ids[fits, col] == _TOMB))
+                self.keys[where] = keys[pending[fits]]
+                self.ids[where] = ids[pending[fits]]
+            if fits.all():
+                break
+            self.overflowed[row[~fits]] = True
+            pending = pending[~fits]
+            row = row[~fits] + 1
+            row[row == self.rows] = 0
+        self.live += n
+        self.tombs -= reused
+
+    def live_slots(self) -> _I64:
+        return np.flatnonzero(self.ids > _TOMB)
+
+
 class PrefixIndex:
     """Shadow map of block keys to the nodes holding them (see the module docstring)."""
 
-    __slots__ = ("_all_mask", "_free_slots", "_index", "_max_keys", "_nodes", "_slots", "_sorted")
+    __slots__ = (
+        "_all_mask",
+        "_free_ids",
+        "_free_slots",
+        "_mask_ids",
+        "_masks",
+        "_max_keys",
+        "_mult",
+        "_nodes",
+        "_refs",
+        "_slots",
+        "_sorted",
+        "_table",
+    )
 
     def __init__(self, max_keys_per_node: int = 2_000_000) -> None:
         if (
@@ -133,7 +334,13 @@ class PrefixIndex:
         ):
             raise ValueError(f"max_keys_per_node must be a positive int, got {max_keys_per_node!r}")
         self._max_keys = max_keys_per_node
-        self._index: dict[BlockKey, int] = {}
+        self._mult = np.uint64(secrets.randbits(64) | 1)
+        self._table = _KeyTable(_MIN_ROWS, self._mult)
+        # Interned holder sets: id -> mask (ids 0 and 1 are the empty/deleted markers).
+        self._masks: list[int] = [0, 0]
+        self._refs: list[int] = [0, 0]  # id -> live slots carrying it
+        self._mask_ids: dict[int, int] = {}  # mask -> id, for live sets
+        self._free_ids: list[int] = []
         self._nodes: dict[NodeId, _NodeState] = {}
         self._slots: list[NodeId | None] = []  # slot -> node (None: free)
         self._free_slots: list[int] = []  # min-heap of free slot numbers
@@ -149,9 +356,11 @@ class PrefixIndex:
     def reset_node(self, node: NodeId, epoch: str, seq: int, keys: Iterable[BlockKey]) -> None:
         """Replace everything known about ``node`` with a snapshot taken at ``(epoch, seq)``.
 
-        Keys beyond ``max_keys_per_node`` are dropped (the shadow becomes a safe subset).
+        Keys beyond the first ``max_keys_per_node`` distinct ones are dropped (the shadow
+        becomes a safe subset).
         """
         _check_seq(seq)
+        snapshot = _as_keys(keys)
         state = self._nodes.get(node)
         if state is None:
             state = self._add_node(node, epoch, seq)
@@ -160,18 +369,10 @@ class PrefixIndex:
             state.epoch = epoch
             state.seq = seq
             state.stale = False
-        held = state.keys
-        bit = state.bit
-        index = self._index
-        limit = self._max_keys
-        for key in keys:
-            if len(held) >= limit:
-                break
-            if key in held:
-                continue
-            held[key] = None
-            mask = index.get(key)
-            index[key] = bit if mask is None else mask | bit
+        distinct, first = np.unique(snapshot, return_index=True)
+        if len(distinct) > self._max_keys:
+            distinct = snapshot[np.sort(first)[: self._max_keys]]
+        self._store(state, distinct, self._max_keys)
 
     def remove_node(self, node: NodeId) -> None:
         """Forget ``node`` and every key it held; unknown nodes are ignored."""
@@ -196,22 +397,182 @@ class PrefixIndex:
         else:
             slot = len(self._slots)
             self._slots.append(node)
-        state = _NodeState(slot=slot, bit=1 << slot, epoch=epoch, seq=seq, keys={})
+        state = _NodeState(slot=slot, bit=1 << slot, epoch=epoch, seq=seq)
         self._nodes[node] = state
         self._all_mask |= state.bit
         self._sorted = None
         return state
 
-    def _drop_keys(self, state: _NodeState) -> None:
-        index = self._index
-        clear = ~state.bit
-        for key in state.keys:
-            mask = index[key] & clear
-            if mask:
-                index[key] = mask
+    # ---------------------------------------------------------------- holder sets
+
+    def _intern(self, mask: int) -> int:
+        set_id = self._mask_ids.get(mask)
+        if set_id is None:
+            if self._free_ids:
+                set_id = self._free_ids.pop()
+                self._masks[set_id] = mask
             else:
-                del index[key]
-        state.keys = {}
+                set_id = len(self._masks)
+                self._masks.append(mask)
+                self._refs.append(0)
+            self._mask_ids[mask] = set_id
+        return set_id
+
+    def _release_unused(self, set_ids: Iterable[int]) -> None:
+        refs = self._refs
+        for set_id in set_ids:
+            if set_id >= _FIRST_SET and refs[set_id] == 0 and self._masks[set_id]:
+                del self._mask_ids[self._masks[set_id]]
+                self._masks[set_id] = 0
+                self._free_ids.append(set_id)
+
+    def _recount(self, old: _U32, new: _U32) -> None:
+        """Move one reference from ``old[i]`` to ``new[i]`` for every i (TOMB/EMPTY ignored)."""
+        refs = self._refs
+        if len(old) <= _SMALL:
+            olds = old.tolist()
+            for set_id in olds:
+                refs[set_id] -= 1
+            for set_id in new.tolist():
+                refs[set_id] += 1
+            touched = set(olds)
+        else:
+            uniq, counts = np.unique(old, return_counts=True)
+            for set_id, count in zip(uniq.tolist(), counts.tolist(), strict=True):
+                refs[set_id] -= count
+            uniq, counts = np.unique(new, return_counts=True)
+            for set_id, count in zip(uniq.tolist(), counts.tolist(), strict=True):
+                refs[set_id] += count
+            touched = set(np.unique(old).tolist())
+        refs[_EMPTY] = refs[_TOMB] = 0
+        self._release_unused(touched)
+
+    def _regroup(self, set_ids: _U32, change: dict[int, int]) -> _U32:
+        """``set_ids`` with each id in ``change`` replaced by its value."""
+        if len(set_ids) <= _SMALL:
+            get = change.get
+            return np.fromiter(
+                (get(s, s) for s in set_ids.tolist()), dtype=np.uint32, count=len(set_ids)
+            )
+        uniq, inverse = np.unique(set_ids, return_inverse=True)
+        targets = np.array([change.get(s, s) for s in uniq.tolist()], dtype=np.uint32)
+        return targets[inverse.reshape(-1)]
+
+    # ----------------------------------------------------------------- key storage
+
+    def _grow_for(self, extra: int) -> None:
+        table = self._table
+        capacity = table.rows * _ROW
+        if table.live + table.tombs + extra > _MAX_FILL * capacity:
+            self._rebuild(table.live + extra)
+
+    def _shrink_if_sparse(self) -> None:
+        table = self._table
+        if table.rows > _MIN_ROWS and table.live < _MIN_FILL * table.rows * _ROW:
+            self._rebuild(table.live)
+
+    def _rebuild(self, live: int) -> None:
+        old = self._table
+        rows = max(_MIN_ROWS, -(-2 * live // _ROW))
+        new = _KeyTable(rows, self._mult)
+        slots = old.live_slots()
+        new.place(old.keys[slots], old.ids[slots])
+        self._table = new
+
+    def _store(self, state: _NodeState, keys: _U64, bound: int) -> bool:
+        """Add ``state``'s bit to each of the distinct ``keys``; False (nothing changed)
+        when the node would then hold more than ``bound`` keys."""
+        if len(keys) == 0:
+            return True
+        table = self._table
+        where = table.find(keys)
+        present = where >= 0
+        at = where[present]
+        old = table.ids[at]
+        masks = self._masks
+        bit = state.bit
+        old_ids = set(old.tolist())
+        lacking = {s: masks[s] | bit for s in old_ids if not masks[s] & bit}
+        if not lacking:
+            n_gains = 0
+        elif len(lacking) == len(old_ids):
+            n_gains = len(old)
+        else:
+            n_gains = int(np.count_nonzero(np.isin(old, np.fromiter(lacking, dtype=np.uint32))))
+        absent = keys[~present]
+        if state.count + n_gains + len(absent) > bound:
+            return False
+        if lacking:
+            change = {s: self._intern(mask) for s, mask in lacking.items()}
+            new = self._regroup(old, change)
+            moved = new != old
+            table.ids[at[moved]] = new[moved]
+            self._recount(old[moved], new[moved])
+        if len(absent):
+            self._grow_for(len(absent))
+            single = self._intern(bit)
+            self._table.place(absent, np.full(len(absent), single, dtype=np.uint32))
+            self._refs[single] += len(absent)
+        state.count += n_gains + len(absent)
+        return True
+
+    def _unstore(self, state: _NodeState, keys: _U64) -> None:
+        """Take ``state``'s bit off each of the distinct ``keys`` it holds."""
+        table = self._table
+        at = table.find(keys)
+        at = at[at >= 0]
+        if len(at) == 0:
+            return
+        old = table.ids[at]
+        bit = state.bit
+        masks = self._masks
+        change: dict[int, int] = {}
+        for s in np.unique(old).tolist():
+            if masks[s] & bit:
+                rest = masks[s] & ~bit
+                change[s] = self._intern(rest) if rest else _TOMB
+        if not change:
+            return
+        new = self._regroup(old, change)
+        moved = new != old
+        table.ids[at[moved]] = new[moved]
+        deleted = int(np.count_nonzero(new[moved] == _TOMB))
+        table.live -= deleted
+        table.tombs += deleted
+        self._recount(old[moved], new[moved])
+        state.count -= int(np.count_nonzero(moved))
+        self._shrink_if_sparse()
+
+    def _drop_keys(self, state: _NodeState) -> None:
+        """Take ``state``'s bit off every key (one vectorised pass over the table)."""
+        if state.count == 0:
+            return
+        bit = state.bit
+        masks = self._masks
+        remap = np.arange(len(masks), dtype=np.uint32)
+        touched: list[int] = []
+        for set_id in range(_FIRST_SET, len(masks)):
+            mask = masks[set_id]
+            if mask & bit:
+                rest = mask & ~bit
+                remap[set_id] = self._intern(rest) if rest else _TOMB
+                touched.append(set_id)
+        if len(remap) < len(masks):  # interning grew the table of sets
+            remap = np.concatenate([remap, np.arange(len(remap), len(masks), dtype=np.uint32)])
+        table = self._table
+        old = table.ids
+        new = remap[old]
+        deleted = int(np.count_nonzero((new == _TOMB) & (old != _TOMB)))
+        table.ids = new
+        table.live -= deleted
+        table.tombs += deleted
+        counts = np.bincount(new, minlength=len(masks)).tolist()
+        refs = self._refs
+        for set_id in range(_FIRST_SET, len(masks)):
+            refs[set_id] = counts[set_id]
+        self._release_unused(touched)
+        state.count = 0
+        self._shrink_if_sparse()
 
     # ---------------------------------------------------------------------- events
 
@@ -234,33 +595,18 @@ class PrefixIndex:
             return ApplyOutcome.DUPLICATE
         if seq != state.seq + 1:
             return ApplyOutcome.RESYNC
+        fresh_keys = _distinct_keys(stored) if stored else None
+        gone_keys = _distinct_keys(removed) if removed else None
         if cleared:
             self._drop_keys(state)
-        held = state.keys
-        index = self._index
-        if removed:
-            clear = ~state.bit
-            for key in removed:
-                if key in held:
-                    del held[key]
-                    mask = index[key] & clear
-                    if mask:
-                        index[key] = mask
-                    else:
-                        del index[key]
-        if stored:
-            fresh = [key for key in dict.fromkeys(stored) if key not in held]
-            if len(held) + len(fresh) > self._max_keys:
-                # Over the bound: a partial shadow could silently drift, so drop it all
-                # and make the caller resync (a stale shadow only costs recomputes).
-                self._drop_keys(state)
-                state.stale = True
-                return ApplyOutcome.RESYNC
-            bit = state.bit
-            for key in fresh:
-                held[key] = None
-                holders = index.get(key)
-                index[key] = bit if holders is None else holders | bit
+        if gone_keys is not None:
+            self._unstore(state, gone_keys)
+        if fresh_keys is not None and not self._store(state, fresh_keys, self._max_keys):
+            # Over the bound: a partial shadow could silently drift, so drop it all
+            # and make the caller resync (a stale shadow only costs recomputes).
+            self._drop_keys(state)
+            state.stale = True
+            return ApplyOutcome.RESYNC
         state.seq = seq
         return ApplyOutcome.APPLIED
 
@@ -271,6 +617,37 @@ class PrefixIndex:
         state = self._nodes.get(node)
         return None if state is None else (state.epoch, state.seq)
 
+    def _runs(self, keys: Sequence[BlockKey]) -> Iterable[tuple[int, int]]:
+        """``(start, mask)`` of each run of keys held by the same set, in prompt order.
+
+        A key nobody holds is a run with mask 0; lookups go chunk by chunk, so a caller
+        that stops early never pays for the rest of the prompt.
+        """
+        table = self._table
+        masks = self._masks
+        n = len(keys)
+        last_id = -1
+        # The first keys one by one: a prompt nobody holds ends the walk at its first
+        # key, and a scalar lookup costs a tenth of a vectorised one.
+        start = min(n, _SCALAR_KEYS)
+        for depth in range(start):
+            set_id = table.set_id_of(keys[depth])
+            if set_id != last_id:
+                yield depth, masks[set_id]
+                last_id = set_id
+        chunk = _FIRST_CHUNK
+        while start < n:
+            end = min(n, start + chunk)
+            ids = table.set_ids_of(_as_keys(keys[start:end]))
+            ids_list = ids.tolist()
+            if ids_list[0] != last_id:  # a run starts at the chunk's first key
+                yield start, masks[ids_list[0]]
+            for head in (np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist():
+                yield start + head, masks[ids_list[head]]
+            last_id = ids_list[-1]
+            start = end
+            chunk = min(_MAX_CHUNK, chunk * 8)
+
     def match(self, keys: Sequence[BlockKey]) -> dict[NodeId, int]:
         """For every known node, the number of leading ``keys`` it holds (0 for none).
 
@@ -280,16 +657,11 @@ class PrefixIndex:
         alive = self._all_mask
         if not alive or not keys:
             return result
-        get = self._index.get
         slots = self._slots
-        # Key 0 separately: nodes failing it matched 0 blocks, already in ``result``.
-        alive &= get(keys[0], 0)
-        depth = 1
-        n_keys = len(keys)
-        while alive and depth < n_keys:
-            still = alive & get(keys[depth], 0)
+        for depth, mask in self._runs(keys):
+            still = alive & mask
             if still != alive:
-                dropped = alive ^ still  # still is a subset of alive
+                dropped = alive ^ still if depth else 0  # at depth 0: already 0
                 while dropped:
                     low = dropped & -dropped
                     node = slots[low.bit_length() - 1]
@@ -297,7 +669,9 @@ class PrefixIndex:
                     result[node] = depth
                     dropped ^= low
                 alive = still
-            depth += 1
+                if not alive:
+                    return result
+        n_keys = len(keys)
         while alive:  # survivors hold every key
             low = alive & -alive
             node = slots[low.bit_length() - 1]
@@ -308,17 +682,19 @@ class PrefixIndex:
 
     def best_match(self, keys: Sequence[BlockKey]) -> tuple[int, NodeId | None]:
         """``(longest prefix in blocks, its holder)``; ties -> smallest node id; ``(0, None)``."""
-        get = self._index.get
         alive = self._all_mask
         best_mask = 0
         depth = 0
-        for key in keys:
-            alive &= get(key, 0)
-            if not alive:
-                break
-            best_mask = alive
-            depth += 1
-        if not best_mask:
+        if alive and keys:
+            for start, mask in self._runs(keys):
+                still = alive & mask
+                if not still:
+                    depth = start
+                    break
+                best_mask = alive = still
+            else:
+                depth = len(keys)
+        if not best_mask or depth == 0:
             return 0, None
         slots = self._slots
         holders: list[NodeId] = []
@@ -337,19 +713,27 @@ class PrefixIndex:
     def node_key_count(self, node: NodeId) -> int:
         """Keys the shadow holds for ``node`` (0 when unknown)."""
         state = self._nodes.get(node)
-        return 0 if state is None else len(state.keys)
+        return 0 if state is None else state.count
 
     def node_keys(self, node: NodeId) -> frozenset[BlockKey]:
-        """A copy of ``node``'s keys (O(keys); for tests and debugging)."""
+        """A copy of ``node``'s keys (O(table); for tests and debugging)."""
         state = self._nodes.get(node)
-        return frozenset() if state is None else frozenset(state.keys)
+        if state is None or state.count == 0:
+            return frozenset()
+        holds = np.array([bool(m & state.bit) for m in self._masks], dtype=bool)
+        table = self._table
+        return frozenset(BlockKey(k) for k in table.keys[holds[table.ids]].tolist())
 
     def stats(self) -> IndexStats:
         return IndexStats(
             nodes=len(self._nodes),
-            keys=len(self._index),
-            entries=sum(len(state.keys) for state in self._nodes.values()),
+            keys=self._table.live,
+            entries=sum(state.count for state in self._nodes.values()),
         )
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the key table (the interned sets and node records excluded)."""
+        return self._table.nbytes()
 
     def _sorted_nodes(self) -> tuple[NodeId, ...]:
         cached = self._sorted
@@ -358,21 +742,44 @@ class PrefixIndex:
         return cached
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` when the structure is inconsistent (O(entries))."""
-        rebuilt: dict[BlockKey, int] = {}
+        """Raise ``AssertionError`` when the structure is inconsistent (O(table))."""
+        table = self._table
+        slots = table.live_slots()
+        if len(slots) != table.live:
+            raise AssertionError(f"{len(slots)} live slots, {table.live} counted")
+        if int(np.count_nonzero(table.ids == _TOMB)) != table.tombs:
+            raise AssertionError("deleted-slot count is wrong")
+        keys = table.keys[slots]
+        if len(np.unique(keys)) != len(keys):
+            raise AssertionError("a key is stored twice")
+        if not np.array_equal(table.find(keys), slots):
+            raise AssertionError("a live key is not found from its home row")
+        counts = np.bincount(table.ids, minlength=len(self._masks)).tolist()
+        for set_id in range(_FIRST_SET, len(self._masks)):
+            mask = self._masks[set_id]
+            if counts[set_id] != self._refs[set_id]:
+                raise AssertionError(
+                    f"set {set_id} has {self._refs[set_id]} refs, used {counts[set_id]}"
+                )
+            if counts[set_id] and (not mask or self._mask_ids.get(mask) != set_id):
+                raise AssertionError(f"set {set_id} is used but not interned as {mask:#x}")
+            if not counts[set_id] and mask:
+                raise AssertionError(f"set {set_id} is unused but still interned")
+        if len(self._mask_ids) != sum(1 for m in self._masks[_FIRST_SET:] if m):
+            raise AssertionError("mask -> set id map has stray entries")
         all_mask = 0
         for node, state in self._nodes.items():
             if self._slots[state.slot] != node or state.bit != 1 << state.slot:
                 raise AssertionError(f"slot table broken for {node!r}")
-            if len(state.keys) > self._max_keys:
-                raise AssertionError(f"{node!r} holds {len(state.keys)} keys, over the bound")
+            held = sum(c for m, c in zip(self._masks, counts, strict=False) if m & state.bit)
+            if held != state.count:
+                raise AssertionError(f"{node!r} counts {state.count} keys, holds {held}")
+            if state.count > self._max_keys:
+                raise AssertionError(f"{node!r} holds {state.count} keys, over the bound")
             all_mask |= state.bit
-            for key in state.keys:
-                rebuilt[key] = rebuilt.get(key, 0) | state.bit
-        if rebuilt != self._index:
-            raise AssertionError("key -> slot mask map disagrees with the per-node key sets")
-        if gc.is_tracked(self._index) or any(gc.is_tracked(s.keys) for s in self._nodes.values()):
-            raise AssertionError("a key map is tracked by the GC (a full collection walks it)")
+        for mask in self._mask_ids:
+            if mask & ~all_mask:
+                raise AssertionError(f"set {mask:#x} names a node that is gone")
         if all_mask != self._all_mask:
             raise AssertionError("all-nodes mask is wrong")
         used = sum(1 for node in self._slots if node is not None)

@@ -8,6 +8,7 @@ memory-bound path (drop everything, RESYNC) common.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -349,3 +350,79 @@ def test_match_over_many_nodes() -> None:
     result = index.match(chain)
     assert result == {node: depth % 101 for depth, node in enumerate(nodes)}
     assert index.best_match(chain) == (100, NodeId("n100"))
+
+
+# ------------------------------------------------------------- the key table
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_key_table_grows_shrinks_and_reuses_deleted_slots(seed: int) -> None:
+    """Thousands of keys over a few nodes: the table grows from its minimum, deleted slots
+    are reused, it shrinks when nodes leave, and every answer equals the model's."""
+    rng = random.Random(seed)
+    index = PrefixIndex(max_keys_per_node=5_000)
+    model: dict[NodeId, ModelNode] = {}
+    universe = [BlockKey(rng.getrandbits(64)) for _ in range(3_000)] + keys(0, 1, 2**64 - 1)
+    nodes = [NodeId(f"n{i}") for i in range(6)]
+    seqs = dict.fromkeys(nodes, 0)
+    for step in range(400):
+        node = rng.choice(nodes)
+        roll = rng.random()
+        if roll < 0.05:
+            index.remove_node(node)
+            model.pop(node, None)
+        elif roll < 0.12 or node not in model:
+            snapshot = rng.sample(universe, rng.randint(0, 1_500))
+            index.reset_node(node, "e", seqs[node], snapshot)
+            model[node] = ModelNode("e", seqs[node], set(snapshot))
+        else:
+            seqs[node] = model[node].seq + 1
+            stored = rng.sample(universe, rng.randint(0, 300))
+            removed = rng.sample(sorted(model[node].keys), min(len(model[node].keys), 200))
+            cleared = rng.random() < 0.03
+            expected = model_apply(model, 5_000, node, "e", seqs[node], stored, removed, cleared)
+            got = index.apply(
+                node, "e", seqs[node], stored=stored, removed=removed, cleared=cleared
+            )
+            assert got is expected
+        if step % 25 == 0:
+            index.check_invariants()
+            for other, state in model.items():
+                assert index.node_keys(other) == state.keys
+            chain = rng.sample(universe, 64)
+            for state in model.values():
+                chain = sorted(state.keys)[:40] + chain
+                break
+            assert index.match(chain) == model_match(model, chain)
+    index.check_invariants()
+    for node in nodes:
+        index.remove_node(node)
+    assert index.stats() == IndexStats(nodes=0, keys=0, entries=0)
+    assert index.memory_bytes() == PrefixIndex().memory_bytes()  # back to the minimum table
+    index.check_invariants()
+
+
+def test_long_prompt_matches_across_lookup_chunks() -> None:
+    """Prefixes that end inside, at and across the chunk boundaries of the lookup."""
+    index = PrefixIndex()
+    chain = [BlockKey(k) for k in range(5_000, 8_000)]
+    depths = [0, 1, 15, 16, 17, 79, 80, 81, 335, 336, 337, 1_360, 2_999, 3_000]
+    nodes = [NodeId(f"n{i:02d}") for i in range(len(depths))]
+    for node, depth in zip(nodes, depths, strict=True):
+        index.reset_node(node, "e", 0, chain[:depth])
+    assert index.match(chain) == dict(zip(nodes, depths, strict=True))
+    assert index.best_match(chain) == (3_000, nodes[-1])
+    assert index.best_match(chain[:337]) == (337, nodes[10])
+    assert index.best_match(chain[:336]) == (336, nodes[9])
+    index.check_invariants()
+
+
+def test_rejects_keys_outside_uint64() -> None:
+    index = PrefixIndex()
+    with pytest.raises(ValueError, match="64-bit"):
+        index.reset_node(A, "e", 0, keys(-1))
+    index.reset_node(A, "e", 0, keys(1))
+    with pytest.raises(ValueError, match="64-bit"):
+        index.apply(A, "e", 1, stored=keys(2**64))
+    assert index.position(A) == ("e", 0)
+    index.check_invariants()
