@@ -19,3 +19,8 @@ class Sampling:
     seed: int | None = None  # makes sampling repeatable
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
+    # OpenAI's penalties, over the tokens generated so far (not the prompt, as vLLM):
+    # logit -= frequency_penalty * count + presence_penalty * (count > 0).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)

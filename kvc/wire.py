@@ -38,6 +38,9 @@ def sampling_to_pb(sampling: Sampling) -> pb.SamplingParams:
         max_tokens=sampling.max_tokens,
         stop=list(sampling.stop),
         ignore_eos=sampling.ignore_eos,
+        frequency_penalty=sampling.frequency_penalty,
+        presence_penalty=sampling.presence_penalty,
+        logit_bias=dict(sampling.logit_bias),
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
@@ -53,4 +56,7 @@ def sampling_from_pb(message: pb.SamplingParams) -> Sampling:
         seed=message.seed if message.HasField("seed") else None,
         stop=tuple(message.stop),
         ignore_eos=message.ignore_eos,
+        frequency_penalty=message.frequency_penalty,
+        presence_penalty=message.presence_penalty,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
     )

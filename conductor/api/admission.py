@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from conductor.api.accounting import RequestAccount
 from conductor.api.limits import check_tenant_rate
-from conductor.api.schemas import ChatCompletionRequest, CompletionRequest
+from conductor.api.schemas import ChatCompletionRequest, CompletionRequest, logit_bias_pairs
 from conductor.core.scheduler import Slo
 from conductor.errors import (
     ConductorError,
@@ -34,7 +34,10 @@ def sampling_for(body: GenerationBody, max_tokens: int) -> Sampling:
         max_tokens=max_tokens,
         seed=body.seed,
         stop=tuple(body.stop_sequences),
-        ignore_eos=(body.model_extra or {}).get("ignore_eos") is True,
+        ignore_eos=body.ignore_eos,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        logit_bias=logit_bias_pairs(body.logit_bias),
     )
 
 

@@ -65,9 +65,78 @@ def _check_model(state: AppState, model: str) -> None:
 def _reject_unsupported(n: int, logprobs: Any) -> None:
     if n != 1:
         raise UnprocessableEntity("Only n=1 is supported.", param="n", code="unsupported_value")
-    if logprobs:
+    if logprobs is not None and logprobs is not False:
         raise UnprocessableEntity(
             "logprobs are not supported yet.", param="logprobs", code="unsupported_value"
+        )
+
+
+def _check_logit_bias(logit_bias: dict[str, float] | None, vocab: int) -> None:
+    for token in logit_bias or {}:
+        if int(token) >= vocab:
+            raise InvalidRequest(
+                f"logit_bias token id {token} is not below the vocabulary size {vocab}.",
+                param="logit_bias",
+                code="invalid_value",
+            )
+
+
+def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest) -> None:
+    """422 for what this server would otherwise have to ignore; 400 for OpenAI's own
+    consistency rules. Tools rendered into the prompt with ``tool_choice: "none"`` are
+    honoured (no call is ever expected), as is ``parallel_tool_calls`` (no calls at all)."""
+    fmt = body.response_format
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise InvalidRequest(
+                "response_format.type must be 'text', 'json_object' or 'json_schema'.",
+                param="response_format",
+                code="invalid_value",
+            )
+        if kind != "text":
+            raise UnprocessableEntity(
+                f"response_format {kind!r} (structured output) is not supported yet.",
+                param="response_format",
+                code="unsupported_value",
+            )
+    choice = body.tool_choice
+    if body.tools is not None and not isinstance(body.tools, list):
+        raise InvalidRequest("tools must be an array.", param="tools", code="invalid_type")
+    if body.tools:
+        if choice != "none":
+            raise UnprocessableEntity(
+                "Tool calls are not supported yet (they would not be parsed from the output). "
+                "Send tool_choice 'none' to show the tools to the model without calls.",
+                param="tool_choice" if choice is not None else "tools",
+                code="unsupported_value",
+            )
+    elif choice is not None and choice != "none":
+        raise InvalidRequest(
+            "tool_choice is only allowed when tools are specified.",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    if body.parallel_tool_calls is not None and not isinstance(body.parallel_tool_calls, bool):
+        raise InvalidRequest(
+            "parallel_tool_calls must be a boolean.",
+            param="parallel_tool_calls",
+            code="invalid_type",
+        )
+
+
+def _refuse_what_completion_cannot_honour(body: CompletionRequest) -> None:
+    if body.echo:
+        raise UnprocessableEntity(
+            "echo is not supported yet.", param="echo", code="unsupported_value"
+        )
+    if body.best_of is not None and body.best_of != 1:
+        raise UnprocessableEntity(
+            "Only best_of=1 is supported.", param="best_of", code="unsupported_value"
+        )
+    if body.suffix:
+        raise UnprocessableEntity(
+            "suffix (insertion) is not supported.", param="suffix", code="unsupported_value"
         )
 
 
@@ -98,6 +167,8 @@ async def chat_completions(
         log.info("request %s: ignoring unknown fields %s", rid, sorted(unknown))
     _check_model(state, body.model)
     _reject_unsupported(body.n, body.logprobs)
+    _refuse_what_chat_cannot_honour(body)
+    _check_logit_bias(body.logit_bias, state.tokenizer.vocab_size)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = body.tools if isinstance(body.tools, list) else None
     try:
@@ -175,12 +246,12 @@ async def completions(
     body: CompletionRequest, request: Request, state: StateDep, tenant: TenantDep
 ) -> Response:
     rid = request_id(request)
+    if unknown := body.unknown_fields():
+        log.info("request %s: ignoring unknown fields %s", rid, sorted(unknown))
     _check_model(state, body.model)
     _reject_unsupported(body.n, body.logprobs)
-    if body.echo:
-        raise UnprocessableEntity(
-            "echo is not supported yet.", param="echo", code="unsupported_value"
-        )
+    _refuse_what_completion_cannot_honour(body)
+    _check_logit_bias(body.logit_bias, state.tokenizer.vocab_size)
     prompt = body.single_prompt()
     if prompt is None:
         raise InvalidRequest("Only a single prompt per request is supported.", param="prompt")

@@ -62,6 +62,7 @@ __all__ = [
     "StreamOptions",
     "Usage",
     "chunk_json",
+    "logit_bias_pairs",
     "new_chat_completion_id",
     "new_completion_id",
     "sse_data",
@@ -106,6 +107,21 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
         return []
     items = [stop] if isinstance(stop, str) else stop
     return list(dict.fromkeys(s for s in items if s))
+
+
+def _check_logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
+    # OpenAI: token ids (as JSON object keys, so strings) to a bias in [-100, 100].
+    for token, bias in (value or {}).items():
+        if not token.isdecimal():
+            raise ValueError(f"logit_bias keys must be token ids, got {token!r}.")
+        if not -100.0 <= bias <= 100.0:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for {token}.")
+    return value
+
+
+def logit_bias_pairs(value: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """A validated ``logit_bias`` as sorted ``(token id, bias)`` pairs."""
+    return tuple(sorted((int(token), float(bias)) for token, bias in (value or {}).items()))
 
 
 def _check_stream_options(
@@ -161,6 +177,7 @@ class ChatCompletionRequest(OpenAIBaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
     tools: Any = None
     tool_choice: Any = None
     response_format: Any = None
@@ -184,6 +201,11 @@ class ChatCompletionRequest(OpenAIBaseModel):
         cls, value: StreamOptions | None, info: ValidationInfo
     ) -> StreamOptions | None:
         return _check_stream_options(value, info)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        return _check_logit_bias(value)
 
     def unknown_fields(self) -> set[str]:
         """Unknown top-level names, plus ``messages[i].<name>`` and ``stream_options.<name>``."""
@@ -234,6 +256,7 @@ class CompletionRequest(OpenAIBaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
 
     @field_validator("n", "stream", "echo", mode="before")
     @classmethod
@@ -255,6 +278,11 @@ class CompletionRequest(OpenAIBaseModel):
         cls, value: StreamOptions | None, info: ValidationInfo
     ) -> StreamOptions | None:
         return _check_stream_options(value, info)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        return _check_logit_bias(value)
 
     def unknown_fields(self) -> set[str]:
         """Unknown top-level names, plus ``stream_options.<name>``."""

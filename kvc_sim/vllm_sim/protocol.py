@@ -78,6 +78,18 @@ class _GenerationRequest(BaseModel):
     return_hidden_states: Literal[False] = False
     request_id: str | None = None
     user: str | None = None
+    # Sampling that reshapes logits: this engine has none (its output ids are fixed), so
+    # only the values that change nothing are served.
+    frequency_penalty: float = Field(0.0, ge=0, le=0)
+    presence_penalty: float = Field(0.0, ge=0, le=0)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported by the simulated engine")
+        return value
 
     @field_validator("vllm_xargs")
     @classmethod

@@ -225,3 +225,53 @@ async def test_not_ready_without_agents(conductor: ConductorFactory) -> None:
         assert resp.status_code == 503
         assert "retry-after" in resp.headers
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_logit_bias_and_penalties_reach_the_embedded_engine(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """The embedded engine applies OpenAI's logit_bias and penalties: +100 forces a token
+    at every greedy step, -100 keeps the greedy first token out, and a frequency penalty
+    changes which of two forced tokens greedy takes."""
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        tokenizer = c.state.tokenizer
+        forced = tokenizer.encode(" apple")[-1]
+
+        async def complete(**fields: Any) -> tuple[str, int]:
+            resp = await c.client.post(
+                "/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": "Once upon a time",
+                    "max_tokens": 6,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    **fields,
+                },
+            )
+            assert resp.status_code == 200, resp.text
+            body = resp.json()
+            return body["choices"][0]["text"], body["usage"]["completion_tokens"]
+
+        text, n = await complete(logit_bias={str(forced): 100})
+        assert n == 6
+        assert tokenizer.encode(text) == tokenizer.encode(tokenizer.decode([forced] * 6))
+        plain, _ = await complete()
+        first = tokenizer.encode(plain)[0]
+        banned, _ = await complete(logit_bias={str(first): -100})
+        assert banned != plain
+        assert not tokenizer.encode(banned) or tokenizer.encode(banned)[0] != first
+        # Two tokens biased by +100 leave the rest far behind; which of them greedy
+        # takes depends on the context, and a frequency penalty of 2 per use (up to 22
+        # over 12 tokens) moves that choice (the model's weights are seeded: the same
+        # run everywhere).
+        other = tokenizer.encode(" banana")[-1]
+        pair = {str(forced): 100, str(other): 100}
+        repeated, _ = await complete(logit_bias=pair, max_tokens=12)
+        spread, _ = await complete(logit_bias=pair, max_tokens=12, frequency_penalty=2)
+        allowed = set(tokenizer.decode([forced]) + tokenizer.decode([other]))
+        assert set(repeated) <= allowed, repeated
+        assert set(spread) <= allowed, spread
+        assert repeated != spread
+    assert_no_locks(agent)

@@ -208,3 +208,122 @@ async def test_a_connection_lost_under_a_prefill_is_named_and_frees_the_blocks(
     assert r.status_code == 502, r.text
     assert "vLLM request failed: ReadError" in r.json()["error"]["message"]
     assert_no_locks(prefill, decode)
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+# Every OpenAI sampling parameter either reaches vLLM's request body, as vLLM spells it,
+# or is refused with 422 naming it: none is accepted and dropped. Values are exact in
+# float32 (the wire's type), so they arrive unchanged.
+HONOURED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("chat", {"temperature": 0.25}, {"temperature": 0.25}),
+    ("chat", {"top_p": 0.5}, {"top_p": 0.5}),
+    ("chat", {"max_tokens": 3}, {"max_tokens": 3}),
+    ("chat", {"max_completion_tokens": 4, "max_tokens": 9}, {"max_tokens": 4}),
+    ("chat", {"seed": 7}, {"seed": 7}),
+    ("chat", {"stop": ["zz", "yy"]}, {"stop": ["zz", "yy"]}),
+    ("chat", {"frequency_penalty": 0.5}, {"frequency_penalty": 0.5}),
+    ("chat", {"presence_penalty": -1.5}, {"presence_penalty": -1.5}),
+    ("chat", {"logit_bias": {"5": 3, "17": -100}}, {"logit_bias": {"5": 3.0, "17": -100.0}}),
+    ("chat", {"ignore_eos": True}, {"ignore_eos": True}),
+    ("chat", {"tools": TOOLS, "tool_choice": "none"}, {}),  # shown to the model, no calls
+    ("chat", {"response_format": {"type": "text"}}, {}),
+    ("chat", {"parallel_tool_calls": False}, {}),  # vacuous: no call is ever made
+    ("completions", {"frequency_penalty": -0.5}, {"frequency_penalty": -0.5}),
+    ("completions", {"presence_penalty": 2}, {"presence_penalty": 2.0}),
+    ("completions", {"logit_bias": {"9": 0.5}}, {"logit_bias": {"9": 0.5}}),
+    ("completions", {"seed": 3, "stop": "q"}, {"seed": 3, "stop": ["q"]}),
+    ("completions", {"best_of": 1}, {}),
+]
+REFUSED: list[tuple[str, dict[str, Any], int, str]] = [
+    ("chat", {"n": 2}, 422, "n"),
+    ("chat", {"logprobs": True, "top_logprobs": 2}, 422, "logprobs"),
+    ("chat", {"response_format": {"type": "json_object"}}, 422, "response_format"),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {}}},
+        422,
+        "response_format",
+    ),
+    ("chat", {"response_format": {"type": "yaml"}}, 400, "response_format"),
+    ("chat", {"tools": TOOLS}, 422, "tools"),
+    ("chat", {"tools": TOOLS, "tool_choice": "auto"}, 422, "tool_choice"),
+    ("chat", {"tools": TOOLS, "tool_choice": "required"}, 422, "tool_choice"),
+    (
+        "chat",
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        422,
+        "tool_choice",
+    ),
+    ("chat", {"tool_choice": "auto"}, 400, "tool_choice"),
+    ("chat", {"logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("chat", {"logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("chat", {"logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("chat", {"frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("completions", {"best_of": 2}, 422, "best_of"),
+    ("completions", {"suffix": "tail"}, 422, "suffix"),
+    ("completions", {"echo": True}, 422, "echo"),
+    ("completions", {"logprobs": 0}, 422, "logprobs"),
+    ("completions", {"n": 3}, 422, "n"),
+]
+
+
+def _request(route: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    if route == "chat":
+        base = chat_body("one two three four", max_tokens=2)
+        if "max_completion_tokens" in fields:
+            del base["max_tokens"]
+        return "/v1/chat/completions", {**base, **fields}
+    body = {"model": MODEL, "prompt": "one two three four", "max_tokens": 2, **fields}
+    return "/v1/completions", body
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "expected"),
+    HONOURED,
+    ids=[f"{r}-{','.join(f)}" for r, f, _ in HONOURED],
+)
+async def test_each_parameter_reaches_vllm(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]],
+    conductor: ConductorFactory,
+    route: str,
+    fields: dict[str, Any],
+    expected: dict[str, Any],
+) -> None:
+    (*_, both), (*_, engine) = vllm_agents
+    path, body = _request(route, fields)
+    async with conductor([both]) as c:
+        r = await c.client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    _, sent = engine.completions[-1]
+    for name, value in expected.items():
+        assert sent.get(name) == value, (name, sent)
+    for name in ("frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop"):
+        if name not in expected:
+            assert name not in sent, (name, sent)  # vLLM's default: not spelled out
+    assert_no_locks(both)
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "status", "param"),
+    REFUSED,
+    ids=[f"{r}-{','.join(f)}-{s}" for r, f, s, _ in REFUSED],
+)
+async def test_each_parameter_that_cannot_be_honoured_is_refused(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]],
+    conductor: ConductorFactory,
+    route: str,
+    fields: dict[str, Any],
+    status: int,
+    param: str,
+) -> None:
+    (*_, both), (*_, engine) = vllm_agents
+    path, body = _request(route, fields)
+    async with conductor([both]) as c:
+        r = await c.client.post(path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert error["code"] == ("unsupported_value" if status == 422 else error["code"])
+    assert engine.completions == []  # refused before any engine work
+    assert_no_locks(both)

@@ -216,6 +216,51 @@ def test_sampling(model: EmbeddedModel, prompt: list[int]) -> None:
         Sampler(Sampling(top_p=0.0))
 
 
+def test_logit_bias_moves_the_greedy_choice() -> None:
+    logits = torch.tensor([0.0, 5.0, 1.0, 2.0])
+    assert Sampler(Sampling(temperature=0.0)).sample(logits) == 1
+    biased = Sampler(Sampling(temperature=0.0, logit_bias=((2, 10.0),)))
+    assert [biased.sample(logits) for _ in range(3)] == [2, 2, 2]
+    banned = Sampler(Sampling(temperature=0.0, logit_bias=((1, -100.0),)))
+    assert banned.sample(logits) == 3
+    # Sampling at any temperature never draws a token biased down by 100.
+    hot = Sampler(Sampling(temperature=2.0, seed=3, logit_bias=((1, -100.0),)))
+    assert 1 not in {hot.sample(logits) for _ in range(200)}
+    with pytest.raises(ValueError, match="vocabulary"):
+        Sampler(Sampling(temperature=0.0, logit_bias=((4, 1.0),))).sample(logits)
+
+
+def test_penalties_count_the_tokens_this_sampler_produced() -> None:
+    logits = torch.tensor([0.0, 3.0, 2.5, 1.0])
+    # No penalty: greedy repeats token 1 forever.
+    plain = Sampler(Sampling(temperature=0.0))
+    assert [plain.sample(logits) for _ in range(4)] == [1, 1, 1, 1]
+    # presence 1.0: token 1 drops to 2.0 after one use, below token 2's 2.5; then token 2
+    # drops to 1.5, and token 1 (2.0) wins again: each penalised once.
+    presence = Sampler(Sampling(temperature=0.0, presence_penalty=1.0))
+    assert [presence.sample(logits) for _ in range(4)] == [1, 2, 1, 1]
+    # frequency 0.4: token 1 scores 3.0 - 0.4k; it yields to token 2 (2.5 - 0.4j) in turn.
+    frequency = Sampler(Sampling(temperature=0.0, frequency_penalty=0.4))
+    assert [frequency.sample(logits) for _ in range(5)] == [1, 1, 2, 1, 2]
+    # A negative penalty rewards repetition.
+    eager = Sampler(Sampling(temperature=0.0, presence_penalty=-2.0, logit_bias=((2, 0.6),)))
+    assert [eager.sample(logits) for _ in range(3)] == [2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (Sampling(frequency_penalty=2.5), "frequency_penalty"),
+        (Sampling(presence_penalty=-2.5), "presence_penalty"),
+        (Sampling(logit_bias=((1, 101.0),)), "logit_bias"),
+        (Sampling(logit_bias=((-1, 1.0),)), "logit_bias"),
+    ],
+)
+def test_sampler_refuses_out_of_range_parameters(params: Sampling, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Sampler(params)
+
+
 def test_loads_a_hugging_face_folder_with_real_weights(
     model: EmbeddedModel, prompt: list[int], tmp_path: Path
 ) -> None:

@@ -307,6 +307,9 @@ async def test_models_and_errors(client: httpx.AsyncClient) -> None:
         ({"prompt": "x", "skip_special_tokens": False}, 400),  # only vLLM's default
         ({"prompt": "x", "no_stop_trim": True}, 400),
         ({"prompt": "x", "return_hidden_states": True}, 400),
+        ({"prompt": "x", "frequency_penalty": 0.5}, 400),  # no logits to reshape
+        ({"prompt": "x", "presence_penalty": -1}, 400),
+        ({"prompt": "x", "logit_bias": {"5": 1.0}}, 400),
     ]
     for body, status in cases:
         r = await client.post("/v1/completions", json=body)
@@ -319,6 +322,7 @@ async def test_a_routers_spelled_out_defaults_are_served(client: httpx.AsyncClie
     body = {
         "prompt": "x", "max_tokens": 2, "stream": True, "ignore_eos": True, "echo": False,
         "no_stop_trim": False, "return_hidden_states": False, "skip_special_tokens": True,
+        "frequency_penalty": 0.0, "presence_penalty": 0, "logit_bias": {},
     }  # fmt: skip
     r = await client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text

@@ -1,4 +1,6 @@
-"""Next-token sampling of the embedded engine: greedy, or temperature + nucleus (top-p)."""
+"""Next-token sampling of the embedded engine: greedy, or temperature + nucleus (top-p),
+after OpenAI's logit bias and frequency/presence penalties (over the tokens this sampler
+has produced, as vLLM counts them)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,16 @@ class Sampler:
             raise ValueError(f"temperature must be >= 0, got {params.temperature}")
         if not 0.0 < params.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(params, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(params, name)}")
+        for token, bias in params.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias {token}: {bias} is outside ids >= 0, [-100, 100]")
         self.params = params
+        self._bias = dict(params.logit_bias)
+        self._penalised = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        self._counts: dict[int, int] = {}  # produced token -> times
         self._generator = torch.Generator(device="cpu")
         if params.seed is not None:
             self._generator.manual_seed(params.seed)
@@ -25,8 +36,30 @@ class Sampler:
             self._generator.seed()
 
     def sample(self, logits: torch.Tensor) -> int:
-        """Greedy when temperature is 0, else temperature + nucleus (top-p) sampling."""
+        """Greedy when temperature is 0, else temperature + nucleus (top-p) sampling.
+
+        Raises ``ValueError`` when a biased token id is outside the logits."""
+        token = self._pick(self._adjusted(logits))
+        if self._penalised:
+            self._counts[token] = self._counts.get(token, 0) + 1
+        return token
+
+    def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         scores = logits.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        if self._bias or self._counts:
+            scores = scores.clone()
+        if self._bias:
+            ids = list(self._bias)
+            if max(ids) >= scores.numel():
+                raise ValueError(f"logit_bias token id {max(ids)} is outside the vocabulary")
+            scores[ids] += torch.tensor(list(self._bias.values()), dtype=torch.float32)
+        if self._counts:
+            ids = list(self._counts)
+            counts = torch.tensor(list(self._counts.values()), dtype=torch.float32)
+            scores[ids] -= self.params.frequency_penalty * counts + self.params.presence_penalty
+        return scores
+
+    def _pick(self, scores: torch.Tensor) -> int:
         if self.params.temperature == 0.0:
             return int(torch.argmax(scores).item())
         probs = torch.softmax(scores / self.params.temperature, dim=-1)

@@ -352,6 +352,9 @@ class VllmEngineAdapter:
         ignore_eos: bool,
         stream: bool,
         transfer: Mapping[str, Any] | None,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        logit_bias: tuple[tuple[int, float], ...] = (),
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self._config.served_model_name,
@@ -371,6 +374,14 @@ class VllmEngineAdapter:
             body["stop"] = list(stop)
         if seed is not None:
             body["seed"] = seed
+        # Sent only when set: vLLM's defaults are the same, and a stand-in engine that
+        # cannot apply them (kvc_sim's) refuses them rather than ignoring them.
+        if frequency_penalty:
+            body["frequency_penalty"] = frequency_penalty
+        if presence_penalty:
+            body["presence_penalty"] = presence_penalty
+        if logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in logit_bias}
         salt = self._salt(tenant)
         if salt is not None:
             body["cache_salt"] = salt
@@ -452,6 +463,9 @@ class VllmEngineAdapter:
             ignore_eos=sampling.ignore_eos,
             stream=True,
             transfer=job.engine_transfer_params,
+            frequency_penalty=sampling.frequency_penalty,
+            presence_penalty=sampling.presence_penalty,
+            logit_bias=sampling.logit_bias,
         )
         self._running += 1
         self._awaiting_first_token += 1
