@@ -143,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{ns.repeats} operations per cell; bytes per (node, key) entry by tracemalloc.\n\n{table}",
         {"rows": rows},
     )
-    labels = [f"{r['nodes']} x {r['own_keys'] + r['shared_keys']:,}" for r in rows]
+    labels = [
+        f"{r['nodes']} x {r['own_keys']:,}"
+        + (f"\n+ {r['shared_keys']:,} shared" if r["shared_keys"] else "")
+        for r in rows
+    ]
     bar_panels(
         ns.out / "shadow_index.png",
         "Shadow prefix index (nodes x keys per node)",

@@ -26,6 +26,7 @@ from conductor.adapters.discovery import run_discovery
 from conductor.adapters.ratelimit import RateLimiter
 from conductor.adapters.shadow import ShadowSync
 from conductor.api.admin import router as admin_router
+from conductor.api.extras import router as extras_router
 from conductor.api.openai import router as openai_router
 from conductor.api.ops import router as ops_router
 from conductor.core.prefix_index import PrefixIndex
@@ -260,6 +261,7 @@ def create_app(
     _install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(ops_router)
+    app.include_router(extras_router)
     app.include_router(admin_router)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_bytes)
     return app

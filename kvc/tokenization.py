@@ -399,6 +399,33 @@ class ChatTokenizer:
         )
         return self.encode(text, add_special_tokens=False)
 
+    def api_token_ids(
+        self,
+        *,
+        prompt: str | None,
+        messages: Sequence[Mapping[str, Any]] | None,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """What vLLM's ``/tokenize`` answers: exactly one of a ``prompt`` (its special
+        tokens added unless ``add_special_tokens`` is false) or chat ``messages`` (rendered
+        as for a chat completion). Raises ``ValueError`` for neither or both, and
+        ``ChatTemplateError`` (a ``ValueError``) when the template fails."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give either prompt or messages")
+        if messages is not None:
+            return self.chat_token_ids(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
+        assert prompt is not None
+        add = True if add_special_tokens is None else add_special_tokens
+        return self.encode(prompt, add_special_tokens=add)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token string (``""`` for an id the vocabulary does not name)."""
+        return [self.id_to_token(t) or "" for t in ids]
+
 
 class IncrementalDetokenizer:
     """Turn generated token ids, one at a time, into text deltas.

@@ -18,7 +18,6 @@ before or after the subcommand.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import logging
 import sys
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvc.version import package_version
 from kvc_cli.event_loop import run_event_loop
 from kvc_cli.settings_cli import InvalidSettings, SettingsCommand, settings_from_args
 from kvc_cli.sim_engine import register_sim_engine
@@ -45,13 +45,6 @@ class LoggingSettings(BaseSettings):
     @classmethod
     def _upper(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("kv-conductor")
-    except importlib.metadata.PackageNotFoundError:
-        return "(not installed)"
 
 
 def _setup_logging(level: str) -> None:
@@ -251,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     from node_agent.settings import AgentSettings
 
     parser = argparse.ArgumentParser(prog="kvc", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.set_defaults(logging_command=SettingsCommand(parser, LoggingSettings))
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -45,6 +45,7 @@ from kvc.block_keys import BlockKey
 from kvc.registry import AgentRecord, connect, keep_registered
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from kvc.version import package_version
 from kvc.wire import MAX_MESSAGE_BYTES, ROLE_TO_PB, SERVICE_NAME
 from node_agent.agent_state import AgentState
 from node_agent.blocks.pool import BlockPool
@@ -87,15 +88,6 @@ def calibration_to_pb(cal: Calibration) -> pb.EngineCalibration:
         decode_samples=cal.decode_samples,
         duration_s=cal.duration_s,
     )
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kv-conductor")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 class NodeAgentService(pb_grpc.NodeAgentServicer):
@@ -151,7 +143,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             max_model_len=info.max_model_len,
             kv_layout=layout_to_pb(info.kv_layout),
             advertise_address=s.resolved_advertise_address(port),
-            version=_version(),
+            version=package_version(),
             max_running_requests=s.resolved_max_running(),
             fused_tx=True,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from functools import partial
@@ -57,7 +58,24 @@ def _usage_model(u: UsageCounts) -> Usage:
     return Usage.from_counts(u.prompt_tokens, u.completion_tokens, cached_tokens=u.cached_tokens)
 
 
-def _check_model(state: AppState, model: str) -> None:
+_UNKNOWN_SEEN: set[str] = set()
+_UNKNOWN_SEEN_MAX = 1_024  # names remembered; past it, new names are still logged
+
+
+def log_unknown_fields(rid: str, names: set[str]) -> None:
+    """Log the unknown request fields this process has not logged yet, once per name
+    (``messages[3].foo`` and ``messages[0].foo`` are one name): a client that always
+    sends an extension does not fill the log."""
+    fresh = {re.sub(r"\[\d+\]", "[]", name) for name in names} - _UNKNOWN_SEEN
+    if fresh:
+        log.info(
+            "request %s: ignoring unknown fields %s (logged once per name)", rid, sorted(fresh)
+        )
+        if len(_UNKNOWN_SEEN) < _UNKNOWN_SEEN_MAX:
+            _UNKNOWN_SEEN.update(fresh)
+
+
+def check_model(state: AppState, model: str) -> None:
     if model != state.model_name:
         raise ModelNotFound(model)
 
@@ -147,12 +165,12 @@ def _refuse_what_completion_cannot_honour(body: CompletionRequest) -> None:
 _INLINE_TOKENIZE_CHARS = 4_096
 
 
-def _text_size(messages: list[dict[str, Any]], tools: list[Any] | None) -> int:
+def text_size(messages: list[dict[str, Any]], tools: list[Any] | None) -> int:
     size = sum(len(str(m.get("content") or "")) for m in messages)
     return size + (len(str(tools)) if tools else 0)
 
 
-async def _off_loop_if_long(chars: int, work: Callable[[], list[int]]) -> list[int]:
+async def off_loop_if_long(chars: int, work: Callable[[], list[int]]) -> list[int]:
     if chars <= _INLINE_TOKENIZE_CHARS:
         return work()
     return await asyncio.to_thread(work)
@@ -163,17 +181,16 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep
 ) -> Response:
     rid = request_id(request)
-    if unknown := body.unknown_fields():
-        log.info("request %s: ignoring unknown fields %s", rid, sorted(unknown))
-    _check_model(state, body.model)
+    log_unknown_fields(rid, body.unknown_fields())
+    check_model(state, body.model)
     _reject_unsupported(body.n, body.logprobs)
     _refuse_what_chat_cannot_honour(body)
     _check_logit_bias(body.logit_bias, state.tokenizer.vocab_size)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = body.tools if isinstance(body.tools, list) else None
     try:
-        prompt_ids = await _off_loop_if_long(
-            _text_size(messages, tools),
+        prompt_ids = await off_loop_if_long(
+            text_size(messages, tools),
             partial(
                 state.tokenizer.chat_token_ids, messages, add_generation_prompt=True, tools=tools
             ),
@@ -246,9 +263,8 @@ async def completions(
     body: CompletionRequest, request: Request, state: StateDep, tenant: TenantDep
 ) -> Response:
     rid = request_id(request)
-    if unknown := body.unknown_fields():
-        log.info("request %s: ignoring unknown fields %s", rid, sorted(unknown))
-    _check_model(state, body.model)
+    log_unknown_fields(rid, body.unknown_fields())
+    check_model(state, body.model)
     _reject_unsupported(body.n, body.logprobs)
     _refuse_what_completion_cannot_honour(body)
     _check_logit_bias(body.logit_bias, state.tokenizer.vocab_size)
@@ -256,7 +272,7 @@ async def completions(
     if prompt is None:
         raise InvalidRequest("Only a single prompt per request is supported.", param="prompt")
     if isinstance(prompt, str):
-        prompt_ids = await _off_loop_if_long(len(prompt), partial(state.tokenizer.encode, prompt))
+        prompt_ids = await off_loop_if_long(len(prompt), partial(state.tokenizer.encode, prompt))
     else:
         vocab = state.tokenizer.vocab_size
         if any(t >= vocab for t in prompt):
@@ -330,5 +346,5 @@ async def list_models(state: StateDep, _tenant: TenantDep) -> ModelList:
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, state: StateDep, _tenant: TenantDep) -> ModelCard:
-    _check_model(state, model)
+    check_model(state, model)
     return state.model_card()

@@ -51,6 +51,8 @@ __all__ = [
     "CompletionResponse",
     "CompletionTokensDetails",
     "ContentPart",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
     "ErrorDetail",
     "ErrorResponse",
     "FinishReason",
@@ -60,7 +62,10 @@ __all__ = [
     "OpenAIBaseModel",
     "PromptTokensDetails",
     "StreamOptions",
+    "TokenizeRequest",
+    "TokenizeResponse",
     "Usage",
+    "VersionResponse",
     "chunk_json",
     "logit_bias_pairs",
     "new_chat_completion_id",
@@ -488,6 +493,41 @@ class ModelCard(_ResponseModel):
 class ModelList(_ResponseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# vLLM-compatible extras (its OpenAI server's /tokenize, /detokenize, /version).
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """Exactly one of ``prompt`` and ``messages`` (checked by the route)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # prompt only; default true, as vLLM
+    add_generation_prompt: bool = True  # messages only
+    tools: list[dict[str, Any]] | None = None  # messages only: rendered by the template
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(_ResponseModel):
+    count: int
+    max_model_len: int | None  # null while no agent reports the model's context
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[_TokenId]
+
+
+class DetokenizeResponse(_ResponseModel):
+    prompt: str
+
+
+class VersionResponse(_ResponseModel):
+    version: str
 
 
 class ErrorDetail(_ResponseModel):

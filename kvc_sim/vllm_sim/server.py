@@ -283,20 +283,16 @@ def _install_routes(app: FastAPI) -> None:
     async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
         _check_model(state, body.model)
         tok = state.tokenizer
-        if (body.prompt is None) == (body.messages is None):
-            raise SimRequestError("give either prompt or messages")
-        if body.messages is not None:
-            try:
-                ids = tok.chat_token_ids(
-                    body.messages, add_generation_prompt=body.add_generation_prompt
-                )
-            except ChatTemplateError as exc:
-                raise SimRequestError(str(exc)) from exc
-        else:
-            assert body.prompt is not None
-            add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = tok.encode(body.prompt, add_special_tokens=add)
-        strs = [tok.id_to_token(t) or "" for t in ids] if body.return_token_strs else None
+        try:
+            ids = tok.api_token_ids(
+                prompt=body.prompt,
+                messages=body.messages,
+                add_special_tokens=body.add_special_tokens,
+                add_generation_prompt=body.add_generation_prompt,
+            )
+        except ValueError as exc:  # ChatTemplateError included
+            raise SimRequestError(str(exc)) from exc
+        strs = tok.token_strs(ids) if body.return_token_strs else None
         return {
             "count": len(ids),
             "max_model_len": state.config.max_model_len,
