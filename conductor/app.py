@@ -28,6 +28,7 @@ from conductor.adapters.shadow import ShadowSync
 from conductor.api.admin import router as admin_router
 from conductor.api.extras import router as extras_router
 from conductor.api.openai import router as openai_router
+from conductor.api.openapi_doc import install as install_openapi
 from conductor.api.ops import router as ops_router
 from conductor.core.prefix_index import PrefixIndex
 from conductor.core.scheduler import Scheduler
@@ -44,6 +45,7 @@ from conductor.state import AppState
 from conductor.tenants import TenantDirectory
 from kvc.registry import connect
 from kvc.tokenization import ChatTokenizer
+from kvc.version import package_version
 
 log = logging.getLogger("conductor")
 
@@ -253,7 +255,7 @@ def create_app(
 
     app = FastAPI(
         title="kv-conductor",
-        version="0.1.0",
+        version=package_version(),
         lifespan=lifespan,
         docs_url="/docs",
         redoc_url=None,
@@ -263,5 +265,6 @@ def create_app(
     app.include_router(ops_router)
     app.include_router(extras_router)
     app.include_router(admin_router)
+    install_openapi(app)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_bytes)
     return app

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from conductor.adapters.agents import AgentHandle, translate_rpc_error
 from conductor.api.deps import StateDep
+from conductor.api.openapi_doc import errors
 from conductor.core.prefix_index import NodeId
 from conductor.errors import AuthenticationFailed, NotFound, ServiceUnavailable
 from conductor.state import AppState
@@ -69,12 +70,12 @@ def _find(state: AppState, node: str) -> AgentHandle:
     raise NotFound(f"No node {node!r} in this conductor's fleet.")
 
 
-@router.get("/nodes")
+@router.get("/nodes", responses=errors(401, 404))
 async def list_nodes(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
     return {"nodes": [_node(state, a) for a in state.fleet.handles()]}
 
 
-@router.post("/nodes/{node}/drain")
+@router.post("/nodes/{node}/drain", responses=errors(400, 401, 404, 413, 503))
 async def drain_node(
     node: str, state: StateDep, _admin: AdminDep, body: DrainBody | None = None
 ) -> dict[str, Any]:
@@ -96,7 +97,7 @@ async def drain_node(
     }
 
 
-@router.get("/index")
+@router.get("/index", responses=errors(401, 404))
 async def index_stats(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
     stats = state.index.stats()
     scheduler = state.dispatcher.scheduler

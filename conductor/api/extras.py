@@ -12,6 +12,7 @@ from fastapi import APIRouter
 
 from conductor.api.deps import StateDep, TenantDep
 from conductor.api.openai import check_model, off_loop_if_long, text_size
+from conductor.api.openapi_doc import errors
 from conductor.api.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -26,7 +27,7 @@ from kvc.version import package_version
 router = APIRouter()
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=errors(400, 401, 404, 413))
 async def tokenize(body: TokenizeRequest, state: StateDep, tenant: TenantDep) -> TokenizeResponse:
     if body.model is not None:
         check_model(state, body.model)
@@ -61,7 +62,7 @@ async def tokenize(body: TokenizeRequest, state: StateDep, tenant: TenantDep) ->
     )
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=errors(400, 401, 404, 413))
 async def detokenize(
     body: DetokenizeRequest, state: StateDep, tenant: TenantDep
 ) -> DetokenizeResponse:

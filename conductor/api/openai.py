@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from conductor.api.admission import admit
 from conductor.api.deps import StateDep, TenantDep, request_id
 from conductor.api.limits import request_slo
+from conductor.api.openapi_doc import GENERATION_ERRORS, errors, streamed
 from conductor.api.schemas import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -176,7 +177,14 @@ async def off_loop_if_long(chars: int, work: Callable[[], list[int]]) -> list[in
     return await asyncio.to_thread(work)
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={
+        **streamed(ChatCompletionResponse, ChatCompletionChunk),
+        **errors(*GENERATION_ERRORS),
+    },
+)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep
 ) -> Response:
@@ -258,7 +266,11 @@ async def chat_completions(
     return GenerationResponse(adm, make_chunk, first, rid)
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses={**streamed(CompletionResponse, CompletionChunk), **errors(*GENERATION_ERRORS)},
+)
 async def completions(
     body: CompletionRequest, request: Request, state: StateDep, tenant: TenantDep
 ) -> Response:
@@ -339,12 +351,12 @@ async def completions(
     return GenerationResponse(adm, make_chunk, None, rid)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=errors(401))
 async def list_models(state: StateDep, _tenant: TenantDep) -> ModelList:
     return ModelList(data=[state.model_card()])
 
 
-@router.get("/v1/models/{model:path}")
+@router.get("/v1/models/{model:path}", responses=errors(401, 404))
 async def get_model(model: str, state: StateDep, _tenant: TenantDep) -> ModelCard:
     check_model(state, model)
     return state.model_card()

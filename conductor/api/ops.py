@@ -3,44 +3,56 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from conductor.api.deps import StateDep
+from conductor.api.schemas import AgentReadiness, HealthResponse, NotReadyResponse, ReadyResponse
 from conductor.errors import ServiceUnavailable
 
 router = APIRouter()
 
 
 @router.get("/health")
-async def health() -> dict[str, str]:
+async def health() -> HealthResponse:
     """Liveness: the process serves HTTP."""
-    return {"status": "ok"}
+    return HealthResponse()
 
 
-@router.get("/ready", response_model=None)
+@router.get(
+    "/ready",
+    response_model=None,
+    responses={
+        200: {"model": ReadyResponse, "description": "A prefill- and a decode-capable agent"},
+        503: {"model": NotReadyResponse, "description": "Not ready; `Retry-After`"},
+    },
+)
 async def ready(state: StateDep) -> Response:
     """Readiness: a prefill-capable and a decode-capable agent are usable."""
     agents = [
-        {
-            "address": a.address,
-            "node_id": a.info.node_id if a.info else None,
-            "role": a.role if a.info else None,
-            "usable": a.usable,
-            "inflight": a.inflight,
-            "error": a.last_error or None,
-        }
+        AgentReadiness(
+            address=a.address,
+            node_id=a.info.node_id if a.info else None,
+            role=a.role if a.info else None,
+            usable=a.usable,
+            inflight=a.inflight,
+            error=a.last_error or None,
+        )
         for a in state.fleet.handles()
     ]
     if state.fleet.ready() and not state.draining:
-        return JSONResponse({"status": "ready", "agents": agents})
+        return JSONResponse(ReadyResponse(agents=agents).model_dump())
     reason = "draining" if state.draining else "no usable prefill and decode agents"
     err = ServiceUnavailable(f"Not ready: {reason}.", retry_after_s=2.0)
     body = err.to_response_body()
-    body["agents"] = agents
+    body["agents"] = [a.model_dump() for a in agents]
     return JSONResponse(body, status_code=503, headers=err.headers)
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"description": "Prometheus text exposition, format 0.0.4"}},
+)
 async def metrics(state: StateDep) -> Response:
     state.metrics.refresh_agents(state.fleet.handles())
     return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4")

@@ -35,6 +35,7 @@ from pydantic import (
 
 __all__ = [
     "SSE_DONE",
+    "AgentReadiness",
     "ChatCompletionChoice",
     "ChatCompletionChunk",
     "ChatCompletionMessage",
@@ -56,11 +57,14 @@ __all__ = [
     "ErrorDetail",
     "ErrorResponse",
     "FinishReason",
+    "HealthResponse",
     "MessageRole",
     "ModelCard",
     "ModelList",
+    "NotReadyResponse",
     "OpenAIBaseModel",
     "PromptTokensDetails",
+    "ReadyResponse",
     "StreamOptions",
     "TokenizeRequest",
     "TokenizeResponse",
@@ -541,6 +545,30 @@ class ErrorResponse(_ResponseModel):
     """``{"error": {"message", "type", "param", "code"}}``; param and code are null when unset."""
 
     error: ErrorDetail
+
+
+class AgentReadiness(_ResponseModel):
+    address: str
+    node_id: str | None
+    role: str | None
+    usable: bool
+    inflight: int
+    error: str | None
+
+
+class ReadyResponse(_ResponseModel):
+    status: Literal["ready"] = "ready"
+    agents: list[AgentReadiness]
+
+
+class NotReadyResponse(ErrorResponse):
+    """The 503 of ``/ready``: the error envelope plus the agents as the conductor sees them."""
+
+    agents: list[AgentReadiness]
+
+
+class HealthResponse(_ResponseModel):
+    status: Literal["ok"] = "ok"
 
 
 # --------------------------------------------------------------------------------------
