@@ -19,6 +19,7 @@ from conductor.errors import (
     InvalidRequest,
     RateLimited,
     ServiceUnavailable,
+    UnprocessableEntity,
     UpstreamError,
 )
 from kvc.sampling import Sampling
@@ -89,6 +90,8 @@ def _to_delta(msg: pb.GenerateResponse, placed: Placed) -> TokenDelta:
 def map_agent_error(exc: AgentCallError) -> ConductorError:
     if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(exc.message)
+    if exc.reason == "unsupported":  # a parameter the node's engine cannot honour
+        return UnprocessableEntity(exc.message, code="unsupported_value")
     if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return RateLimited(
             "No node has capacity for this request right now.",

@@ -24,3 +24,5 @@ class Sampling:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # OpenAI's response_format object as JSON (structured output); "": plain text.
+    response_format: str = ""

@@ -41,6 +41,7 @@ def sampling_to_pb(sampling: Sampling) -> pb.SamplingParams:
         frequency_penalty=sampling.frequency_penalty,
         presence_penalty=sampling.presence_penalty,
         logit_bias=dict(sampling.logit_bias),
+        response_format=sampling.response_format,
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
@@ -59,4 +60,5 @@ def sampling_from_pb(message: pb.SamplingParams) -> Sampling:
         frequency_penalty=message.frequency_penalty,
         presence_penalty=message.presence_penalty,
         logit_bias=tuple(sorted(message.logit_bias.items())),
+        response_format=message.response_format,
     )

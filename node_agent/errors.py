@@ -38,6 +38,11 @@ class PromptRejected(EngineError):
     """The prompt is invalid for this engine (token ids, length)."""
 
 
+class Unsupported(EngineError):
+    """A valid request parameter this engine cannot honour (structured output on the
+    embedded engine): refused, never ignored."""
+
+
 class EngineBusy(EngineError):
     """The engine's bounded queues are full; retry later or elsewhere."""
 

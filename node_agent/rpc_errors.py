@@ -13,6 +13,7 @@ Draining                      UNAVAILABLE           draining
 CapacityExhausted             RESOURCE_EXHAUSTED    capacity (+ needed, free)
 EngineBusy                    RESOURCE_EXHAUSTED    busy
 InvalidArgument, Prompt…      INVALID_ARGUMENT      —
+Unsupported                   UNIMPLEMENTED         unsupported
 TxNotFound, NotStaged         NOT_FOUND             —
 TxClosed, ContentMissing      FAILED_PRECONDITION   —
 TransferError                 UNAVAILABLE           transfer
@@ -47,6 +48,7 @@ from node_agent.errors import (
     NotStaged,
     PromptRejected,
     TransferError,
+    Unsupported,
 )
 
 __all__ = ["AGENT_ERRORS", "Context", "abort", "grpc_error", "maps_errors"]
@@ -70,6 +72,8 @@ def grpc_error(exc: Exception) -> tuple[grpc.StatusCode, str, pb.ErrorInfo | Non
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), info
     if isinstance(exc, EngineBusy):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), pb.ErrorInfo(reason="busy")
+    if isinstance(exc, Unsupported):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc), pb.ErrorInfo(reason="unsupported")
     if isinstance(exc, InvalidArgument | PromptRejected):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), None
     if isinstance(exc, TxNotFound | NotStaged):

@@ -5,6 +5,7 @@ is a status code with the OpenAI error envelope.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from conductor.api.accounting import RequestAccount
@@ -38,7 +39,18 @@ def sampling_for(body: GenerationBody, max_tokens: int) -> Sampling:
         frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0,
         logit_bias=logit_bias_pairs(body.logit_bias),
+        response_format=_structured(body),
     )
+
+
+def _structured(body: GenerationBody) -> str:
+    """A chat request's non-text ``response_format`` as JSON for the wire; else ""."""
+    if not isinstance(body, ChatCompletionRequest):
+        return ""
+    fmt = body.response_format
+    if not isinstance(fmt, dict) or fmt.get("type") == "text":
+        return ""
+    return json.dumps(fmt, separators=(",", ":"))
 
 
 @dataclass(slots=True)

@@ -100,7 +100,24 @@ def _check_logit_bias(logit_bias: dict[str, float] | None, vocab: int) -> None:
             )
 
 
-def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest) -> None:
+def _require_structured_output(state: AppState) -> None:
+    """Structured output runs in vLLM's guided decoding: refuse it while any usable node
+    runs another engine (the request could land there)."""
+    others = sorted(
+        f"{a.address} ({a.info.engine})"
+        for a in state.fleet.handles()
+        if a.usable and a.info is not None and a.info.engine != "vllm"
+    )
+    if others:
+        raise UnprocessableEntity(
+            "response_format json_object/json_schema (structured output) needs vLLM "
+            f"nodes; these nodes cannot constrain their output: {', '.join(others)}.",
+            param="response_format",
+            code="unsupported_value",
+        )
+
+
+def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest, state: AppState) -> None:
     """422 for what this server would otherwise have to ignore; 400 for OpenAI's own
     consistency rules. Tools rendered into the prompt with ``tool_choice: "none"`` are
     honoured (no call is ever expected), as is ``parallel_tool_calls`` (no calls at all)."""
@@ -113,12 +130,22 @@ def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest) -> None:
                 param="response_format",
                 code="invalid_value",
             )
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise InvalidRequest(
+                    "response_format.json_schema must be an object with a 'name'.",
+                    param="response_format.json_schema",
+                    code="invalid_value",
+                )
+            if not isinstance(spec.get("schema", {}), dict):
+                raise InvalidRequest(
+                    "response_format.json_schema.schema must be a JSON Schema object.",
+                    param="response_format.json_schema.schema",
+                    code="invalid_value",
+                )
         if kind != "text":
-            raise UnprocessableEntity(
-                f"response_format {kind!r} (structured output) is not supported yet.",
-                param="response_format",
-                code="unsupported_value",
-            )
+            _require_structured_output(state)
     choice = body.tool_choice
     if body.tools is not None and not isinstance(body.tools, list):
         raise InvalidRequest("tools must be an array.", param="tools", code="invalid_type")
@@ -192,7 +219,7 @@ async def chat_completions(
     log_unknown_fields(rid, body.unknown_fields())
     check_model(state, body.model)
     _reject_unsupported(body.n, body.logprobs)
-    _refuse_what_chat_cannot_honour(body)
+    _refuse_what_chat_cannot_honour(body, state)
     _check_logit_bias(body.logit_bias, state.tokenizer.vocab_size)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = body.tools if isinstance(body.tools, list) else None

@@ -765,6 +765,7 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
     PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 = greedy"""
     top_p: _builtins.float
@@ -777,6 +778,12 @@ class SamplingParams(_message.Message):
     logit -= frequency_penalty * count + presence_penalty * (count > 0). 0: off.
     """
     presence_penalty: _builtins.float
+    response_format: _builtins.str
+    """OpenAI's response_format object as JSON ({"type": "json_object"} or {"type":
+    "json_schema", "json_schema": {...}}): structured output. Empty: plain text. An
+    engine that cannot constrain its output refuses it (UNIMPLEMENTED, reason
+    "unsupported").
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -795,10 +802,11 @@ class SamplingParams(_message.Message):
         frequency_penalty: _builtins.float = ...,
         presence_penalty: _builtins.float = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        response_format: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "presence_penalty", b"presence_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "presence_penalty", b"presence_penalty", "response_format", b"response_format", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015

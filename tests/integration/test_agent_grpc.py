@@ -148,6 +148,24 @@ async def test_capacity_exhausted_reports_counts_and_changes_nothing(
     assert agent.service.pool.stats() == before
 
 
+async def test_structured_output_is_refused_by_the_embedded_engine(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    """A conductor that did not check the node's engine still gets a refusal it maps to
+    422, never JSON-mode text that is not JSON."""
+    sampling = pb.SamplingParams(max_tokens=4, response_format='{"type":"json_object"}')
+    request = pb.GenerateRequest(
+        request_id="j", tenant="t", prompt_token_ids=[1, 2, 3], sampling=sampling
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(request).read()
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    details = dict(info.value.trailing_metadata() or ())
+    assert pb.ErrorInfo.FromString(details[ERROR_INFO_KEY]).reason == "unsupported"
+    assert "structured output" in (info.value.details() or "")
+    assert_no_locks(agent)
+
+
 async def test_lease_expiry_aborts_by_itself(
     agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
 ) -> None:

@@ -211,6 +211,10 @@ async def test_a_connection_lost_under_a_prefill_is_named_and_frees_the_blocks(
 
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+SCHEMA = {
+    "name": "answer",
+    "schema": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+}
 
 # Every OpenAI sampling parameter either reaches vLLM's request body, as vLLM spells it,
 # or is refused with 422 naming it: none is accepted and dropped. Values are exact in
@@ -228,6 +232,16 @@ HONOURED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("chat", {"ignore_eos": True}, {"ignore_eos": True}),
     ("chat", {"tools": TOOLS, "tool_choice": "none"}, {}),  # shown to the model, no calls
     ("chat", {"response_format": {"type": "text"}}, {}),
+    (
+        "chat",
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_object"}},
+    ),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": SCHEMA}},
+        {"response_format": {"type": "json_schema", "json_schema": SCHEMA}},
+    ),
     ("chat", {"parallel_tool_calls": False}, {}),  # vacuous: no call is ever made
     ("completions", {"frequency_penalty": -0.5}, {"frequency_penalty": -0.5}),
     ("completions", {"presence_penalty": 2}, {"presence_penalty": 2.0}),
@@ -238,12 +252,17 @@ HONOURED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 REFUSED: list[tuple[str, dict[str, Any], int, str]] = [
     ("chat", {"n": 2}, 422, "n"),
     ("chat", {"logprobs": True, "top_logprobs": 2}, 422, "logprobs"),
-    ("chat", {"response_format": {"type": "json_object"}}, 422, "response_format"),
     (
         "chat",
         {"response_format": {"type": "json_schema", "json_schema": {}}},
-        422,
-        "response_format",
+        400,
+        "response_format.json_schema",
+    ),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+        400,
+        "response_format.json_schema.schema",
     ),
     ("chat", {"response_format": {"type": "yaml"}}, 400, "response_format"),
     ("chat", {"tools": TOOLS}, 422, "tools"),
@@ -298,7 +317,14 @@ async def test_each_parameter_reaches_vllm(
     _, sent = engine.completions[-1]
     for name, value in expected.items():
         assert sent.get(name) == value, (name, sent)
-    for name in ("frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop"):
+    for name in (
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+        "seed",
+        "stop",
+        "response_format",
+    ):
         if name not in expected:
             assert name not in sent, (name, sent)  # vLLM's default: not spelled out
     assert_no_locks(both)

@@ -46,7 +46,7 @@ from node_agent.engines.base import (
 from node_agent.engines.embedded.kv_tensors import KvCache, TensorKvCodec, tensor_kv
 from node_agent.engines.embedded.model import EmbeddedModel
 from node_agent.engines.embedded.sampler import Sampler
-from node_agent.errors import EngineBusy, PromptRejected
+from node_agent.errors import EngineBusy, PromptRejected, Unsupported
 from node_agent.kv import KvContent
 from node_agent.stopping import StopStringMatcher
 
@@ -201,6 +201,11 @@ class EmbeddedEngineAdapter:
     async def generate(self, job: GenerateJob) -> AsyncIterator[GenerationStep]:
         """Decode loop: first token from the last prompt token, then one per step."""
         sampling = job.sampling
+        if sampling.response_format:
+            raise Unsupported(
+                "response_format json_object/json_schema (structured output) is not "
+                "supported by the embedded engine: it has no guided decoding"
+            )
         self.validate_prompt(job.prompt_ids, sampling.max_tokens)
         if self._running >= self._max_running:
             raise EngineBusy(f"{self._running} generations already running")

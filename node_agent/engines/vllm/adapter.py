@@ -355,6 +355,7 @@ class VllmEngineAdapter:
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
         logit_bias: tuple[tuple[int, float], ...] = (),
+        response_format: str = "",
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self._config.served_model_name,
@@ -382,6 +383,8 @@ class VllmEngineAdapter:
             body["presence_penalty"] = presence_penalty
         if logit_bias:
             body["logit_bias"] = {str(token): bias for token, bias in logit_bias}
+        if response_format:  # vLLM's completions take it as chat does (guided decoding)
+            body["response_format"] = json.loads(response_format)
         salt = self._salt(tenant)
         if salt is not None:
             body["cache_salt"] = salt
@@ -466,6 +469,7 @@ class VllmEngineAdapter:
             frequency_penalty=sampling.frequency_penalty,
             presence_penalty=sampling.presence_penalty,
             logit_bias=sampling.logit_bias,
+            response_format=sampling.response_format,
         )
         self._running += 1
         self._awaiting_first_token += 1
