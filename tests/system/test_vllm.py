@@ -8,6 +8,9 @@ processes on loopback. What is proven, with vLLM's own counters:
 (a) a repeated long prefix goes to the node that holds it: ``vllm:prefix_cache_hits_total``
     rises there and stays flat on the other node — also for a prefix that reached vLLM
     A without any Tx, which the conductor can only know from the KV-event mirror;
+(a2) structured output: a json_schema chat request through the conductor, with the
+    official OpenAI SDK, streamed and not, answers JSON that validates — vLLM's guided
+    decoding, reached through the wire's response_format;
 (b) the mirror survives a subscriber restart: agent A restarts while vLLM A caches a new
     prefix, replays vLLM's event buffer, and the conductor routes that prefix to A;
 (c) SIGTERM stops every process, vLLM's engine core and workers included.
@@ -27,7 +30,9 @@ from typing import Any
 
 import grpc
 import httpx
+import jsonschema
 import pytest
+from openai import OpenAI
 
 from kvc.block_keys import compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
@@ -371,6 +376,43 @@ def test_a_repeated_prefix_goes_to_the_node_that_holds_it(fleet: Fleet) -> None:
     assert asked >= 3 * len(shared) * BLOCK_SIZE, "the holder served all three"
     assert hits >= common * BLOCK_SIZE
     assert o1 == o0, "the node without the prefix must stay untouched"
+
+
+def test_a2_structured_output_through_the_conductor_is_json(fleet: Fleet) -> None:
+    """Dummy weights would pad between JSON tokens forever (whitespace is always allowed
+    there), so whitespace-only tokens are biased away with logit_bias — which therefore
+    reaches vLLM too; the grammar does the rest."""
+    client = OpenAI(base_url=f"{fleet.base}/v1", api_key="unused", timeout=120, max_retries=0)
+    pad = TOKENIZER.vocab_size
+    whitespace = {
+        str(i): -100
+        for i in range(pad)
+        if TOKENIZER.decode([i]) and not TOKENIZER.decode([i]).strip()
+    }
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Oslo", "Lima"]}, "rank": {"enum": [1, 2, 3]}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    ask: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Name a city and its rank, as JSON."}],
+        "max_tokens": 60,
+        "temperature": 0,
+        "logit_bias": whitespace,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "place", "schema": schema},
+        },
+    }
+    reply = client.chat.completions.create(**ask)
+    assert reply.choices[0].finish_reason == "stop", reply
+    whole = json.loads(reply.choices[0].message.content or "")
+    jsonschema.validate(whole, schema)
+    chunks = client.chat.completions.create(**ask, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert json.loads(streamed) == whole  # greedy: the same answer either way
 
 
 def test_b_mirror_survives_a_subscriber_restart(fleet: Fleet) -> None:
