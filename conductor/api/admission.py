@@ -44,9 +44,7 @@ def sampling_for(body: GenerationBody, max_tokens: int) -> Sampling:
 
 
 def _structured(body: GenerationBody) -> str:
-    """A chat request's non-text ``response_format`` as JSON for the wire; else ""."""
-    if not isinstance(body, ChatCompletionRequest):
-        return ""
+    """A non-text ``response_format`` as JSON for the wire; else ""."""
     fmt = body.response_format
     if not isinstance(fmt, dict) or fmt.get("type") == "text":
         return ""

@@ -117,11 +117,9 @@ def _require_structured_output(state: AppState) -> None:
         )
 
 
-def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest, state: AppState) -> None:
-    """422 for what this server would otherwise have to ignore; 400 for OpenAI's own
-    consistency rules. Tools rendered into the prompt with ``tool_choice: "none"`` are
-    honoured (no call is ever expected), as is ``parallel_tool_calls`` (no calls at all)."""
-    fmt = body.response_format
+def _check_response_format(fmt: Any, state: AppState) -> None:
+    """OpenAI's ``response_format`` (chat; vLLM also takes it on completions): 400 when
+    malformed, 422 while a usable node cannot constrain its output, else honoured."""
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind not in ("text", "json_object", "json_schema"):
@@ -146,6 +144,13 @@ def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest, state: AppState
                 )
         if kind != "text":
             _require_structured_output(state)
+
+
+def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest, state: AppState) -> None:
+    """422 for what this server would otherwise have to ignore; 400 for OpenAI's own
+    consistency rules. Tools rendered into the prompt with ``tool_choice: "none"`` are
+    honoured (no call is ever expected), as is ``parallel_tool_calls`` (no calls at all)."""
+    _check_response_format(body.response_format, state)
     choice = body.tool_choice
     if body.tools is not None and not isinstance(body.tools, list):
         raise InvalidRequest("tools must be an array.", param="tools", code="invalid_type")
@@ -171,7 +176,8 @@ def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest, state: AppState
         )
 
 
-def _refuse_what_completion_cannot_honour(body: CompletionRequest) -> None:
+def _refuse_what_completion_cannot_honour(body: CompletionRequest, state: AppState) -> None:
+    _check_response_format(body.response_format, state)
     if body.echo:
         raise UnprocessableEntity(
             "echo is not supported yet.", param="echo", code="unsupported_value"
@@ -305,7 +311,7 @@ async def completions(
     log_unknown_fields(rid, body.unknown_fields())
     check_model(state, body.model)
     _reject_unsupported(body.n, body.logprobs)
-    _refuse_what_completion_cannot_honour(body)
+    _refuse_what_completion_cannot_honour(body, state)
     _check_logit_bias(body.logit_bias, state.tokenizer.vocab_size)
     prompt = body.single_prompt()
     if prompt is None:

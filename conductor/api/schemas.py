@@ -262,6 +262,7 @@ class CompletionRequest(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     suffix: str | None = None
+    response_format: Any = None  # vLLM's extension of completions (structured output)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     user: str | None = None

@@ -248,6 +248,11 @@ HONOURED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("completions", {"logit_bias": {"9": 0.5}}, {"logit_bias": {"9": 0.5}}),
     ("completions", {"seed": 3, "stop": "q"}, {"seed": 3, "stop": ["q"]}),
     ("completions", {"best_of": 1}, {}),
+    (
+        "completions",
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_object"}},
+    ),
 ]
 REFUSED: list[tuple[str, dict[str, Any], int, str]] = [
     ("chat", {"n": 2}, 422, "n"),
@@ -280,6 +285,7 @@ REFUSED: list[tuple[str, dict[str, Any], int, str]] = [
     ("chat", {"logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ("chat", {"frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ("completions", {"best_of": 2}, 422, "best_of"),
+    ("completions", {"response_format": {"type": "xml"}}, 400, "response_format"),
     ("completions", {"suffix": "tail"}, 422, "suffix"),
     ("completions", {"echo": True}, 422, "echo"),
     ("completions", {"logprobs": 0}, 422, "logprobs"),
