@@ -30,6 +30,8 @@ from conductor.api.extras import router as extras_router
 from conductor.api.openai import router as openai_router
 from conductor.api.openapi_doc import install as install_openapi
 from conductor.api.ops import router as ops_router
+from conductor.api.tool_calls import ParserName
+from conductor.api.tool_calls import detect as detect_tool_parser
 from conductor.core.prefix_index import PrefixIndex
 from conductor.core.scheduler import Scheduler
 from conductor.dispatch import Dispatcher
@@ -155,6 +157,15 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, on_unexpected)
 
 
+def _tool_parser(settings: ConductorSettings, tokenizer: ChatTokenizer) -> ParserName | None:
+    choice = settings.tool_call_parser
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return detect_tool_parser(tokenizer.chat_template_source)
+    return choice
+
+
 def create_app(
     settings: ConductorSettings, *, poll_agents: bool = True, follow_events: bool = True
 ) -> FastAPI:
@@ -213,6 +224,7 @@ def create_app(
                 model_name=model_name,
                 tenants=tenants,
                 limiter=limiter,
+                tool_parser=_tool_parser(settings, tokenizer),
             )
             app.state.conductor = state
             await fleet.refresh_all()

@@ -44,6 +44,13 @@ class ConductorSettings(BaseSettings):
     served_model_name: str = Field(
         "", description="Model name clients use; default folder name", json_schema_extra=_HTTP
     )
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json"] = Field(
+        "auto",
+        description="How tool calls are read from the model's text: hermes (<tool_call> "
+        "tags: Hermes, Qwen), llama3_json (Llama 3.x JSON), auto (from the chat template), "
+        "none (a request with tools that may call them gets 422)",
+        json_schema_extra=_HTTP,
+    )
     default_max_tokens: int = Field(
         256, ge=1, description="max_tokens when a request omits it", json_schema_extra=_HTTP
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from conductor.adapters.agents import AgentFleet
 from conductor.adapters.ratelimit import RateLimiter
 from conductor.api.schemas import ModelCard
+from conductor.api.tool_calls import ParserName
 from conductor.core.prefix_index import PrefixIndex
 from conductor.dispatch import Dispatcher
 from conductor.metrics import ConductorMetrics
@@ -27,6 +28,7 @@ class AppState:
     model_name: str
     tenants: TenantDirectory
     limiter: RateLimiter
+    tool_parser: ParserName | None = None  # reads tool calls from the output; None: refused
     created: int = field(default_factory=lambda: int(time.time()))
     inflight: int = 0
     draining: bool = False

@@ -300,6 +300,11 @@ class ChatTokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._chat_templates)
 
+    @property
+    def chat_template_source(self) -> str:
+        """Every chat template's source, joined (for telling the model family's formats)."""
+        return "\n".join(self._chat_templates.values())
+
     # -- encode / decode ----------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:

@@ -36,8 +36,12 @@ from conductor.api.schemas import (
     CompletionChunkChoice,
     CompletionRequest,
     CompletionResponse,
+    FunctionCall,
+    FunctionCallDelta,
     ModelCard,
     ModelList,
+    ToolCall,
+    ToolCallDelta,
     Usage,
     chunk_json,
     new_chat_completion_id,
@@ -45,6 +49,8 @@ from conductor.api.schemas import (
     sse_data,
 )
 from conductor.api.sse import GenerationResponse
+from conductor.api.tool_calls import Call, Content, ToolCallParser
+from conductor.api.tool_calls import new_parser as new_tool_parser
 from conductor.errors import InvalidRequest, ModelNotFound, UnprocessableEntity
 from conductor.generation import TokenDelta, UsageCounts
 from conductor.state import AppState
@@ -148,17 +154,33 @@ def _check_response_format(fmt: Any, state: AppState) -> None:
 
 def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest, state: AppState) -> None:
     """422 for what this server would otherwise have to ignore; 400 for OpenAI's own
-    consistency rules. Tools rendered into the prompt with ``tool_choice: "none"`` are
-    honoured (no call is ever expected), as is ``parallel_tool_calls`` (no calls at all)."""
+    consistency rules. Tools are rendered into the prompt by the chat template; with
+    ``tool_choice`` ``auto`` (the default) calls are read from the output by the model's
+    tool-call parser (``--tool-call-parser``), with ``none`` no call is expected."""
     _check_response_format(body.response_format, state)
     choice = body.tool_choice
     if body.tools is not None and not isinstance(body.tools, list):
         raise InvalidRequest("tools must be an array.", param="tools", code="invalid_type")
     if body.tools:
-        if choice != "none":
+        if isinstance(choice, dict) or choice == "required":
             raise UnprocessableEntity(
-                "Tool calls are not supported yet (they would not be parsed from the output). "
-                "Send tool_choice 'none' to show the tools to the model without calls.",
+                "tool_choice 'required' or a named function needs the tool-call format "
+                "enforced by guided decoding, which is not supported yet; use 'auto' or "
+                "'none'.",
+                param="tool_choice",
+                code="unsupported_value",
+            )
+        if choice not in (None, "auto", "none"):
+            raise InvalidRequest(
+                "tool_choice must be 'none', 'auto', 'required' or a named function.",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        if choice != "none" and state.tool_parser is None:
+            raise UnprocessableEntity(
+                "This model has no tool-call parser: its calls could not be read from the "
+                "output. Start the conductor with --tool-call-parser hermes|llama3_json, or "
+                "send tool_choice 'none' to show the tools to the model without calls.",
                 param="tool_choice" if choice is not None else "tools",
                 code="unsupported_value",
             )
@@ -190,6 +212,46 @@ def _refuse_what_completion_cannot_honour(body: CompletionRequest, state: AppSta
         raise UnprocessableEntity(
             "suffix (insertion) is not supported.", param="suffix", code="unsupported_value"
         )
+
+
+class _ToolCallReader:
+    """Splits one generation's text into what the model said and the tool calls it made
+    (``conductor/api/tool_calls.py``); ``parallel_tool_calls: false`` keeps the first."""
+
+    def __init__(self, parser: ToolCallParser, parallel: bool) -> None:
+        self._parser = parser
+        self._parallel = parallel
+        self.called = 0  # calls handed out so far
+
+    @classmethod
+    def for_request(cls, body: ChatCompletionRequest, state: AppState) -> _ToolCallReader | None:
+        if not body.tools or body.tool_choice == "none" or state.tool_parser is None:
+            return None
+        return cls(new_tool_parser(state.tool_parser), body.parallel_tool_calls is not False)
+
+    def read(self, text: str, *, last: bool) -> tuple[str, list[Call]]:
+        events = self._parser.feed(text) if text else []
+        if last:
+            events += self._parser.finish()
+        said = "".join(e.text for e in events if isinstance(e, Content))
+        made = [e for e in events if isinstance(e, Call)]
+        if not self._parallel:
+            made = made[: max(0, 1 - self.called)]
+        self.called += len(made)
+        return said, made
+
+
+def _tool_call(call: Call) -> ToolCall:
+    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _tool_call_delta(index: int, call: Call) -> ToolCallDelta:
+    return ToolCallDelta(
+        index=index,
+        id=call.id,
+        type="function",
+        function=FunctionCallDelta(name=call.name, arguments=call.arguments),
+    )
 
 
 # Text up to this many characters is tokenized on the event loop, longer text in a worker
@@ -253,8 +315,17 @@ async def chat_completions(
     completion_id = new_chat_completion_id()
     created = int(time.time())
     model = state.model_name
+    reader = _ToolCallReader.for_request(body, state)
     if not body.stream:
         text, finish, usage = await adm.collect()
+        content: str | None = text
+        calls: list[ToolCall] | None = None
+        if reader is not None:
+            said, made = reader.read(text, last=True)
+            content = said or None
+            calls = [_tool_call(c) for c in made] or None
+            if reader.called:
+                finish = "tool_calls"
         response = ChatCompletionResponse(
             id=completion_id,
             created=created,
@@ -262,7 +333,7 @@ async def chat_completions(
             choices=[
                 ChatCompletionChoice(
                     index=0,
-                    message=ChatCompletionMessage(content=text),
+                    message=ChatCompletionMessage(content=content, tool_calls=calls),
                     finish_reason=finish,
                 )
             ],
@@ -283,14 +354,24 @@ async def chat_completions(
             if include_usage and usage is not None:
                 return chunk([], _usage_model(usage))
             return None
-        if not delta.text and delta.finish_reason is None:
+        text = delta.text
+        finish = delta.finish_reason
+        calls: list[ToolCallDelta] | None = None
+        if reader is not None:
+            said, made = reader.read(text, last=finish is not None)
+            text = said
+            first_index = reader.called - len(made)
+            calls = [_tool_call_delta(first_index + i, c) for i, c in enumerate(made)] or None
+            if finish is not None and reader.called:
+                finish = "tool_calls"
+        if not text and calls is None and finish is None:
             return None
         return chunk(
             [
                 ChunkChoice(
                     index=0,
-                    delta=ChoiceDelta(content=delta.text or None),
-                    finish_reason=delta.finish_reason,
+                    delta=ChoiceDelta(content=text or None, tool_calls=calls),
+                    finish_reason=finish,
                 )
             ]
         )

@@ -57,6 +57,8 @@ __all__ = [
     "ErrorDetail",
     "ErrorResponse",
     "FinishReason",
+    "FunctionCall",
+    "FunctionCallDelta",
     "HealthResponse",
     "MessageRole",
     "ModelCard",
@@ -68,6 +70,8 @@ __all__ = [
     "StreamOptions",
     "TokenizeRequest",
     "TokenizeResponse",
+    "ToolCall",
+    "ToolCallDelta",
     "Usage",
     "VersionResponse",
     "chunk_json",
@@ -389,10 +393,54 @@ class Usage(_ResponseModel):
         return data
 
 
+class FunctionCall(_ResponseModel):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's form)
+
+
+class ToolCall(_ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatCompletionMessage(_ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None  # present only when the model called tools
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class FunctionCallDelta(_ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {k: v for k, v in data.items() if v is not None}
+
+
+class ToolCallDelta(_ResponseModel):
+    """One streamed tool call: ``index`` names it across chunks; the first chunk of a
+    call carries ``id``, ``type`` and the function's name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {k: v for k, v in data.items() if v is not None}
 
 
 class ChatCompletionChoice(_ResponseModel):
@@ -418,6 +466,7 @@ class ChoiceDelta(_ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

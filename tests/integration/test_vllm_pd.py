@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import httpx
 import pytest
+from openai import AsyncOpenAI
 
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.roles import NodeRole
@@ -61,6 +62,7 @@ class StandInVllm:
     def __init__(self) -> None:
         self.completions: list[tuple[str, dict[str, Any]]] = []
         self.fail_with: httpx.HTTPError | None = None  # raised by the next completion
+        self.replies: list[list[int]] = []  # token ids the next streams answer, in order
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -89,10 +91,13 @@ class StandInVllm:
             )
         events: list[dict[str, Any]] = []
         n = body["max_tokens"]
-        for i in range(n):
-            choice: dict[str, Any] = {"index": 0, "text": "", "token_ids": [300 + i]}
-            choice["finish_reason"] = "length" if i == n - 1 else None
+        ids = self.replies.pop(0)[:n] if self.replies else [300 + i for i in range(n)]
+        last = "stop" if len(ids) < n else "length"
+        for i, token in enumerate(ids):
+            choice: dict[str, Any] = {"index": 0, "text": "", "token_ids": [token]}
+            choice["finish_reason"] = last if i == len(ids) - 1 else None
             events.append({"choices": [choice]})
+        n = len(ids)
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
         events.append(
             {"choices": [], "usage": {**usage, "prompt_tokens_details": {"cached_tokens": 64}}}
@@ -359,3 +364,122 @@ async def test_each_parameter_that_cannot_be_honoured_is_refused(
     assert error["code"] == ("unsupported_value" if status == 422 else error["code"])
     assert engine.completions == []  # refused before any engine work
     assert_no_locks(both)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+async def test_a_function_calling_loop_with_the_openai_sdk(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]], conductor: ConductorFactory
+) -> None:
+    """The model (a stand-in vLLM streaming the token ids of Hermes-style text) calls a
+    tool; the official SDK sees ``tool_calls`` and ``finish_reason: "tool_calls"``,
+    streamed and not; the tool's result goes back and the final answer is content."""
+    (*_, both), (*_, engine) = vllm_agents
+    tok = ChatTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    call_text = (
+        'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    async with conductor([both], tool_call_parser="hermes") as c:
+        # The SDK types its own httpx fork; httpx's client, which this test's ASGI transport
+        # needs, serves it the same.
+        transport: Any = c.client
+        client = AsyncOpenAI(
+            base_url="http://conductor/v1", api_key="unused", http_client=transport
+        )
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Oslo?"}]
+
+        engine.replies.append(tok.encode(call_text))
+        reply = await client.chat.completions.create(
+            model=MODEL,
+            messages=cast(Any, messages),
+            tools=cast(Any, [WEATHER_TOOL]),
+            max_tokens=64,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Checking."
+        (call,) = choice.message.tool_calls or []
+        assert call.type == "function"
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Oslo"}
+        assert call.id.startswith("call_")
+
+        engine.replies.append(tok.encode(call_text))
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=cast(Any, messages),
+            tools=cast(Any, [WEATHER_TOOL]),
+            max_tokens=64,
+            stream=True,
+        )
+        text, finish = "", None
+        streamed: dict[int, dict[str, str]] = {}
+        async for chunk in stream:
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+                for part in ch.delta.tool_calls or []:
+                    entry = streamed.setdefault(part.index, {"name": "", "arguments": ""})
+                    if part.function is not None:
+                        entry["name"] += part.function.name or ""
+                        entry["arguments"] += part.function.arguments or ""
+                finish = ch.finish_reason or finish
+        assert finish == "tool_calls"
+        assert text == "Checking."
+        assert list(streamed) == [0]
+        assert streamed[0]["name"] == "get_weather"
+        assert json.loads(streamed[0]["arguments"]) == {"city": "Oslo"}
+
+        messages += [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": call.id, "type": "function",
+                     "function": {"name": "get_weather", "arguments": call.function.arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "c": 21}'},
+        ]  # fmt: skip
+        engine.replies.append(tok.encode("Clear sky, 21 degrees."))
+        final = await client.chat.completions.create(
+            model=MODEL,
+            messages=cast(Any, messages),
+            tools=cast(Any, [WEATHER_TOOL]),
+            max_tokens=64,
+        )
+        assert final.choices[0].finish_reason == "stop"
+        assert final.choices[0].message.content == "Clear sky, 21 degrees."
+        assert final.choices[0].message.tool_calls is None
+        # The tool's result reached the prompt the engine saw.
+        _, sent = engine.completions[-1]
+        assert "clear" in tok.decode(sent["prompt"])
+    assert_no_locks(both)
+
+
+async def test_without_a_parser_tools_that_may_be_called_are_refused(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]], conductor: ConductorFactory
+) -> None:
+    (*_, both), (*_, engine) = vllm_agents
+    async with conductor([both], tool_call_parser="none") as c:
+        body = chat_body("Weather?", tools=[WEATHER_TOOL])
+        r = await c.client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["param"] == "tools"
+        assert "--tool-call-parser" in r.json()["error"]["message"]
+        r = await c.client.post(
+            "/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 2}
+        )
+        assert r.status_code == 200, r.text
+    assert len(engine.completions) == 1
