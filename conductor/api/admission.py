@@ -27,7 +27,9 @@ from kvc.sampling import Sampling
 GenerationBody = ChatCompletionRequest | CompletionRequest
 
 
-def sampling_for(body: GenerationBody, max_tokens: int) -> Sampling:
+def sampling_for(
+    body: GenerationBody, max_tokens: int, response_format: str | None = None
+) -> Sampling:
     """Token selection from either OpenAI request (``ignore_eos``: vLLM's extension)."""
     return Sampling(
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -39,7 +41,7 @@ def sampling_for(body: GenerationBody, max_tokens: int) -> Sampling:
         frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0,
         logit_bias=logit_bias_pairs(body.logit_bias),
-        response_format=_structured(body),
+        response_format=_structured(body) if response_format is None else response_format,
     )
 
 
@@ -101,6 +103,7 @@ async def admit(
     max_tokens_requested: int | None,
     prompt_param: str,
     slo: Slo,
+    response_format: str | None = None,
 ) -> Admitted:
     """Bound, check and place one generation; return once its first token exists.
 
@@ -109,7 +112,15 @@ async def admit(
     account = RequestAccount(state, endpoint)
     try:
         return await _admit(
-            account, request_id, tenant, prompt_ids, body, max_tokens_requested, prompt_param, slo
+            account,
+            request_id,
+            tenant,
+            prompt_ids,
+            body,
+            max_tokens_requested,
+            prompt_param,
+            slo,
+            response_format,
         )
     except BaseException as exc:
         account.failed_to_start(exc)
@@ -125,6 +136,7 @@ async def _admit(
     max_tokens_requested: int | None,
     prompt_param: str,
     slo: Slo,
+    response_format: str | None,
 ) -> Admitted:
     state = account.state
     max_len = state.max_model_len()
@@ -163,7 +175,7 @@ async def _admit(
             request_id=request_id,
             tenant=tenant.name,
             prompt_ids=tuple(prompt_ids),
-            sampling=sampling_for(body, max_tokens),
+            sampling=sampling_for(body, max_tokens, response_format),
             slo=slo,
         )
     )

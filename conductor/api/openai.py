@@ -9,6 +9,7 @@ server-sent events (``sse.GenerationResponse``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -49,7 +50,7 @@ from conductor.api.schemas import (
     sse_data,
 )
 from conductor.api.sse import GenerationResponse
-from conductor.api.tool_calls import Call, Content, ToolCallParser
+from conductor.api.tool_calls import Call, Content, Event, ToolCallParser, make_call
 from conductor.api.tool_calls import new_parser as new_tool_parser
 from conductor.errors import InvalidRequest, ModelNotFound, UnprocessableEntity
 from conductor.generation import TokenDelta, UsageCounts
@@ -106,7 +107,7 @@ def _check_logit_bias(logit_bias: dict[str, float] | None, vocab: int) -> None:
             )
 
 
-def _require_structured_output(state: AppState) -> None:
+def _require_structured_output(state: AppState, param: str = "response_format") -> None:
     """Structured output runs in vLLM's guided decoding: refuse it while any usable node
     runs another engine (the request could land there)."""
     others = sorted(
@@ -116,9 +117,10 @@ def _require_structured_output(state: AppState) -> None:
     )
     if others:
         raise UnprocessableEntity(
-            "response_format json_object/json_schema (structured output) needs vLLM "
-            f"nodes; these nodes cannot constrain their output: {', '.join(others)}.",
-            param="response_format",
+            "Structured output (response_format json_object/json_schema, tool_choice "
+            "'required' or a named function) needs vLLM nodes; these nodes cannot "
+            f"constrain their output: {', '.join(others)}.",
+            param=param,
             code="unsupported_value",
         )
 
@@ -152,6 +154,97 @@ def _check_response_format(fmt: Any, state: AppState) -> None:
             _require_structured_output(state)
 
 
+def _tool_names(tools: list[Any]) -> list[str]:
+    """The functions' names; 400 for a tool that is not ``{"type": "function", "function":
+    {"name": ..., "parameters"?: {...}}}``."""
+    names: list[str] = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("parameters", {}), dict)
+        ):
+            raise InvalidRequest(
+                "Each tool must be {'type': 'function', 'function': {'name': ..., "
+                "'parameters': {...}}}.",
+                param=f"tools[{i}]",
+                code="invalid_value",
+            )
+        names.append(function["name"])
+    return names
+
+
+def _check_forced_choice(
+    body: ChatCompletionRequest, choice: Any, names: list[str], state: AppState
+) -> None:
+    """``tool_choice`` ``required`` or a named function: the call is forced by guided
+    decoding (vLLM), so it needs vLLM nodes and no response_format of its own."""
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequest(
+                "A named tool_choice is {'type': 'function', 'function': {'name': ...}}.",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        if name not in names:
+            raise InvalidRequest(
+                f"tool_choice names {name!r}, which is not among the tools.",
+                param="tool_choice",
+                code="invalid_value",
+            )
+    fmt = body.response_format
+    if isinstance(fmt, dict) and fmt.get("type") != "text":
+        raise InvalidRequest(
+            "response_format cannot be combined with tool_choice 'required' or a named "
+            "function (both constrain the output).",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    _require_structured_output(state, param="tool_choice")
+
+
+def _forced_call_format(body: ChatCompletionRequest) -> str | None:
+    """The JSON Schema that forces ``tool_choice`` ``required``/named, as a response_format
+    for the wire (vLLM's own approach): a named function's arguments object, or an array
+    of ``{"name", "parameters"}`` over the tools. None when nothing is forced."""
+    choice = body.tool_choice
+    if not body.tools or not (isinstance(choice, dict) or choice == "required"):
+        return None
+    params = {
+        t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+        for t in body.tools
+    }
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        schema: dict[str, Any] = params[name]
+    else:
+        schema = {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"name": {"const": name}, "parameters": p},
+                        "required": ["name", "parameters"],
+                        "additionalProperties": False,
+                    }
+                    for name, p in params.items()
+                ]
+            },
+        }
+        if body.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        name = "tool_calls"
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+    return json.dumps(fmt, separators=(",", ":"))
+
+
 def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest, state: AppState) -> None:
     """422 for what this server would otherwise have to ignore; 400 for OpenAI's own
     consistency rules. Tools are rendered into the prompt by the chat template; with
@@ -162,21 +255,16 @@ def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest, state: AppState
     if body.tools is not None and not isinstance(body.tools, list):
         raise InvalidRequest("tools must be an array.", param="tools", code="invalid_type")
     if body.tools:
+        names = _tool_names(body.tools)
         if isinstance(choice, dict) or choice == "required":
-            raise UnprocessableEntity(
-                "tool_choice 'required' or a named function needs the tool-call format "
-                "enforced by guided decoding, which is not supported yet; use 'auto' or "
-                "'none'.",
-                param="tool_choice",
-                code="unsupported_value",
-            )
-        if choice not in (None, "auto", "none"):
+            _check_forced_choice(body, choice, names, state)
+        elif choice not in (None, "auto", "none"):
             raise InvalidRequest(
                 "tool_choice must be 'none', 'auto', 'required' or a named function.",
                 param="tool_choice",
                 code="invalid_value",
             )
-        if choice != "none" and state.tool_parser is None:
+        elif choice != "none" and state.tool_parser is None:
             raise UnprocessableEntity(
                 "This model has no tool-call parser: its calls could not be read from the "
                 "output. Start the conductor with --tool-call-parser hermes|llama3_json, or "
@@ -215,30 +303,70 @@ def _refuse_what_completion_cannot_honour(body: CompletionRequest, state: AppSta
 
 
 class _ToolCallReader:
-    """Splits one generation's text into what the model said and the tool calls it made
-    (``conductor/api/tool_calls.py``); ``parallel_tool_calls: false`` keeps the first."""
+    """Splits one generation's text into what the model said and the tool calls it made:
+    with the model family's parser (``conductor/api/tool_calls.py``), or — when
+    ``tool_choice`` forced the call through guided decoding — from the JSON the output
+    is (a named function's arguments, or an array of ``{"name", "parameters"}``); JSON
+    that does not parse (cut by max_tokens) stays text. ``parallel_tool_calls: false``
+    keeps the first call."""
 
-    def __init__(self, parser: ToolCallParser, parallel: bool) -> None:
+    def __init__(
+        self, parser: ToolCallParser | None, parallel: bool, forced_name: str | None = None
+    ) -> None:
         self._parser = parser
         self._parallel = parallel
+        self._forced_name = forced_name
+        self._held = ""  # forced mode: the whole output, read at the end
         self.called = 0  # calls handed out so far
 
     @classmethod
     def for_request(cls, body: ChatCompletionRequest, state: AppState) -> _ToolCallReader | None:
-        if not body.tools or body.tool_choice == "none" or state.tool_parser is None:
+        choice = body.tool_choice
+        parallel = body.parallel_tool_calls is not False
+        if not body.tools or choice == "none":
             return None
-        return cls(new_tool_parser(state.tool_parser), body.parallel_tool_calls is not False)
+        if isinstance(choice, dict):
+            return cls(None, parallel, forced_name=choice["function"]["name"])
+        if choice == "required":
+            return cls(None, parallel)
+        if state.tool_parser is None:
+            return None
+        return cls(new_tool_parser(state.tool_parser), parallel)
 
     def read(self, text: str, *, last: bool) -> tuple[str, list[Call]]:
-        events = self._parser.feed(text) if text else []
-        if last:
-            events += self._parser.finish()
+        if self._parser is None:
+            events = self._forced(text, last)
+        else:
+            events = self._parser.feed(text) if text else []
+            if last:
+                events += self._parser.finish()
         said = "".join(e.text for e in events if isinstance(e, Content))
         made = [e for e in events if isinstance(e, Call)]
         if not self._parallel:
             made = made[: max(0, 1 - self.called)]
         self.called += len(made)
         return said, made
+
+    def _forced(self, text: str, last: bool) -> list[Event]:
+        self._held += text
+        if not last:
+            return []
+        held, self._held = self._held, ""
+        try:
+            data = json.loads(held)
+        except ValueError:
+            return [Content(held)]
+        if self._forced_name is not None:
+            call = make_call(self._forced_name, data)
+            return [call] if call is not None else [Content(held)]
+        items = data if isinstance(data, list) else []
+        calls = [
+            make_call(i.get("name"), i.get("parameters")) if isinstance(i, dict) else None
+            for i in items
+        ]
+        if not calls or any(c is None for c in calls):
+            return [Content(held)]
+        return [c for c in calls if c is not None]
 
 
 def _tool_call(call: Call) -> ToolCall:
@@ -311,6 +439,7 @@ async def chat_completions(
         body.max_completion_tokens or body.max_tokens,
         "messages",
         request_slo(request, state),
+        response_format=_forced_call_format(body),
     )
     completion_id = new_chat_completion_id()
     created = int(time.time())

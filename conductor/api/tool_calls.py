@@ -23,7 +23,16 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
-__all__ = ["PARSERS", "Call", "Content", "Event", "ToolCallParser", "detect", "new_parser"]
+__all__ = [
+    "PARSERS",
+    "Call",
+    "Content",
+    "Event",
+    "ToolCallParser",
+    "detect",
+    "make_call",
+    "new_parser",
+]
 
 ParserName = Literal["hermes", "llama3_json"]
 PARSERS: Final[tuple[ParserName, ...]] = ("hermes", "llama3_json")
@@ -49,7 +58,9 @@ class ToolCallParser(Protocol):
     def finish(self) -> list[Event]: ...
 
 
-def _call(name: Any, arguments: Any) -> Call | None:
+def make_call(name: Any, arguments: Any) -> Call | None:
+    """A call from a parsed name and arguments (an object, or JSON text of one); None
+    when they are not that."""
     if not isinstance(name, str) or not name:
         return None
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
@@ -113,7 +124,9 @@ class HermesParser:
             data = json.loads(body)
         except ValueError:
             data = None
-        call = _call(data.get("name"), data.get("arguments")) if isinstance(data, dict) else None
+        call = (
+            make_call(data.get("name"), data.get("arguments")) if isinstance(data, dict) else None
+        )
         return call if call is not None else Content(f"{self.OPEN}{body}{self.CLOSE}")
 
     def finish(self) -> list[Event]:
@@ -161,7 +174,7 @@ class Llama3JsonParser:
                 return [Content(text)]
             if not isinstance(data, dict):
                 return [Content(text)]
-            call = _call(data.get("name"), data.get("parameters", data.get("arguments")))
+            call = make_call(data.get("name"), data.get("parameters", data.get("arguments")))
             if call is None:
                 return [Content(text)]
             calls.append(call)

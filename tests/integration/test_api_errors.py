@@ -33,6 +33,14 @@ def envelope(resp: Any) -> dict[str, Any]:
         (chat_body(model="gpt-9"), 404, "model", "model_not_found"),
         (chat_body(n=2), 422, "n", "unsupported_value"),
         (chat_body(logprobs=True), 422, "logprobs", "unsupported_value"),
+        (
+            chat_body(
+                tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"
+            ),
+            422,
+            "tool_choice",
+            "unsupported_value",
+        ),
         # The embedded engine has no guided decoding: structured output is refused.
         (chat_body(response_format={"type": "json_object"}), 422, "response_format", None),
         (

@@ -277,13 +277,19 @@ REFUSED: list[tuple[str, dict[str, Any], int, str]] = [
     ("chat", {"response_format": {"type": "yaml"}}, 400, "response_format"),
     ("chat", {"tools": TOOLS}, 422, "tools"),
     ("chat", {"tools": TOOLS, "tool_choice": "auto"}, 422, "tool_choice"),
-    ("chat", {"tools": TOOLS, "tool_choice": "required"}, 422, "tool_choice"),
     (
         "chat",
-        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
-        422,
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        400,
         "tool_choice",
     ),
+    (
+        "chat",
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        400,
+        "tool_choice",
+    ),
+    ("chat", {"tools": [{"type": "function"}]}, 400, "tools[0]"),
     ("chat", {"tool_choice": "auto"}, 400, "tool_choice"),
     ("chat", {"logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("chat", {"logit_bias": {"5": 101}}, 400, "logit_bias"),
@@ -483,3 +489,62 @@ async def test_without_a_parser_tools_that_may_be_called_are_refused(
         )
         assert r.status_code == 200, r.text
     assert len(engine.completions) == 1
+
+
+@pytest.mark.parametrize("forced", ["named", "required"])
+async def test_a_forced_tool_call_is_guided_decoding_on_vllm(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]],
+    conductor: ConductorFactory,
+    forced: str,
+) -> None:
+    """tool_choice naming a function, or 'required': vLLM is asked for JSON (the
+    arguments object, or an array of {name, parameters}) and the conductor answers the
+    calls it reads from it, streamed and not."""
+    (*_, both), (*_, engine) = vllm_agents
+    tok = ChatTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    if forced == "named":
+        choice: Any = {"type": "function", "function": {"name": "get_weather"}}
+        output = '{"city": "Oslo"}'
+    else:
+        choice = "required"
+        output = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    body = chat_body("Weather?", tools=[WEATHER_TOOL], tool_choice=choice, max_tokens=32)
+    async with conductor([both], tool_call_parser="none") as c:
+        engine.replies.append(tok.encode(output))
+        r = await c.client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice_out = r.json()["choices"][0]
+        assert choice_out["finish_reason"] == "tool_calls"
+        assert choice_out["message"]["content"] is None
+        (call,) = choice_out["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+        _, sent = engine.completions[-1]
+        schema = sent["response_format"]["json_schema"]["schema"]
+        parameters = WEATHER_TOOL["function"]["parameters"]  # type: ignore[index]
+        if forced == "named":
+            assert schema == parameters
+        else:
+            (item,) = schema["items"]["anyOf"]
+            assert item["properties"] == {
+                "name": {"const": "get_weather"},
+                "parameters": parameters,
+            }
+
+        engine.replies.append(tok.encode(output))
+        r = await c.client.post("/v1/chat/completions", json={**body, "stream": True})
+        events = [
+            json.loads(b[len("data: ") :]) for b in r.text.split("\n\n") if b.startswith("data: {")
+        ]
+        deltas = [e["choices"][0] for e in events if e["choices"]]
+        calls = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
+        assert [t["function"]["name"] for t in calls] == ["get_weather"]
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+
+        # Cut by max_tokens, the JSON does not parse: the text comes back as it is.
+        engine.replies.append(tok.encode(output)[:3])
+        r = await c.client.post("/v1/chat/completions", json=body)
+        cut = r.json()["choices"][0]
+        assert cut["message"].get("tool_calls") is None
+        assert cut["message"]["content"] == tok.decode(tok.encode(output)[:3])
+    assert_no_locks(both)

@@ -10,7 +10,8 @@ processes on loopback. What is proven, with vLLM's own counters:
     A without any Tx, which the conductor can only know from the KV-event mirror;
 (a2) structured output: a json_schema chat request through the conductor, with the
     official OpenAI SDK, streamed and not, answers JSON that validates — vLLM's guided
-    decoding, reached through the wire's response_format;
+    decoding, reached through the wire's response_format — and a tool_choice naming a
+    function comes back as that call, its arguments valid against the tool's schema;
 (b) the mirror survives a subscriber restart: agent A restarts while vLLM A caches a new
     prefix, replays vLLM's event buffer, and the conductor routes that prefix to A;
 (c) SIGTERM stops every process, vLLM's engine core and workers included.
@@ -26,7 +27,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import httpx
@@ -413,6 +414,26 @@ def test_a2_structured_output_through_the_conductor_is_json(fleet: Fleet) -> Non
     chunks = client.chat.completions.create(**ask, stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert json.loads(streamed) == whole  # greedy: the same answer either way
+
+    # A forced tool call is the same machinery: the named function's arguments schema.
+    tool = {
+        "type": "function",
+        "function": {"name": "rank_city", "parameters": schema},
+    }
+    forced = client.chat.completions.create(
+        model=MODEL,
+        messages=cast(Any, ask["messages"]),
+        tools=cast(Any, [tool]),
+        tool_choice={"type": "function", "function": {"name": "rank_city"}},
+        max_tokens=60,
+        temperature=0,
+        logit_bias=whitespace,
+    )
+    assert forced.choices[0].finish_reason == "tool_calls", forced
+    (call,) = forced.choices[0].message.tool_calls or []
+    assert call.type == "function"
+    assert call.function.name == "rank_city"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
 def test_b_mirror_survives_a_subscriber_restart(fleet: Fleet) -> None:
