@@ -41,26 +41,41 @@ INIT_SEED: Final = 1234
 # instead of repeating one, which makes equality checks meaningful.
 INIT_RANGE: Final = 0.5
 
-# ChatML. Roles other than system/user/assistant/tool are rejected; with
-# `tools`, a system turn lists them as JSON (merged with a leading system
-# message). Whitespace control (`{%-`) keeps the output independent of
-# trim_blocks/lstrip_blocks.
+# ChatML with Hermes-style tool calls. Roles other than system/user/assistant/tool are
+# rejected; with `tools`, a system turn lists them as JSON inside <tools></tools>, with
+# the call format (merged with a leading system message); an assistant turn's
+# `tool_calls` are written as <tool_call>{"name", "arguments"}</tool_call> after its
+# content, and a tool's result is wrapped in <tool_response></tool_response>. That is
+# the format the conductor's `hermes` tool-call parser reads (and finds here by itself).
+# Whitespace control (`{%-`) keeps the output independent of trim_blocks/lstrip_blocks.
 CHAT_TEMPLATE: Final = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages and messages[0]['role'] == 'system' %}"
     "{{- (messages[0]['content'] or '') + '\\n\\n' }}"
     "{%- endif %}"
-    "{{- 'You can call these tools:\\n' }}"
+    '{{- \'You can call these tools. For each call, answer with <tool_call>{"name": '
+    'name, "arguments": {...}}</tool_call>.\\n<tools>\\n\' }}'
     "{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
+    "{{- '</tools><|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{- raise_exception('Unsupported role: ' ~ message['role']) }}"
     "{%- endif %}"
     "{%- if not (tools and loop.first and message['role'] == 'system') %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<tool_response>\\n' + (message['content'] or '') + '\\n</tool_response>' }}"
+    "{%- else %}{{- message['content'] or '' }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set arguments = call['function']['arguments'] %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{- (arguments if arguments is string else (arguments | tojson)) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"

@@ -10,8 +10,9 @@ processes on loopback. What is proven, with vLLM's own counters:
     A without any Tx, which the conductor can only know from the KV-event mirror;
 (a2) structured output: a json_schema chat request through the conductor, with the
     official OpenAI SDK, streamed and not, answers JSON that validates — vLLM's guided
-    decoding, reached through the wire's response_format — and a tool_choice naming a
-    function comes back as that call, its arguments valid against the tool's schema;
+    decoding, reached through the wire's response_format — and a function-calling loop:
+    a tool_choice naming a function comes back as that call, its arguments valid against
+    the tool's schema; its result goes back and the model answers, streamed and not;
 (b) the mirror survives a subscriber restart: agent A restarts while vLLM A caches a new
     prefix, replays vLLM's event buffer, and the conductor routes that prefix to A;
 (c) SIGTERM stops every process, vLLM's engine core and workers included.
@@ -434,6 +435,36 @@ def test_a2_structured_output_through_the_conductor_is_json(fleet: Fleet) -> Non
     assert call.type == "function"
     assert call.function.name == "rank_city"
     jsonschema.validate(json.loads(call.function.arguments), schema)
+
+    # The loop closes: the call and its result go back (the demo template writes them in
+    # the Hermes format), and the model answers — as text, streamed and not.
+    history = [
+        *ask["messages"],
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call.id, "type": "function",
+                 "function": {"name": "rank_city", "arguments": call.function.arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"ok": true}'},
+    ]  # fmt: skip
+    final = client.chat.completions.create(
+        model=MODEL, messages=cast(Any, history), tools=cast(Any, [tool]), max_tokens=8,
+        temperature=0,
+    )  # fmt: skip
+    answer = final.choices[0]
+    assert answer.finish_reason in ("stop", "length"), final
+    assert answer.message.content
+    assert answer.message.tool_calls is None
+    parts = client.chat.completions.create(
+        model=MODEL, messages=cast(Any, history), tools=cast(Any, [tool]), max_tokens=8,
+        temperature=0, stream=True,
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == (
+        answer.message.content
+    )
 
 
 def test_b_mirror_survives_a_subscriber_restart(fleet: Fleet) -> None:

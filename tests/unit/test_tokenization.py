@@ -137,9 +137,29 @@ def test_tools_render_as_plain_json() -> None:
     text = tokenizer().apply_chat_template(
         [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}], tools=tools
     )
-    assert text.startswith("<|im_start|>system\nS\n\nYou can call these tools:\n")
+    assert text.startswith("<|im_start|>system\nS\n\nYou can call these tools.")
+    assert "<tools>\n" + json.dumps(tools[0]) + "\n</tools>" in text
     assert json.dumps(tools[0]) in text  # no HTML escaping of <, &, >
     assert text.count("<|im_start|>system") == 1
+
+
+def test_a_tool_call_loop_renders_calls_and_results_as_hermes() -> None:
+    """An assistant turn's tool_calls (arguments as a JSON string, as OpenAI sends them,
+    or as an object) and the tool's result, in the format the hermes parser reads back."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for arguments in ('{"x": 1}', {"x": 1}):
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "42"},
+        ]
+        text = tokenizer().apply_chat_template(messages, tools=tools)
+        assert (
+            '<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n'
+            "</tool_call><|im_end|>\n"
+        ) in text
+        assert "<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>\n" in text
 
 
 def _hf_style_folder(tmp_path: Path, tokenizer_config: dict[str, object]) -> Path:
