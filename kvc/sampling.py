@@ -26,3 +26,8 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     # OpenAI's response_format object as JSON (structured output); "": plain text.
     response_format: str = ""
+    # vLLM's extensions (0 / empty: off).
+    top_k: int = 0  # keep the k most likely tokens
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    min_tokens: int = 0  # no EOS or stop token before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # end like EOS; the token is not returned

@@ -42,6 +42,10 @@ def sampling_to_pb(sampling: Sampling) -> pb.SamplingParams:
         presence_penalty=sampling.presence_penalty,
         logit_bias=dict(sampling.logit_bias),
         response_format=sampling.response_format,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        min_tokens=sampling.min_tokens,
+        stop_token_ids=list(sampling.stop_token_ids),
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
@@ -61,4 +65,8 @@ def sampling_from_pb(message: pb.SamplingParams) -> Sampling:
         presence_penalty=message.presence_penalty,
         logit_bias=tuple(sorted(message.logit_bias.items())),
         response_format=message.response_format,
+        top_k=message.top_k,
+        min_p=message.min_p,
+        min_tokens=message.min_tokens,
+        stop_token_ids=tuple(message.stop_token_ids),
     )

@@ -42,6 +42,10 @@ def sampling_for(
         presence_penalty=body.presence_penalty or 0.0,
         logit_bias=logit_bias_pairs(body.logit_bias),
         response_format=_structured(body) if response_format is None else response_format,
+        top_k=max(0, body.top_k or 0),
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
     )
 
 

@@ -97,6 +97,28 @@ def _reject_unsupported(n: int, logprobs: Any) -> None:
         )
 
 
+def _check_token_ids(body: ChatCompletionRequest | CompletionRequest, vocab: int) -> None:
+    """``logit_bias`` keys and ``stop_token_ids`` name tokens of this vocabulary; and
+    ``min_tokens`` fits ``max_tokens``."""
+    _check_logit_bias(body.logit_bias, vocab)
+    for token in body.stop_token_ids or ():
+        if token >= vocab:
+            raise InvalidRequest(
+                f"stop_token_ids: {token} is not below the vocabulary size {vocab}.",
+                param="stop_token_ids",
+                code="invalid_value",
+            )
+    limit = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        limit = body.max_completion_tokens
+    if body.min_tokens and limit is not None and body.min_tokens > limit:
+        raise InvalidRequest(
+            f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({limit}).",
+            param="min_tokens",
+            code="invalid_value",
+        )
+
+
 def _check_logit_bias(logit_bias: dict[str, float] | None, vocab: int) -> None:
     for token in logit_bias or {}:
         if int(token) >= vocab:
@@ -416,7 +438,7 @@ async def chat_completions(
     check_model(state, body.model)
     _reject_unsupported(body.n, body.logprobs)
     _refuse_what_chat_cannot_honour(body, state)
-    _check_logit_bias(body.logit_bias, state.tokenizer.vocab_size)
+    _check_token_ids(body, state.tokenizer.vocab_size)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = body.tools if isinstance(body.tools, list) else None
     try:
@@ -522,7 +544,7 @@ async def completions(
     check_model(state, body.model)
     _reject_unsupported(body.n, body.logprobs)
     _refuse_what_completion_cannot_honour(body, state)
-    _check_logit_bias(body.logit_bias, state.tokenizer.vocab_size)
+    _check_token_ids(body, state.tokenizer.vocab_size)
     prompt = body.single_prompt()
     if prompt is None:
         raise InvalidRequest("Only a single prompt per request is supported.", param="prompt")

@@ -191,6 +191,11 @@ class ChatCompletionRequest(OpenAIBaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
+    # vLLM's sampling extensions: -1 and 0 turn top_k off, as vLLM reads them.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    stop_token_ids: list[_TokenId] | None = None
     tools: Any = None
     tool_choice: Any = None
     response_format: Any = None
@@ -271,6 +276,11 @@ class CompletionRequest(OpenAIBaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
+    # vLLM's sampling extensions: -1 and 0 turn top_k off, as vLLM reads them.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    stop_token_ids: list[_TokenId] | None = None
 
     @field_validator("n", "stream", "echo", mode="before")
     @classmethod

@@ -275,3 +275,27 @@ async def test_logit_bias_and_penalties_reach_the_embedded_engine(
         assert set(spread) <= allowed, spread
         assert repeated != spread
     assert_no_locks(agent)
+
+
+async def test_stop_token_ids_and_min_tokens_on_the_embedded_engine(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        ids = c.state.tokenizer.encode("Once upon a time")
+        base = {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0}
+        plain = (await c.client.post("/v1/completions", json=base)).json()
+        first = c.state.tokenizer.encode(plain["choices"][0]["text"])[0]
+        stopped = (
+            await c.client.post("/v1/completions", json={**base, "stop_token_ids": [first]})
+        ).json()
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        assert stopped["usage"]["completion_tokens"] == 1  # the stop token, not returned
+        assert stopped["choices"][0]["text"] == ""
+        held = (
+            await c.client.post(
+                "/v1/completions", json={**base, "stop_token_ids": [first], "min_tokens": 4}
+            )
+        ).json()
+        assert held["usage"]["completion_tokens"] >= 4  # the stop id was banned until then
+    assert_no_locks(agent)

@@ -247,6 +247,20 @@ def test_penalties_count_the_tokens_this_sampler_produced() -> None:
     assert [eager.sample(logits) for _ in range(3)] == [2, 2, 2]
 
 
+def test_top_k_min_p_and_banned_tokens() -> None:
+    logits = torch.tensor([0.0, 3.0, 2.9, 2.8, -5.0])
+    # top_k=1 at any temperature is greedy.
+    one = Sampler(Sampling(temperature=5.0, top_k=1, seed=1))
+    assert {one.sample(logits) for _ in range(50)} == {1}
+    two = Sampler(Sampling(temperature=5.0, top_k=2, seed=1))
+    assert {two.sample(logits) for _ in range(200)} == {1, 2}
+    # min_p 0.5: only tokens at least half as likely as the best (1, 2, 3) remain.
+    near = Sampler(Sampling(temperature=1.0, min_p=0.5, seed=2))
+    assert {near.sample(logits) for _ in range(300)} == {1, 2, 3}
+    # A banned token (min_tokens keeps EOS and stop ids out) is never drawn.
+    assert Sampler(Sampling(temperature=0.0)).sample(logits, ban=frozenset({1, 9})) == 2
+
+
 @pytest.mark.parametrize(
     ("params", "match"),
     [
@@ -254,6 +268,8 @@ def test_penalties_count_the_tokens_this_sampler_produced() -> None:
         (Sampling(presence_penalty=-2.5), "presence_penalty"),
         (Sampling(logit_bias=((1, 101.0),)), "logit_bias"),
         (Sampling(logit_bias=((-1, 1.0),)), "logit_bias"),
+        (Sampling(top_k=-1), "top_k"),
+        (Sampling(min_p=1.5), "min_p"),
     ],
 )
 def test_sampler_refuses_out_of_range_parameters(params: Sampling, match: str) -> None:

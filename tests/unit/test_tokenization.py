@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -149,7 +150,7 @@ def test_a_tool_call_loop_renders_calls_and_results_as_hermes() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     for arguments in ('{"x": 1}', {"x": 1}):
         call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
-        messages = [
+        messages: list[dict[str, Any]] = [
             {"role": "user", "content": "q"},
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c", "content": "42"},

@@ -229,6 +229,8 @@ class EmbeddedEngineAdapter:
             detok = IncrementalDetokenizer(self._tokenizer)
             stops = StopStringMatcher(sampling.stop)
             eos = frozenset() if sampling.ignore_eos else self._info.eos_token_ids
+            # stop_token_ids end the generation like EOS, ignore_eos or not (as vLLM).
+            enders = eos | frozenset(sampling.stop_token_ids)
             room = self._info.max_model_len - len(job.prompt_ids)
             budget = min(sampling.max_tokens, room)
             state: tuple[torch.Tensor, KvCache] = await self._on_engine(
@@ -237,9 +239,10 @@ class EmbeddedEngineAdapter:
             produced = 0
             while True:
                 logits, kv = state
-                token = sampler.sample(logits)
+                early = produced < sampling.min_tokens
+                token = sampler.sample(logits, ban=enders if early else frozenset())
                 produced += 1
-                if token in eos:
+                if token in enders:
                     tail = stops.flush() + detok.flush()
                     yield GenerationStep(token_ids=(token,), text=tail, finish_reason="stop")
                     return

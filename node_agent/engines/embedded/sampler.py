@@ -1,6 +1,6 @@
-"""Next-token sampling of the embedded engine: greedy, or temperature + nucleus (top-p),
-after OpenAI's logit bias and frequency/presence penalties (over the tokens this sampler
-has produced, as vLLM counts them)."""
+"""Next-token sampling of the embedded engine: greedy, or temperature with vLLM's top-k,
+nucleus (top-p) and min-p filters, after OpenAI's logit bias and frequency/presence
+penalties (over the tokens this sampler has produced, as vLLM counts them)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ class Sampler:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(params, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(params, name)}")
+        if params.top_k < 0 or not 0.0 <= params.min_p <= 1.0 or params.min_tokens < 0:
+            raise ValueError(
+                f"top_k must be >= 0, min_p in [0, 1], min_tokens >= 0; got {params.top_k}, "
+                f"{params.min_p}, {params.min_tokens}"
+            )
         for token, bias in params.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias {token}: {bias} is outside ids >= 0, [-100, 100]")
@@ -35,19 +40,22 @@ class Sampler:
         else:
             self._generator.seed()
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """Greedy when temperature is 0, else temperature + nucleus (top-p) sampling.
+    def sample(self, logits: torch.Tensor, ban: frozenset[int] = frozenset()) -> int:
+        """Greedy when temperature is 0, else temperature + top-k + nucleus (top-p) +
+        min-p sampling; never a token in ``ban`` (``min_tokens``: EOS and stop ids).
 
         Raises ``ValueError`` when a biased token id is outside the logits."""
-        token = self._pick(self._adjusted(logits))
+        scores = self._adjusted(logits)
+        if ban:
+            scores[[t for t in ban if t < scores.numel()]] = float("-inf")
+        token = self._pick(scores)
         if self._penalised:
             self._counts[token] = self._counts.get(token, 0) + 1
         return token
 
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         scores = logits.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-        if self._bias or self._counts:
-            scores = scores.clone()
+        scores = scores.clone()
         if self._bias:
             ids = list(self._bias)
             if max(ids) >= scores.numel():
@@ -62,7 +70,14 @@ class Sampler:
     def _pick(self, scores: torch.Tensor) -> int:
         if self.params.temperature == 0.0:
             return int(torch.argmax(scores).item())
+        k = self.params.top_k
+        if 0 < k < scores.numel():
+            kth = torch.topk(scores, k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
         probs = torch.softmax(scores / self.params.temperature, dim=-1)
+        if self.params.min_p > 0.0:
+            probs = probs.masked_fill(probs < self.params.min_p * probs.max(), 0.0)
+            probs = probs / probs.sum()
         if self.params.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             cumulative = torch.cumsum(sorted_probs, dim=-1)

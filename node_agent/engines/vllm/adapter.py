@@ -53,6 +53,7 @@ from typing import Any
 
 import httpx
 
+from kvc.sampling import Sampling
 from kvc.tokenization import ChatTokenizer, IncrementalDetokenizer
 from node_agent.engines.base import (
     DecodeProbe,
@@ -356,6 +357,7 @@ class VllmEngineAdapter:
         presence_penalty: float = 0.0,
         logit_bias: tuple[tuple[int, float], ...] = (),
         response_format: str = "",
+        sampling: Sampling | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self._config.served_model_name,
@@ -385,6 +387,15 @@ class VllmEngineAdapter:
             body["logit_bias"] = {str(token): bias for token, bias in logit_bias}
         if response_format:  # vLLM's completions take it as chat does (guided decoding)
             body["response_format"] = json.loads(response_format)
+        if sampling is not None:  # vLLM's own extensions, sent only when set
+            if sampling.top_k:
+                body["top_k"] = sampling.top_k
+            if sampling.min_p:
+                body["min_p"] = sampling.min_p
+            if sampling.min_tokens:
+                body["min_tokens"] = sampling.min_tokens
+            if sampling.stop_token_ids:
+                body["stop_token_ids"] = list(sampling.stop_token_ids)
         salt = self._salt(tenant)
         if salt is not None:
             body["cache_salt"] = salt
@@ -470,6 +481,7 @@ class VllmEngineAdapter:
             presence_penalty=sampling.presence_penalty,
             logit_bias=sampling.logit_bias,
             response_format=sampling.response_format,
+            sampling=sampling,
         )
         self._running += 1
         self._awaiting_first_token += 1
