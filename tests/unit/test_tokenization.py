@@ -241,6 +241,26 @@ def test_matches_transformers_rendering_and_encoding() -> None:
         expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
         assert tok.apply_chat_template(messages, add_generation_prompt=gen) == expected
     assert tok.encode(MIXED_TEXT, add_special_tokens=True) == hf(MIXED_TEXT).input_ids
+    # A tool loop in the Hermes-style template: tools, an assistant's calls (arguments as
+    # OpenAI's JSON string and as an object), the tool's result.
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "description": "Météo",
+                                          "parameters": {"type": "object"}}},
+    ]  # fmt: skip
+    loop: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "a", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "b", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Lima"}}},
+        ]},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "b", "content": "fog"},
+    ]  # fmt: skip
+    expected = hf.apply_chat_template(loop, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(loop, tools=tools, add_generation_prompt=True) == expected
 
 
 # -- incremental detokenizer ---------------------------------------------------
