@@ -549,7 +549,10 @@ async def completions(
     if prompt is None:
         raise InvalidRequest("Only a single prompt per request is supported.", param="prompt")
     if isinstance(prompt, str):
-        prompt_ids = await off_loop_if_long(len(prompt), partial(state.tokenizer.encode, prompt))
+        prompt_ids = await off_loop_if_long(
+            len(prompt),
+            partial(state.tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens),
+        )
     else:
         vocab = state.tokenizer.vocab_size
         if any(t >= vocab for t in prompt):

@@ -272,6 +272,8 @@ class CompletionRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     suffix: str | None = None
     response_format: Any = None  # vLLM's extension of completions (structured output)
+    # vLLM's: a text prompt gets the tokenizer's special tokens (BOS…), as vLLM adds them.
+    add_special_tokens: bool = True
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     user: str | None = None

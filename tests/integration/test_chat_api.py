@@ -173,7 +173,21 @@ async def test_legacy_completions(start_agent: AgentFactory, conductor: Conducto
         body = resp.json()
         assert body["object"] == "text_completion"
         assert body["usage"]["completion_tokens"] <= 5
-        ids = c.state.tokenizer.encode("Once upon a time")
+        # A text prompt gets the tokenizer's special tokens (BOS), as vLLM adds them, and
+        # /tokenize counts exactly that.
+        ids = c.state.tokenizer.encode("Once upon a time", add_special_tokens=True)
+        assert ids[0] != c.state.tokenizer.encode("Once upon a time")[0]
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        counted = await c.client.post("/tokenize", json={"prompt": "Once upon a time"})
+        assert counted.json()["tokens"] == ids
+        bare = await c.client.post(
+            "/v1/completions",
+            json={
+                "model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0,
+                "add_special_tokens": False,
+            },
+        )  # fmt: skip
+        assert bare.json()["usage"]["prompt_tokens"] == len(ids) - 1
         by_ids = await c.client.post(
             "/v1/completions",
             json={"model": MODEL, "prompt": ids, "max_tokens": 5, "temperature": 0},
