@@ -395,13 +395,15 @@ def _tool_call(call: Call) -> ToolCall:
     return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
-def _tool_call_delta(index: int, call: Call) -> ToolCallDelta:
-    return ToolCallDelta(
+def _tool_call_deltas(index: int, call: Call) -> list[ChoiceDelta]:
+    head = ToolCallDelta(
         index=index,
         id=call.id,
         type="function",
-        function=FunctionCallDelta(name=call.name, arguments=call.arguments),
+        function=FunctionCallDelta(name=call.name, arguments=""),
     )
+    body = ToolCallDelta(index=index, function=FunctionCallDelta(arguments=call.arguments))
+    return [ChoiceDelta(tool_calls=[head]), ChoiceDelta(tool_calls=[body])]
 
 
 # Text up to this many characters is tokenized on the event loop, longer text in a worker
@@ -507,25 +509,24 @@ async def chat_completions(
             return None
         text = delta.text
         finish = delta.finish_reason
-        calls: list[ToolCallDelta] | None = None
-        if reader is not None:
-            said, made = reader.read(text, last=finish is not None)
-            text = said
-            first_index = reader.called - len(made)
-            calls = [_tool_call_delta(first_index + i, c) for i, c in enumerate(made)] or None
-            if finish is not None and reader.called:
-                finish = "tool_calls"
-        if not text and calls is None and finish is None:
-            return None
-        return chunk(
-            [
-                ChunkChoice(
-                    index=0,
-                    delta=ChoiceDelta(content=text or None, tool_calls=calls),
-                    finish_reason=finish,
-                )
-            ]
-        )
+        if reader is None:
+            if not text and finish is None:
+                return None
+            return chunk([ChunkChoice(index=0, delta=ChoiceDelta(content=text or None),
+                                      finish_reason=finish)])  # fmt: skip
+        # As OpenAI streams calls: the text first, then per call one delta naming it (id,
+        # type, function name, empty arguments) and one with its arguments; the finish
+        # reason in a chunk of its own.
+        said, made = reader.read(text, last=finish is not None)
+        first_index = reader.called - len(made)
+        parts: list[ChoiceDelta] = [ChoiceDelta(content=said)] if said else []
+        for i, call in enumerate(made):
+            parts += _tool_call_deltas(first_index + i, call)
+        out = [chunk([ChunkChoice(index=0, delta=part)]) for part in parts]
+        if finish is not None:
+            finish = "tool_calls" if reader.called else finish
+            out.append(chunk([ChunkChoice(index=0, delta=ChoiceDelta(), finish_reason=finish)]))
+        return "".join(out) or None
 
     first = chunk([ChunkChoice(index=0, delta=ChoiceDelta(role="assistant", content=""))])
     return GenerationResponse(adm, make_chunk, first, rid)

@@ -550,8 +550,21 @@ async def test_a_forced_tool_call_is_guided_decoding_on_vllm(
         ]
         deltas = [e["choices"][0] for e in events if e["choices"]]
         calls = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
-        assert [t["function"]["name"] for t in calls] == ["get_weather"]
-        assert deltas[-1]["finish_reason"] == "tool_calls"
+        # As OpenAI streams a call: one delta naming it, one with its arguments, then the
+        # finish reason in a chunk of its own.
+        head, args = calls
+        assert head["id"].startswith("call_")
+        assert (head["index"], head["type"]) == (0, "function")
+        assert head["function"] == {"name": "get_weather", "arguments": ""}
+        assert set(args) == {"index", "function"}
+        assert args["index"] == 0
+        assert json.loads(args["function"]["arguments"]) == {"city": "Oslo"}
+        assert deltas[-1] == {
+            "index": 0,
+            "delta": {},
+            "logprobs": None,
+            "finish_reason": "tool_calls",
+        }
 
         # Cut by max_tokens, the JSON does not parse: the text comes back as it is.
         engine.replies.append(tok.encode(output)[:3])
