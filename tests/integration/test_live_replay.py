@@ -16,6 +16,8 @@ import uvicorn
 
 from conductor.app import create_app
 from conductor.settings import ConductorSettings
+from kvc.models import DEFAULT_MODEL_DIR
+from kvc.tokenization import ChatTokenizer
 from kvc_sim.live.client import PromptFormat
 from kvc_sim.live.run import LiveOptions, LiveReplayError, replay_live
 from kvc_sim.scenario import SloSpec
@@ -88,8 +90,12 @@ async def test_a_small_trace_replays_against_the_conductor(
     live = block["live"]
     assert live["status_counts"] == {"200": 20}
     assert live["client_errors"] == 0
-    # The conductor counts exactly the prompt built (no BOS added) and every output token
-    assert live["prompt_tokens"] == sum(r.input_tokens for r in requests)
+    # The conductor counts exactly the prompt built — plus, for a text prompt, the special
+    # tokens the tokenizer adds (BOS), as vLLM does — and every output token.
+    added = len(ChatTokenizer.from_dir(DEFAULT_MODEL_DIR).encode("", add_special_tokens=True))
+    per_request = added if prompt_format == "text" else 0
+    assert added == 1
+    assert live["prompt_tokens"] == sum(r.input_tokens + per_request for r in requests)
     assert live["completion_tokens"] == sum(r.output_tokens for r in requests)
     assert live["completed_with_fewer_tokens"] == 0
     # The trace shares prefixes (system prompts, documents, chat history): some are reused
@@ -107,7 +113,7 @@ async def test_a_small_trace_replays_against_the_conductor(
     assert {row["status"] for row in rows} == {"200"}
     by_id = {r.request_id: r for r in requests}
     for row in rows:
-        assert int(row["input_tokens"]) == by_id[row["request_id"]].input_tokens
+        assert int(row["input_tokens"]) == by_id[row["request_id"]].input_tokens + per_request
     for name in ("ttft_cdf.png", "hit_ratio.png"):
         assert (out / name).stat().st_size > 0
     assert not (out / "load.png").exists()  # no load samples live
