@@ -27,10 +27,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
-    model_serializer,
 )
 
 __all__ = [
@@ -95,6 +93,10 @@ _TokenId = Annotated[int, Field(ge=0)]
 # --------------------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------------------
+
+
+_ABSENT: Any = Field(default=None, exclude_if=lambda value: value is None)
+"""A response field left out of the JSON while it is None (and optional in the schema)."""
 
 
 class OpenAIBaseModel(BaseModel):
@@ -379,8 +381,8 @@ class Usage(_ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-    completion_tokens_details: CompletionTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails | None = _ABSENT
+    completion_tokens_details: CompletionTokensDetails | None = _ABSENT
 
     @classmethod
     def from_counts(
@@ -395,14 +397,6 @@ class Usage(_ResponseModel):
                 None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
             ),
         )
-
-    @model_serializer(mode="wrap")
-    def _drop_absent_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        for key in ("prompt_tokens_details", "completion_tokens_details"):
-            if data.get(key, 0) is None:
-                del data[key]
-        return data
 
 
 class FunctionCall(_ResponseModel):
@@ -420,24 +414,12 @@ class ChatCompletionMessage(_ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
-    tool_calls: list[ToolCall] | None = None  # present only when the model called tools
-
-    @model_serializer(mode="wrap")
-    def _drop_absent_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
+    tool_calls: list[ToolCall] | None = _ABSENT  # present only when the model called tools
 
 
 class FunctionCallDelta(_ResponseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        return {k: v for k, v in data.items() if v is not None}
+    name: str | None = _ABSENT
+    arguments: str | None = _ABSENT
 
 
 class ToolCallDelta(_ResponseModel):
@@ -445,14 +427,9 @@ class ToolCallDelta(_ResponseModel):
     call carries ``id``, ``type`` and the function's name."""
 
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        return {k: v for k, v in data.items() if v is not None}
+    id: str | None = _ABSENT
+    type: Literal["function"] | None = _ABSENT
+    function: FunctionCallDelta | None = _ABSENT
 
 
 class ChatCompletionChoice(_ResponseModel):
@@ -475,15 +452,10 @@ class ChatCompletionResponse(_ResponseModel):
 class ChoiceDelta(_ResponseModel):
     """A streamed delta.  Unset keys are left out of the JSON, so ``ChoiceDelta()`` is ``{}``."""
 
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    refusal: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        return {k: v for k, v in data.items() if v is not None}
+    role: Literal["assistant"] | None = _ABSENT
+    content: str | None = _ABSENT
+    refusal: str | None = _ABSENT
+    tool_calls: list[ToolCallDelta] | None = _ABSENT
 
 
 class ChunkChoice(_ResponseModel):
