@@ -91,7 +91,7 @@ import heapq
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final, NewType
+from typing import Any, Final, NewType
 
 import numpy as np
 import numpy.typing as npt
@@ -210,50 +210,41 @@ class _KeyTable:
 
     def find(self, keys: _U64) -> _I64:
         """Table position of each key, -1 where absent."""
-        n = len(keys)
-        found = np.full(n, -1, dtype=np.int64)
-        if n == 0:
-            return found
+        found = np.full(len(keys), -1, dtype=np.int64)
+        self._probe(keys, found, positions=True)
+        return found
+
+    def set_ids_of(self, keys: _U64) -> _U32:
+        """The set id of each key (``_EMPTY`` where absent)."""
+        ids = np.zeros(len(keys), dtype=np.uint32)
+        self._probe(keys, ids, positions=False)
+        return ids
+
+    def _probe(self, keys: _U64, out: npt.NDArray[Any], *, positions: bool) -> None:
+        """Look ``keys`` up row by row from their home rows, past overflowed rows only;
+        write each found key's slot (``positions``) or set id into ``out``."""
+        if len(keys) == 0:
+            return
         row = self.home(keys)
         pending: _I64 | None = None  # None: every key (saves the index arrays)
         key_rows = self.keys.reshape(self.rows, _ROW)
         id_rows = self.ids.reshape(self.rows, _ROW)
         probe_keys = keys
         while True:
-            hits = (key_rows[row] == probe_keys[:, None]) & (id_rows[row] > _TOMB)
-            hit = hits.any(axis=1)
-            if pending is None:
-                found[hit] = row[hit] * _ROW + hits[hit].argmax(axis=1)
-            else:
-                found[pending[hit]] = row[hit] * _ROW + hits[hit].argmax(axis=1)
-            go_on = ~hit & self.overflowed[row]
-            if not go_on.any():
-                return found
-            pending = np.flatnonzero(go_on) if pending is None else pending[go_on]
-            probe_keys = probe_keys[go_on]
-            row = row[go_on] + 1
-            row[row == self.rows] = 0
-
-    def set_ids_of(self, keys: _U64) -> _U32:
-        """The set id of each key (``_EMPTY`` where absent): ``find`` without positions."""
-        out = np.zeros(len(keys), dtype=np.uint32)
-        row = self.home(keys)
-        pending: _I64 | None = None
-        key_rows = self.keys.reshape(self.rows, _ROW)
-        id_rows = self.ids.reshape(self.rows, _ROW)
-        probe_keys = keys
-        while True:
             row_ids = id_rows[row]
             hits = (key_rows[row] == probe_keys[:, None]) & (row_ids > _TOMB)
-            # A key is live at most once: its row's sum over hits is its set id.
-            found = (row_ids * hits).sum(axis=1, dtype=np.uint32)
-            if pending is None:
-                out = found
+            if positions:
+                hit = hits.any(axis=1)
+                at = pending[hit] if pending is not None else hit
+                out[at] = row[hit] * _ROW + hits[hit].argmax(axis=1)
             else:
-                out[pending] = found
-            go_on = (found == 0) & self.overflowed[row]
+                # A key is live at most once: its row's sum over hits is its set id.
+                found = (row_ids * hits).sum(axis=1, dtype=np.uint32)
+                hit = found != _EMPTY
+                out[pending if pending is not None else slice(None)] = found
+            go_on = ~hit & self.overflowed[row]
             if not go_on.any():
-                return out
+                return
             pending = np.flatnonzero(go_on) if pending is None else pending[go_on]
             probe_keys = probe_keys[go_on]
             row = row[go_on] + 1
