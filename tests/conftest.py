@@ -97,13 +97,18 @@ def assert_no_locks(*agents: AgentServer) -> None:
         agent.service.pool.check_invariants()
 
 
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Wait for a condition another task makes true (shadow sync, lease expiry)."""
+async def wait_until(
+    predicate: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.02
+) -> None:
+    """Wait for a condition another task makes true (shadow sync, lease expiry).
+
+    ``poll_s=0`` yields to the loop between checks without sleeping, to catch a state
+    that a handler on the same loop holds only briefly."""
     import asyncio
 
     async with asyncio.timeout(timeout_s):
         while not predicate():  # noqa: ASYNC110 - no event to wait on across processes
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(poll_s)
 
 
 class RedisServer:
