@@ -49,7 +49,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, Final
 
 import httpx
 
@@ -94,6 +94,10 @@ from node_agent.stopping import StopStringMatcher
 log = logging.getLogger("node_agent.vllm")
 
 __all__ = ["VllmEngineAdapter"]
+
+
+# The prefill leg of a P/D request and nothing else: one greedy token, EOS ignored.
+_ONE_TOKEN: Final = Sampling(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
 class VllmEngineAdapter:
@@ -344,28 +348,18 @@ class VllmEngineAdapter:
         self,
         prompt_ids: tuple[int, ...],
         tenant: str,
+        sampling: Sampling,
         *,
-        temperature: float,
-        top_p: float,
-        max_tokens: int,
-        seed: int | None,
-        stop: tuple[str, ...],
-        ignore_eos: bool,
         stream: bool,
         transfer: Mapping[str, Any] | None,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        logit_bias: tuple[tuple[int, float], ...] = (),
-        response_format: str = "",
-        sampling: Sampling | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self._config.served_model_name,
             "prompt": list(prompt_ids),
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "ignore_eos": ignore_eos,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "ignore_eos": sampling.ignore_eos,
             "stream": stream,
             "return_token_ids": True,
             # Re-announce reused prefix blocks as BlockStored: the mirror heals by itself.
@@ -373,29 +367,28 @@ class VllmEngineAdapter:
         }
         if stream:
             body["stream_options"] = {"include_usage": True}
-        if stop:
-            body["stop"] = list(stop)
-        if seed is not None:
-            body["seed"] = seed
-        # Sent only when set: vLLM's defaults are the same, and a stand-in engine that
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        # The rest only when set: vLLM's defaults are the same, and a stand-in engine that
         # cannot apply them (kvc_sim's) refuses them rather than ignoring them.
-        if frequency_penalty:
-            body["frequency_penalty"] = frequency_penalty
-        if presence_penalty:
-            body["presence_penalty"] = presence_penalty
-        if logit_bias:
-            body["logit_bias"] = {str(token): bias for token, bias in logit_bias}
-        if response_format:  # vLLM's completions take it as chat does (guided decoding)
-            body["response_format"] = json.loads(response_format)
-        if sampling is not None:  # vLLM's own extensions, sent only when set
-            if sampling.top_k:
-                body["top_k"] = sampling.top_k
-            if sampling.min_p:
-                body["min_p"] = sampling.min_p
-            if sampling.min_tokens:
-                body["min_tokens"] = sampling.min_tokens
-            if sampling.stop_token_ids:
-                body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.frequency_penalty:
+            body["frequency_penalty"] = sampling.frequency_penalty
+        if sampling.presence_penalty:
+            body["presence_penalty"] = sampling.presence_penalty
+        if sampling.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias}
+        if sampling.response_format:  # vLLM's completions take it as chat does
+            body["response_format"] = json.loads(sampling.response_format)
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k
+        if sampling.min_p:
+            body["min_p"] = sampling.min_p
+        if sampling.min_tokens:
+            body["min_tokens"] = sampling.min_tokens
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
         salt = self._salt(tenant)
         if salt is not None:
             body["cache_salt"] = salt
@@ -425,8 +418,7 @@ class VllmEngineAdapter:
         http = self._require_open()
         self._validate(job.prompt_ids, 1)
         body = self._body(
-            job.prompt_ids, job.tenant, temperature=0.0, top_p=1.0, max_tokens=1, seed=None,
-            stop=(), ignore_eos=True, stream=False,
+            job.prompt_ids, job.tenant, _ONE_TOKEN, stream=False,
             transfer={
                 "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -467,21 +459,7 @@ class VllmEngineAdapter:
         if self._running >= self._config.max_running:
             raise EngineBusy(f"{self._running} generations already running")
         body = self._body(
-            job.prompt_ids,
-            job.tenant,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
-            seed=sampling.seed,
-            stop=sampling.stop,
-            ignore_eos=sampling.ignore_eos,
-            stream=True,
-            transfer=job.engine_transfer_params,
-            frequency_penalty=sampling.frequency_penalty,
-            presence_penalty=sampling.presence_penalty,
-            logit_bias=sampling.logit_bias,
-            response_format=sampling.response_format,
-            sampling=sampling,
+            job.prompt_ids, job.tenant, sampling, stream=True, transfer=job.engine_transfer_params
         )
         self._running += 1
         self._awaiting_first_token += 1
@@ -555,10 +533,8 @@ class VllmEngineAdapter:
     def _probe_body(
         self, prompt_ids: tuple[int, ...], max_tokens: int, stream: bool
     ) -> dict[str, Any]:
-        body = self._body(
-            prompt_ids, "", temperature=0.0, top_p=1.0, max_tokens=max_tokens, seed=None,
-            stop=(), ignore_eos=True, stream=stream, transfer=None,
-        )  # fmt: skip
+        probe = Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        body = self._body(prompt_ids, "", probe, stream=stream, transfer=None)
         body["cache_salt"] = CALIBRATION_SALT
         return body
 
