@@ -88,6 +88,15 @@ def chat_body(content: str = "Hello there!", **extra: Any) -> dict[str, Any]:
     return body
 
 
+def tool_result_turns(call_id: str, name: str, arguments: str, result: str) -> list[dict[str, Any]]:
+    """The two messages that answer a tool call: the assistant's call, then its result."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
+
+
 def assert_no_locks(*agents: AgentServer) -> None:
     """The invariant every request must leave behind: nothing locked, no open Tx."""
     for agent in agents:

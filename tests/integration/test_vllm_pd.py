@@ -32,7 +32,13 @@ from node_agent.engines.vllm.config import VllmConfig
 from node_agent.main import start_engine
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
-from tests.conftest import ConductorFactory, assert_no_locks, chat_body, wait_until
+from tests.conftest import (
+    ConductorFactory,
+    assert_no_locks,
+    chat_body,
+    tool_result_turns,
+    wait_until,
+)
 
 MODEL = "tiny-llama"
 TRANSFER = {
@@ -418,13 +424,17 @@ async def test_a_function_calling_loop_with_the_openai_sdk(
         )
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Oslo?"}]
 
+        async def ask(stream: bool = False) -> Any:
+            return await client.chat.completions.create(
+                model=MODEL,
+                messages=cast(Any, messages),
+                tools=cast(Any, [WEATHER_TOOL]),
+                max_tokens=64,
+                stream=stream,
+            )
+
         engine.replies.append(tok.encode(call_text))
-        reply = await client.chat.completions.create(
-            model=MODEL,
-            messages=cast(Any, messages),
-            tools=cast(Any, [WEATHER_TOOL]),
-            max_tokens=64,
-        )
+        reply = await ask()
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content == "Checking."
@@ -435,13 +445,7 @@ async def test_a_function_calling_loop_with_the_openai_sdk(
         assert call.id.startswith("call_")
 
         engine.replies.append(tok.encode(call_text))
-        stream = await client.chat.completions.create(
-            model=MODEL,
-            messages=cast(Any, messages),
-            tools=cast(Any, [WEATHER_TOOL]),
-            max_tokens=64,
-            stream=True,
-        )
+        stream = await ask(stream=True)
         text, finish = "", None
         streamed: dict[int, dict[str, str]] = {}
         async for chunk in stream:
@@ -459,24 +463,11 @@ async def test_a_function_calling_loop_with_the_openai_sdk(
         assert streamed[0]["name"] == "get_weather"
         assert json.loads(streamed[0]["arguments"]) == {"city": "Oslo"}
 
-        messages += [
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {"id": call.id, "type": "function",
-                     "function": {"name": "get_weather", "arguments": call.function.arguments}}
-                ],
-            },
-            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "c": 21}'},
-        ]  # fmt: skip
-        engine.replies.append(tok.encode("Clear sky, 21 degrees."))
-        final = await client.chat.completions.create(
-            model=MODEL,
-            messages=cast(Any, messages),
-            tools=cast(Any, [WEATHER_TOOL]),
-            max_tokens=64,
+        messages += tool_result_turns(
+            call.id, "get_weather", call.function.arguments, '{"sky": "clear", "c": 21}'
         )
+        engine.replies.append(tok.encode("Clear sky, 21 degrees."))
+        final = await ask()
         assert final.choices[0].finish_reason == "stop"
         assert final.choices[0].message.content == "Clear sky, 21 degrees."
         assert final.choices[0].message.tool_calls is None

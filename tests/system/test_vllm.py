@@ -41,6 +41,7 @@ from kvc.models import DEFAULT_MODEL_DIR
 from kvc.tokenization import ChatTokenizer
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from tests.conftest import tool_result_turns
 from tests.system.test_processes import free_port, port_open
 
 pytestmark = pytest.mark.system
@@ -440,28 +441,21 @@ def test_a2_structured_output_through_the_conductor_is_json(fleet: Fleet) -> Non
     # the Hermes format), and the model answers — as text, streamed and not.
     history = [
         *ask["messages"],
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {"id": call.id, "type": "function",
-                 "function": {"name": "rank_city", "arguments": call.function.arguments}}
-            ],
-        },
-        {"role": "tool", "tool_call_id": call.id, "content": '{"ok": true}'},
-    ]  # fmt: skip
-    final = client.chat.completions.create(
-        model=MODEL, messages=cast(Any, history), tools=cast(Any, [tool]), max_tokens=8,
-        temperature=0,
-    )  # fmt: skip
+        *tool_result_turns(call.id, "rank_city", call.function.arguments, '{"ok": true}'),
+    ]
+
+    def answer_to(history: list[Any], stream: bool) -> Any:
+        return client.chat.completions.create(
+            model=MODEL, messages=cast(Any, history), tools=cast(Any, [tool]), max_tokens=8,
+            temperature=0, stream=stream,
+        )  # fmt: skip
+
+    final = answer_to(history, stream=False)
     answer = final.choices[0]
     assert answer.finish_reason in ("stop", "length"), final
     assert answer.message.content
     assert answer.message.tool_calls is None
-    parts = client.chat.completions.create(
-        model=MODEL, messages=cast(Any, history), tools=cast(Any, [tool]), max_tokens=8,
-        temperature=0, stream=True,
-    )  # fmt: skip
+    parts = answer_to(history, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == (
         answer.message.content
     )
