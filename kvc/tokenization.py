@@ -31,7 +31,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["ChatTemplateError", "ChatTokenizer", "IncrementalDetokenizer"]
+__all__ = ["ChatTemplateError", "ChatTokenizer", "IncrementalDetokenizer", "TextTooLong"]
 
 # transformers uses int(1e30) as "no limit" for model_max_length.
 _UNBOUNDED_LENGTH: Final = 10**12
@@ -40,6 +40,71 @@ _REPLACEMENT_CHAR: Final = "\ufffd"
 # decoders that strip a leading space at the start of text (SentencePiece
 # "▁") render the first generated token correctly.
 _DETOKENIZER_CONTEXT: Final = 5
+# Text longer than this is encoded through ``encode_batch``, which releases the GIL
+# (``encode`` holds it: 5 s for 7.9 MB with the demo tokenizer, every other thread and
+# the caller's event loop frozen meanwhile); shorter text is not worth the batch wrapper.
+_GIL_FREE_ENCODE_CHARS: Final = 4_096
+# How much a normalizer can shorten text, by kind (tokenizer.json's "type"): Unicode
+# composition joins at most three code points into one (Hangul L+V+T); the others never
+# shorten. A normalizer of any other kind (Strip, Replace, BertNormalizer's control
+# character removal …) can delete text, so no lower bound is drawn from the length.
+_NORMALIZER_SHRINK: Final[Mapping[str, int]] = {
+    "NFC": 3, "NFKC": 3, "NFD": 3, "NFKD": 3, "Prepend": 1, "Lowercase": 1,
+}  # fmt: skip
+
+
+class TextTooLong(ValueError):
+    """The text encodes into more tokens than the caller's limit: at least
+    ``min_tokens``, known from its length alone, without encoding it."""
+
+    def __init__(self, min_tokens: int, limit: int) -> None:
+        super().__init__(f"the text encodes into at least {min_tokens} tokens (limit {limit})")
+        self.min_tokens = min_tokens
+        self.limit = limit
+
+
+def _normalizer_shrink(spec: Any) -> int | None:
+    """The factor by which ``tokenizer.json``'s normalizer can shorten text, or None
+    when it can delete characters (or is of a kind this module does not know)."""
+    if spec is None:
+        return 1
+    if not isinstance(spec, Mapping):
+        return None
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in spec.get("normalizers") or []:
+            inner = _normalizer_shrink(part)
+            if inner is None:
+                return None
+            factor *= inner
+        return factor
+    return _NORMALIZER_SHRINK.get(str(kind))
+
+
+def _chars_per_token_bound(tokenizer: Tokenizer) -> int | None:
+    """At most how many characters of input one token stands for, or None when the
+    tokenizer's normalizer could delete text (no bound then).
+
+    A vocabulary entry is at least as long as the text it matches (byte-level BPE
+    spells each byte as one character, SentencePiece a space as ``▁``, WordPiece adds
+    ``##``); added tokens match their own content; an unknown character is one token
+    (byte fallback: one per byte) unless the model fuses unknown runs. The normalizer
+    runs first and may shorten the text by its factor."""
+    spec = json.loads(tokenizer.to_str())
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    model = spec.get("model") or {}
+    kind = model.get("type")
+    if shrink is None or kind not in ("BPE", "WordPiece", "Unigram"):
+        return None  # WordLevel: any unknown word, however long, is one token
+    fuses_unknown = kind == "Unigram" or bool(model.get("fuse_unk", False))
+    if kind != "WordPiece" and fuses_unknown and not model.get("byte_fallback", False):
+        return None  # a run of unknown characters can fuse into one token
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    longest = max((len(piece) for piece in vocab), default=1)
+    if kind == "WordPiece":  # a word it cannot split is one [UNK]
+        longest = max(longest, int(model.get("max_input_chars_per_word") or 100))
+    return max(1, longest) * shrink
 
 
 class ChatTemplateError(ValueError):
@@ -213,6 +278,7 @@ class ChatTokenizer:
             if added.special
         )
         self._model_max_length = model_max_length
+        self._chars_per_token = _chars_per_token_bound(tokenizer)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ChatTokenizer:
@@ -307,8 +373,27 @@ class ChatTokenizer:
 
     # -- encode / decode ----------------------------------------------------
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (BOS…)."""
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens ``text`` encodes into, from its length alone
+        (0 when the tokenizer's normalizer allows no bound)."""
+        if self._chars_per_token is None:
+            return 0
+        return -(-len(text) // self._chars_per_token)
+
+    def encode(
+        self, text: str, *, add_special_tokens: bool = False, limit: int | None = None
+    ) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (BOS…).
+
+        With ``limit``, text whose length alone shows it encodes into more than
+        ``limit`` tokens raises ``TextTooLong`` before any encoding (a body of
+        megabytes is refused in microseconds). Long text is encoded without holding
+        the GIL, so a caller may run this in a worker thread and keep its loop free."""
+        if limit is not None and (bound := self.min_tokens(text)) > limit:
+            raise TextTooLong(bound, limit)
+        if len(text) > _GIL_FREE_ENCODE_CHARS:
+            batch = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(batch[0].ids)
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -390,8 +475,9 @@ class ChatTokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        limit: int | None = None,
     ) -> list[int]:
-        """Prompt token ids for a chat request.
+        """Prompt token ids for a chat request (``limit`` as for ``encode``).
 
         The rendered template already contains BOS/turn markers, so it is
         encoded without the post-processor's special tokens (as HF and vLLM do).
@@ -402,7 +488,7 @@ class ChatTokenizer:
             tools=tools,
             template_kwargs=template_kwargs,
         )
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, limit=limit)
 
     def api_token_ids(
         self,

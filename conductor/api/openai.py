@@ -52,10 +52,15 @@ from conductor.api.schemas import (
 from conductor.api.sse import GenerationResponse
 from conductor.api.tool_calls import Call, Content, Event, ToolCallParser, make_call
 from conductor.api.tool_calls import new_parser as new_tool_parser
-from conductor.errors import InvalidRequest, ModelNotFound, UnprocessableEntity
+from conductor.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    UnprocessableEntity,
+)
 from conductor.generation import TokenDelta, UsageCounts
 from conductor.state import AppState
-from kvc.tokenization import ChatTemplateError
+from kvc.tokenization import ChatTemplateError, TextTooLong
 
 log = logging.getLogger("conductor.api")
 
@@ -421,7 +426,26 @@ def text_size(messages: list[dict[str, Any]], tools: list[Any] | None) -> int:
 async def off_loop_if_long(chars: int, work: Callable[[], list[int]]) -> list[int]:
     if chars <= _INLINE_TOKENIZE_CHARS:
         return work()
-    return await asyncio.to_thread(work)
+    return await asyncio.to_thread(work)  # the tokenizer releases the GIL for long text
+
+
+async def prompt_token_ids(
+    state: AppState, chars: int, encode: Callable[..., list[int]], param: str
+) -> list[int]:
+    """``encode(limit=...)`` bounded by the model's context: a prompt whose length alone
+    shows it cannot fit is refused before it is tokenized (seconds of CPU for a
+    body of megabytes), the rest tokenized off the loop when long."""
+    limit = state.max_model_len()
+    try:
+        return await off_loop_if_long(chars, partial(encode, limit=limit))
+    except TextTooLong as exc:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {exc.limit} tokens. However, your "
+            f"prompt is at least {exc.min_tokens} tokens long. Please reduce its length.",
+            max_context_tokens=exc.limit,
+            prompt_tokens=exc.min_tokens,
+            param=param,
+        ) from exc
 
 
 @router.post(
@@ -444,11 +468,13 @@ async def chat_completions(
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = body.tools if isinstance(body.tools, list) else None
     try:
-        prompt_ids = await off_loop_if_long(
+        prompt_ids = await prompt_token_ids(
+            state,
             text_size(messages, tools),
             partial(
                 state.tokenizer.chat_token_ids, messages, add_generation_prompt=True, tools=tools
             ),
+            "messages",
         )
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
@@ -550,9 +576,11 @@ async def completions(
     if prompt is None:
         raise InvalidRequest("Only a single prompt per request is supported.", param="prompt")
     if isinstance(prompt, str):
-        prompt_ids = await off_loop_if_long(
+        prompt_ids = await prompt_token_ids(
+            state,
             len(prompt),
             partial(state.tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens),
+            "prompt",
         )
     else:
         vocab = state.tokenizer.vocab_size

@@ -29,6 +29,7 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 __all__ = [
@@ -99,6 +100,36 @@ _ABSENT: Any = Field(default=None, exclude_if=lambda value: value is None)
 """A response field left out of the JSON while it is None (and optional in the schema)."""
 
 
+_Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+"""A sampling seed: vLLM's range (a signed 64-bit integer)."""
+
+
+def _lone_surrogate_at(value: Any, path: str) -> str | None:
+    """The path of the first string in a parsed JSON body that holds a lone UTF-16
+    surrogate (JSON allows ``"\\ud800"``; no tokenizer, protobuf or UTF-8 encoder
+    does), or None. An ASCII string is known good without being read."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            found = _lone_surrogate_at(key, where) or _lone_surrogate_at(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate_at(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 class OpenAIBaseModel(BaseModel):
     """Base for request bodies: unknown fields are kept, not rejected."""
 
@@ -107,6 +138,27 @@ class OpenAIBaseModel(BaseModel):
     def unknown_fields(self) -> set[str]:
         """Names of the fields in the payload that this model does not declare."""
         return set(self.model_extra or {})
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """Base for a whole request body: text that is not valid Unicode (a lone surrogate
+    escaped in the JSON) is a 400 naming where it is, before any field is read."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _lone_surrogate_at(data, "")
+        if where is not None:
+            # conductor.errors builds its envelope from this module's models.
+            from conductor.errors import InvalidRequest
+
+            raise InvalidRequest(
+                f"Invalid '{where}': the text holds a lone UTF-16 surrogate, which is not "
+                "valid Unicode.",
+                param=where,
+                code="invalid_value",
+            )
+        return data
 
 
 def _none_to_default(value: Any, info: ValidationInfo, defaults: dict[str, Any]) -> Any:
@@ -171,7 +223,7 @@ class ChatMessage(OpenAIBaseModel):
     tool_calls: Any = None
 
 
-class ChatCompletionRequest(OpenAIBaseModel):
+class ChatCompletionRequest(OpenAIRequest):
     """Body of ``POST /v1/chat/completions``."""
 
     model: str
@@ -185,7 +237,7 @@ class ChatCompletionRequest(OpenAIBaseModel):
     """Deprecated by OpenAI in favour of ``max_completion_tokens``; still accepted."""
     max_completion_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    seed: _Seed | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -255,7 +307,7 @@ class ChatCompletionRequest(OpenAIBaseModel):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(OpenAIBaseModel):
+class CompletionRequest(OpenAIRequest):
     """Body of the legacy ``POST /v1/completions``."""
 
     model: str
@@ -268,7 +320,7 @@ class CompletionRequest(OpenAIBaseModel):
     max_tokens: int | None = Field(default=16, ge=1)
     n: int = Field(default=1, ge=1)
     presence_penalty: _Penalty | None = None
-    seed: int | None = None
+    seed: _Seed | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -536,7 +588,7 @@ class ModelList(_ResponseModel):
 # vLLM-compatible extras (its OpenAI server's /tokenize, /detokenize, /version).
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequest):
     """Exactly one of ``prompt`` and ``messages`` (checked by the route)."""
 
     model: str | None = None
@@ -555,7 +607,7 @@ class TokenizeResponse(_ResponseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[_TokenId]
 

@@ -776,6 +776,7 @@ class SamplingParams(_message.Message):
     """0 is read as 1"""
     max_tokens: _builtins.int
     seed: _builtins.int
+    """int64 as vLLM (uint64 before: the same varint on the wire)"""
     ignore_eos: _builtins.bool
     frequency_penalty: _builtins.float
     """OpenAI's penalties over the tokens generated so far (as vLLM applies them):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from typing import Any
 
 import pytest
@@ -98,6 +101,102 @@ async def test_malformed_json_and_wrong_content(
         resp = await c.client.post("/v1/chat/completions", json=parts)
         assert resp.status_code == 400
         assert envelope(resp)["param"] == "messages"
+    assert_no_locks(agent)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", chat_body(seed=2**64), "seed"),
+        ("/v1/chat/completions", chat_body(seed=-(2**63) - 1), "seed"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**64}, "seed"),
+        ("/v1/chat/completions", chat_body(tools=[1]), "tools[0]"),
+        ("/v1/chat/completions", chat_body(tools=[None]), "tools[0]"),
+        ("/v1/chat/completions", chat_body(tools=["abc"]), "tools[0]"),
+        ("/v1/chat/completions", chat_body("a\ud800b"), "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]),
+            "messages[0].content[0].text",
+        ),
+        ("/v1/chat/completions", chat_body(stop=["ok", "\ud83d"]), "stop[1]"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a\ud800b"}, "prompt"),
+        ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, "prompt"),
+    ],
+)
+async def test_bad_values_are_400_never_500(
+    start_agent: AgentFactory,
+    conductor: ConductorFactory,
+    path: str,
+    body: dict[str, Any],
+    param: str,
+) -> None:
+    """Values that once reached a 500 or a reset connection: a seed outside vLLM's
+    signed 64-bit range, tools that are not objects, text with a lone UTF-16
+    surrogate (valid JSON, invalid Unicode; sent as the escape a client's encoder
+    writes)."""
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        raw = json.dumps(body, ensure_ascii=True)
+        resp = await c.client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        assert envelope(resp)["param"] == param
+    assert_no_locks(agent)
+
+
+async def test_signed_seed_is_honoured(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """A negative seed (vLLM takes any signed 64-bit seed) samples reproducibly."""
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        texts = set()
+        for _ in range(2):
+            body = chat_body(seed=-1, temperature=1.0, max_tokens=8)
+            resp = await c.client.post("/v1/chat/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            texts.add(resp.json()["choices"][0]["message"]["content"])
+        assert len(texts) == 1
+    assert_no_locks(agent)
+
+
+async def test_maximal_body_is_refused_by_size_and_never_starves_health(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """A chat body just under the 8 MiB limit that cannot fit the context is refused
+    from its length, before tokenizing it (which took seconds with the GIL held and
+    froze /health past a liveness probe's 3 s timeout)."""
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        body = chat_body("hello world " * 690_000)
+        assert 7 * 2**20 < len(json.dumps(body)) < 8 * 2**20
+        worst = 0.0
+        probes = 0
+        sending = asyncio.Event()
+
+        async def probe() -> None:
+            nonlocal worst, probes
+            sending.set()
+            while probes < 3 or not sent.done():
+                started = time.perf_counter()
+                resp = await c.client.get("/health")
+                assert resp.status_code == 200
+                worst = max(worst, time.perf_counter() - started)
+                probes += 1
+                await asyncio.sleep(0.01)
+
+        async def send() -> Any:
+            await sending.wait()
+            return await c.client.post("/v1/chat/completions", json=body)
+
+        sent = asyncio.ensure_future(send())
+        await probe()
+        resp = sent.result()
+        assert resp.status_code == 400, resp.text
+        err = envelope(resp)
+        assert err["code"] == "context_length_exceeded"
+        assert "at least" in err["message"]
+        assert worst < 3.0  # a liveness probe's timeout (kvc probe)
     assert_no_locks(agent)
 
 

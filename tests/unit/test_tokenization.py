@@ -356,3 +356,61 @@ def test_tokenization_does_not_import_torch_or_transformers() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "[]"
+
+
+# -- the length bound and long text -----------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=0, max_size=400) | st.sampled_from([MIXED_TEXT, "a" * 5000, " " * 3000]))
+def test_min_tokens_is_a_lower_bound(text: str) -> None:
+    tok = tokenizer()
+    assert tok.min_tokens(text) > 0 or not text
+    assert len(tok.encode(text)) >= tok.min_tokens(text)
+
+
+def test_encode_with_a_limit_refuses_only_what_cannot_fit() -> None:
+    from kvc.tokenization import TextTooLong
+
+    tok = tokenizer()
+    text = MIXED_TEXT * 40  # > 4,096 characters: the GIL-free path
+    ids = tok.encode(text)
+    assert tok.encode(text, limit=len(ids)) == ids  # fits exactly: encoded, same ids
+    assert ids == list(tok.tokenizer.encode(text, add_special_tokens=False).ids)
+    huge = "word " * 200_000
+    with pytest.raises(TextTooLong) as caught:
+        tok.encode(huge, limit=4096)
+    assert caught.value.min_tokens == tok.min_tokens(huge) > 4096
+    assert caught.value.limit == 4096
+
+
+@pytest.mark.parametrize(
+    ("normalizer", "model", "bounded"),
+    [
+        (None, {"type": "BPE", "fuse_unk": False}, True),
+        ({"type": "NFC"}, {"type": "BPE", "byte_fallback": True, "fuse_unk": True}, True),
+        ({"type": "Sequence", "normalizers": [{"type": "Prepend"}, {"type": "NFKC"}]},
+         {"type": "WordPiece"}, True),
+        ({"type": "Strip"}, {"type": "BPE"}, False),  # can delete text
+        ({"type": "Sequence", "normalizers": [{"type": "Replace"}]}, {"type": "BPE"}, False),
+        (None, {"type": "BPE", "fuse_unk": True}, False),  # unknown runs fuse
+        (None, {"type": "Unigram"}, False),
+        (None, {"type": "WordLevel"}, False),
+    ],
+)  # fmt: skip
+def test_no_bound_where_text_can_vanish(
+    normalizer: Any, model: dict[str, Any], bounded: bool
+) -> None:
+    from kvc.tokenization import _chars_per_token_bound
+
+    class Fake:
+        def to_str(self) -> str:
+            return json.dumps({"normalizer": normalizer, "model": model})
+
+        def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+            return {"ab": 0, "<|long_special|>": 1}
+
+    bound = _chars_per_token_bound(Fake())  # type: ignore[arg-type]
+    assert (bound is not None) == bounded
+    if bound is not None and model["type"] == "WordPiece":
+        assert bound == 100 * 3  # max_input_chars_per_word, NFKC composition
