@@ -376,7 +376,8 @@ class Dispatcher:
         decode = self._fleet.get(placement.decode)
         assert prefill.info is not None
         block_size = prefill.info.block_size
-        tx_id = f"{req.request_id}:{uuid.uuid4().hex[:12]}"
+        # Unguessable (122 random bits): a tx id is what a peer's ReadBlocks names.
+        tx_id = f"{req.request_id}:{uuid.uuid4().hex}"
         disaggregated = decode is not prefill
         release = [prefill, decode] if disaggregated else [prefill]
         for agent in release:
@@ -449,6 +450,7 @@ class Dispatcher:
                     pb.KvSource(
                         address=prefill.info.advertise_address,
                         request_id=req.request_id,
+                        stage_handle=pre.stage_handle,
                         num_tokens=prompt_len - 1,
                         # vLLM P/D: the decode engine pulls the KV itself with these.
                         engine_transfer_params=pre.engine_transfer_params,

@@ -52,7 +52,7 @@ class Generation:
         if not request.request_id:
             raise PromptRejected("request_id is required")
         kv_bytes = max(0, len(prompt) - 1) * state.engine.info.kv_layout.bytes_per_token
-        self._staging.check_room(request.request_id, kv_bytes)
+        self._staging.check_room(kv_bytes)
         kv, cached, computed, prefill_s = await self._prefill_into_tx(
             request.request_id, request.tenant, request.tx_id, prompt
         )
@@ -68,13 +68,13 @@ class Generation:
             )
         settings = state.settings
         ttl = request.stage_ttl_s if request.stage_ttl_s > 0 else settings.stage_ttl_s
-        self._staging.stage(
-            request.request_id,
+        handle = self._staging.stage(
             StagedKv(
                 kv=kv,
                 num_tokens=len(prompt) - 1,
                 nbytes=kv_bytes,
                 expires_at=state.clock() + min(ttl, settings.stage_ttl_s),
+                tenant=request.tenant,
             ),
         )
         return pb.PrefillResponse(
@@ -84,6 +84,7 @@ class Generation:
             computed_tokens=computed,
             prefill_s=prefill_s,
             kv_bytes=kv_bytes,
+            stage_handle=handle,
         )
 
     async def _prefill_into_tx(
@@ -168,7 +169,7 @@ class Generation:
                 transfer = _engine_transfer(request.kv_source, engine.info.owns_kv_cache)
             else:
                 prefix_kv, timings.transfer_s, timings.transfer_bytes = await self._receiver.fetch(
-                    request.kv_source
+                    request.kv_source, request.tenant
                 )
         elif request.tx_id:
             state.require_role("both")

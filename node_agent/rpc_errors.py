@@ -12,6 +12,8 @@ exception                     status                ErrorInfo.reason
 Draining                      UNAVAILABLE           draining
 CapacityExhausted             RESOURCE_EXHAUSTED    capacity (+ needed, free)
 EngineBusy                    RESOURCE_EXHAUSTED    busy
+TenantQuotaExceeded           RESOURCE_EXHAUSTED    tenant_quota
+TenantMismatch, NotPermitted  PERMISSION_DENIED     —
 InvalidArgument, Prompt…      INVALID_ARGUMENT      —
 Unsupported                   UNIMPLEMENTED         unsupported
 TxNotFound, NotStaged         NOT_FOUND             —
@@ -37,6 +39,8 @@ from node_agent.blocks.types import (
     BlockPoolError,
     CapacityExhausted,
     InvalidArgument,
+    TenantMismatch,
+    TenantQuotaExceeded,
     TxClosed,
     TxNotFound,
 )
@@ -70,6 +74,10 @@ def grpc_error(exc: Exception) -> tuple[grpc.StatusCode, str, pb.ErrorInfo | Non
             reason="capacity", needed_blocks=exc.needed_blocks, free_blocks=exc.free_blocks
         )
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), info
+    if isinstance(exc, TenantQuotaExceeded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), pb.ErrorInfo(reason="tenant_quota")
+    if isinstance(exc, TenantMismatch):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc), None
     if isinstance(exc, EngineBusy):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), pb.ErrorInfo(reason="busy")
     if isinstance(exc, Unsupported):

@@ -104,7 +104,10 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
     ) -> None:
         self.metrics = metrics if metrics is not None else AgentMetrics()
         self.pool = BlockPool(
-            capacity_blocks=settings.capacity_blocks, clock=clock, max_lease_s=settings.max_lease_s
+            capacity_blocks=settings.capacity_blocks,
+            clock=clock,
+            max_lease_s=settings.max_lease_s,
+            max_tenant_locked_blocks=settings.tenant_max_locked_blocks(),
         )
         self.events = EventPublisher(
             self.pool, engine, self.metrics, max_buffered=settings.event_buffer

@@ -135,6 +135,16 @@ class AgentSettings(BaseSettings):
     max_lease_s: float = Field(
         600.0, gt=0, description="Longest Tx lease a conductor may ask", json_schema_extra=_BLOCKS
     )
+    tenant_max_locked_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description=(
+            "Share of the pool one tenant's blocks may take locked at once (1: no limit); "
+            "below 1 one tenant (or a bug) cannot lock a shared node's whole pool"
+        ),
+        json_schema_extra=_BLOCKS,
+    )
     max_staged_bytes: int = Field(
         512 * 1024 * 1024,
         ge=1,
@@ -246,6 +256,11 @@ class AgentSettings(BaseSettings):
 
     def resolved_served_model_name(self) -> str:
         return self.served_model_name or self.model.name
+
+    def tenant_max_locked_blocks(self) -> int | None:
+        if self.tenant_max_locked_share >= 1.0:
+            return None
+        return max(1, int(self.capacity_blocks * self.tenant_max_locked_share))
 
     def resolved_node_id(self, bound_port: int) -> str:
         return self.node_id or f"{socket.gethostname()}:{bound_port}"

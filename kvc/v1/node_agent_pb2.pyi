@@ -887,6 +887,7 @@ class PrefillResponse(_message.Message):
     PREFILL_S_FIELD_NUMBER: _builtins.int
     KV_BYTES_FIELD_NUMBER: _builtins.int
     ENGINE_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    STAGE_HANDLE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_tokens: _builtins.int
     cached_tokens: _builtins.int
@@ -899,6 +900,11 @@ class PrefillResponse(_message.Message):
     """A JSON object when the engine hands its KV to the decode engine itself (vLLM's
     kv_transfer_params, pd_connector=nixl): nothing is staged; pass it on in KvSource.
     """
+    stage_handle: _builtins.str
+    """The staged KV's single-use handle, made by this agent (unguessable, bound to the
+    request's tenant): what FetchKv names. Never the client's request id, which two
+    requests may share.
+    """
     def __init__(
         self,
         *,
@@ -909,10 +915,11 @@ class PrefillResponse(_message.Message):
         prefill_s: _builtins.float = ...,
         kv_bytes: _builtins.int = ...,
         engine_transfer_params: _builtins.str = ...,
+        stage_handle: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "computed_tokens", b"computed_tokens", "engine_transfer_params", b"engine_transfer_params", "kv_bytes", b"kv_bytes", "prefill_s", b"prefill_s", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "computed_tokens", b"computed_tokens", "engine_transfer_params", b"engine_transfer_params", "kv_bytes", b"kv_bytes", "prefill_s", b"prefill_s", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "stage_handle", b"stage_handle"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -926,6 +933,7 @@ class KvSource(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     ENGINE_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    STAGE_HANDLE_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """host:port of the prefill agent"""
     request_id: _builtins.str
@@ -934,6 +942,8 @@ class KvSource(_message.Message):
     """tokens of KV to pull"""
     engine_transfer_params: _builtins.str
     """From PrefillResponse: the decode engine pulls the KV itself (no FetchKv)."""
+    stage_handle: _builtins.str
+    """PrefillResponse.stage_handle: what FetchKv claims"""
     def __init__(
         self,
         *,
@@ -941,10 +951,11 @@ class KvSource(_message.Message):
         request_id: _builtins.str = ...,
         num_tokens: _builtins.int = ...,
         engine_transfer_params: _builtins.str = ...,
+        stage_handle: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "engine_transfer_params", b"engine_transfer_params", "num_tokens", b"num_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "engine_transfer_params", b"engine_transfer_params", "num_tokens", b"num_tokens", "request_id", b"request_id", "stage_handle", b"stage_handle"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1104,18 +1115,27 @@ class FetchKvRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    STAGE_HANDLE_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    """for logs only"""
     max_chunk_bytes: _builtins.int
     """0 = agent default"""
+    stage_handle: _builtins.str
+    """required: PrefillResponse.stage_handle"""
+    tenant: _builtins.str
+    """must be the staged prefill's tenant (else NOT_FOUND)"""
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         max_chunk_bytes: _builtins.int = ...,
+        stage_handle: _builtins.str = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_chunk_bytes", b"max_chunk_bytes", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_chunk_bytes", b"max_chunk_bytes", "request_id", b"request_id", "stage_handle", b"stage_handle", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1169,10 +1189,13 @@ class ReadBlocksRequest(_message.Message):
     TX_ID_FIELD_NUMBER: _builtins.int
     BLOCK_KEYS_FIELD_NUMBER: _builtins.int
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     tx_id: _builtins.str
     """an open Tx on the serving (source) node"""
     max_chunk_bytes: _builtins.int
     """0 = agent default"""
+    tenant: _builtins.str
+    """must be the Tx's tenant (else PERMISSION_DENIED)"""
     @_builtins.property
     def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Must equal the keys of the Tx's first len(block_keys) blocks, in order;
@@ -1185,10 +1208,11 @@ class ReadBlocksRequest(_message.Message):
         tx_id: _builtins.str = ...,
         block_keys: _abc.Iterable[_builtins.int] | None = ...,
         max_chunk_bytes: _builtins.int = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "max_chunk_bytes", b"max_chunk_bytes", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "max_chunk_bytes", b"max_chunk_bytes", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

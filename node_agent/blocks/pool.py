@@ -47,7 +47,18 @@ Exceptions::
      ├── TxNotFound            unknown or forgotten tx_id                 (NOT_FOUND)
      ├── TxClosed              tx already finished another way            (FAILED_PRECONDITION)
      │    └── TxExpired        its lease ran out, it was aborted          (FAILED_PRECONDITION)
-     └── CapacityExhausted     needed_blocks > free_blocks (free+evictable) (RESOURCE_EXHAUSTED)
+     ├── CapacityExhausted     needed_blocks > free_blocks (free+evictable) (RESOURCE_EXHAUSTED)
+     ├── TenantQuotaExceeded   the tenant would lock more than its share   (RESOURCE_EXHAUSTED)
+     └── TenantMismatch        a key stored or held by another tenant     (PERMISSION_DENIED)
+
+Tenants
+    A block remembers the tenant whose tx created it (blocks mirrored from an engine's
+    own cache have none). A tx naming a key whose block belongs to another tenant is
+    refused before anything changes: a tenant cannot lock, read or overwrite another's
+    KV even when it learns the keys. At most ``max_tenant_locked_blocks`` of one
+    tenant's blocks are locked at once (a prefix shared by many txs counts once). A tx
+    naming more keys than ``capacity_blocks`` is ``CapacityExhausted`` before any
+    per-key work (a 700,000-key request costs nothing).
 
 Mirroring an engine-owned cache (vLLM)
     An engine that keeps KV in its own paged cache reports what it cached and evicted
@@ -84,6 +95,8 @@ Invariants (checked by ``check_invariants``)
         block's content goes away besides ``clear()``.
     I5  every open tx has a finite lease deadline and a heap entry for it.
     I6  every key marked removed-by-the-engine belongs to a locked (or ALLOCATED) block.
+    I7  each tenant's lock count is the number of its blocks with a lock, and the
+        blocks of one open tx are its tenant's or nobody's; free blocks have no tenant.
 """
 
 from __future__ import annotations
@@ -109,6 +122,8 @@ from node_agent.blocks.types import (
     CommitResult,
     InvalidArgument,
     PoolStats,
+    TenantMismatch,
+    TenantQuotaExceeded,
     TxClosed,
     TxExpired,
     TxMode,
@@ -132,6 +147,7 @@ class _Block:
     last_used_s: float = 0.0
     payload: object | None = None
     owners: set[str] = field(default_factory=set)  # open txs that allocated/joined it
+    tenant: str | None = None  # whose tx created it (None: mirrored from the engine)
 
 
 @dataclass(slots=True)
@@ -186,6 +202,7 @@ class BlockPool:
         max_finished_txs: int = 65_536,
         max_finished_keys: int = 262_144,
         max_tx_id_len: int = 256,
+        max_tenant_locked_blocks: int | None = None,
     ) -> None:
         if isinstance(capacity_blocks, bool) or capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be > 0, got {capacity_blocks!r}")
@@ -199,6 +216,8 @@ class BlockPool:
         self._max_finished_txs = max_finished_txs
         self._max_finished_keys = max_finished_keys
         self._max_tx_id_len = max_tx_id_len
+        self.max_tenant_locked_blocks = max_tenant_locked_blocks  # None: no limit
+        self._locked_by_tenant: dict[str, int] = {}  # each tenant's locked blocks
 
         self._blocks = [_Block(h) for h in range(capacity_blocks)]
         self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() -> lowest
@@ -231,10 +250,19 @@ class BlockPool:
             return open_tx.result
         self._raise_if_finished(tx_id)
 
+        tenant = params.tenant
+        self._check_tenant(tenant, keys)
+        lock_only = params.mode is TxMode.LOCK_ONLY
+        handles = self._cached_prefix(keys) if lock_only else []
+        if self.max_tenant_locked_blocks is not None:
+            if lock_only:
+                self._check_quota(tenant, [self._blocks[h] for h in handles], fresh=0)
+            else:
+                held = [self._blocks[h] for k in keys if (h := self._by_key.get(k)) is not None]
+                self._check_quota(tenant, held, fresh=len(keys) - len(held))
         now = self._clock()
         deadline = now + params.lease_s
-        if params.mode is TxMode.LOCK_ONLY:
-            handles = self._cached_prefix(keys)
+        if lock_only:
             for h in handles:
                 self._lock(self._blocks[h])
             result = AllocateResult(
@@ -245,7 +273,7 @@ class BlockPool:
                 lease_deadline=deadline,
             )
         else:
-            result = self._allocate(tx_id, keys, deadline)
+            result = self._allocate(tx_id, tenant, keys, deadline)
         self._txs[tx_id] = _Tx(
             tx_id=tx_id,
             tenant=params.tenant,
@@ -502,7 +530,7 @@ class BlockPool:
     # ------------------------------------------------------------------ invariants
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` when I1..I5 (module docstring) do not hold. O(capacity)."""
+        """Raise ``AssertionError`` when I1..I7 (module docstring) do not hold. O(capacity)."""
         counts = dict.fromkeys(BlockState, 0)
         for block in self._blocks:
             counts[block.state] += 1
@@ -531,6 +559,7 @@ class BlockPool:
                 block.key is None
                 and block.payload is None
                 and block.lock_count == 0
+                and block.tenant is None
                 and not block.owners,
                 f"I2: free block {h} keeps key/payload/lock/owner",
             )
@@ -591,10 +620,48 @@ class BlockPool:
             self._finished_keys == sum(f.retained_keys for f in self._finished.values()),
             "finished key counter",
         )
+        by_tenant: dict[str, int] = {}
+        for block in self._blocks:
+            if block.tenant is not None and block.lock_count:
+                by_tenant[block.tenant] = by_tenant.get(block.tenant, 0) + 1
+        _require(by_tenant == self._locked_by_tenant, "I7: tenant lock counts")
+        for tx in self._txs.values():
+            for h in tx.handles:
+                holder = self._blocks[h].tenant
+                _require(holder in (None, tx.tenant), f"I7: tx {tx.tx_id} holds {holder}'s block")
 
     # ------------------------------------------------------------------ internals
 
-    def _allocate(self, tx_id: str, keys: tuple[BlockKey, ...], deadline: float) -> AllocateResult:
+    def _check_tenant(self, tenant: str, keys: tuple[BlockKey, ...]) -> None:
+        for key in keys:
+            h = self._by_key.get(key)
+            if h is not None:
+                owner = self._blocks[h].tenant
+                if owner is not None and owner != tenant:
+                    raise TenantMismatch(f"key {key:#x} belongs to another tenant")
+
+    def _check_quota(self, tenant: str, held: list[_Block], *, fresh: int) -> None:
+        """Refuse a tx that would take the tenant's locked blocks past its limit: the
+        ``fresh`` blocks it would create and those of ``held`` not locked yet count."""
+        assert self.max_tenant_locked_blocks is not None
+        locked = self._locked_by_tenant.get(tenant, 0)
+        newly = fresh + sum(b.lock_count == 0 and b.tenant is not None for b in held)
+        if locked + newly > self.max_tenant_locked_blocks:
+            raise TenantQuotaExceeded(tenant, locked, newly, self.max_tenant_locked_blocks)
+
+    def locked_by_tenant(self, tenant: str) -> int:
+        """Blocks of the tenant's that some open tx locks (a shared prefix counts once;
+        blocks mirrored from the engine, which have no tenant, are not counted)."""
+        return self._locked_by_tenant.get(tenant, 0)
+
+    def tx_tenant(self, tx_id: str) -> str:
+        """The tenant of an OPEN tx."""
+        self.get_tx(tx_id)
+        return self._txs[tx_id].tenant
+
+    def _allocate(
+        self, tx_id: str, tenant: str, keys: tuple[BlockKey, ...], deadline: float
+    ) -> AllocateResult:
         blocks = self._blocks
         plan: list[int | None] = []  # existing handle per key, None = needs a fresh block
         reused_prefix = 0
@@ -641,6 +708,7 @@ class BlockPool:
                 block = blocks[h]
                 block.state = BlockState.ALLOCATED
                 block.key = key
+                block.tenant = tenant
                 block.owners.add(tx_id)
                 self._by_key[key] = h
                 self._n_allocated += 1
@@ -706,6 +774,10 @@ class BlockPool:
     def _lock(self, block: _Block) -> None:
         if block.lock_count == 0:
             self._n_locked += 1
+            if block.tenant is not None:
+                self._locked_by_tenant[block.tenant] = (
+                    self._locked_by_tenant.get(block.tenant, 0) + 1
+                )
             if block.state is BlockState.CACHED:
                 del self._lru[block.handle]
         block.lock_count += 1
@@ -718,6 +790,12 @@ class BlockPool:
             block.lock_count -= 1
             if block.lock_count == 0:
                 self._n_locked -= 1
+                if block.tenant is not None:
+                    left = self._locked_by_tenant[block.tenant] - 1
+                    if left:
+                        self._locked_by_tenant[block.tenant] = left
+                    else:
+                        del self._locked_by_tenant[block.tenant]
                 block.last_used_s = now
                 if block.state is BlockState.CACHED:
                     if block.key in self._engine_dropped:  # the engine evicted it (I6)
@@ -749,6 +827,7 @@ class BlockPool:
             self._engine_dropped.discard(block.key)
         block.state = BlockState.FREE
         block.key = None
+        block.tenant = None
         block.payload = None
         block.owners.clear()
         self._free.append(block.handle)
@@ -803,6 +882,8 @@ class BlockPool:
         if not isinstance(params.mode, TxMode):
             raise InvalidArgument(f"unknown mode {params.mode!r}")
         self._validate_lease(params.lease_s)
+        if len(params.keys) > self.capacity_blocks:  # never holdable: before per-key work
+            raise CapacityExhausted(len(params.keys), len(self._free) + len(self._lru))
         keys = tuple(params.keys)
         if not keys:
             raise InvalidArgument("keys must not be empty")

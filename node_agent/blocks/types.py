@@ -25,6 +25,8 @@ __all__ = [
     "CommitResult",
     "InvalidArgument",
     "PoolStats",
+    "TenantMismatch",
+    "TenantQuotaExceeded",
     "TxClosed",
     "TxExpired",
     "TxMode",
@@ -74,6 +76,23 @@ class CapacityExhausted(BlockPoolError):
         super().__init__(f"need {needed_blocks} new blocks, only {free_blocks} free or evictable")
         self.needed_blocks = needed_blocks
         self.free_blocks = free_blocks
+
+
+class TenantMismatch(BlockPoolError):
+    """A tx named blocks another tenant's request stored or holds: refused, nothing
+    locked (keys are salted with the tenant, so a legitimate request never meets
+    another tenant's block; one that does is probing or a bug)."""
+
+
+class TenantQuotaExceeded(BlockPoolError):
+    """The tenant's open txs already lock as many blocks as one tenant may."""
+
+    def __init__(self, tenant: str, locked: int, asked: int, limit: int) -> None:
+        super().__init__(
+            f"tenant {tenant!r} locks {locked} blocks; {asked} more exceed its limit of {limit}"
+        )
+        self.locked = locked
+        self.limit = limit
 
 
 # ------------------------------------------------------------ parameters and results

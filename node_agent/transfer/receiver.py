@@ -20,7 +20,7 @@ import zlib
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.agent_state import AgentState
 from node_agent.blocks.types import InvalidArgument
-from node_agent.errors import TransferError
+from node_agent.errors import PromptRejected, TransferError
 from node_agent.kv import KvContent
 from node_agent.transfer.transport import KvRequest, KvTransport
 
@@ -32,9 +32,13 @@ class KvReceiver:
         self._state = state
         self._transport = transport
 
-    async def fetch(self, source: pb.KvSource) -> tuple[KvContent | None, float, int]:
+    async def fetch(self, source: pb.KvSource, tenant: str) -> tuple[KvContent | None, float, int]:
         """Pull a staged prefill from a peer: (kv, seconds, bytes)."""
-        request = pb.FetchKvRequest(request_id=source.request_id)
+        if not source.stage_handle:
+            raise PromptRejected("kv_source.stage_handle is required")
+        request = pb.FetchKvRequest(
+            request_id=source.request_id, stage_handle=source.stage_handle, tenant=tenant
+        )
         try:
             kv, seconds, nbytes = await self._receive(
                 source.address, request, expected_tokens=source.num_tokens
@@ -65,7 +69,11 @@ class KvReceiver:
             return 0, 0, 0.0  # everything is here already: no transfer
         keys = [k for h in handles if (k := state.pool.block_key(h)) is not None]
         lease_left = max(0.001, tx.lease_deadline - state.clock())
-        read = pb.ReadBlocksRequest(tx_id=request.source_tx_id, block_keys=keys)
+        read = pb.ReadBlocksRequest(
+            tx_id=request.source_tx_id,
+            block_keys=keys,
+            tenant=state.pool.tx_tenant(request.tx_id),
+        )
         bs = state.settings.block_size
         try:
             kv, transfer_s, nbytes = await self._receive(

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.agent_state import AgentState
-from node_agent.blocks.types import BlockPoolError, InvalidArgument
+from node_agent.blocks.types import BlockPoolError, InvalidArgument, TenantMismatch
 from node_agent.errors import ContentMissing, NotStaged
 from node_agent.kv import KvContent
 from node_agent.transfer.staging import StagingArea
@@ -31,9 +31,11 @@ class KvSender:
 
     async def fetch_kv(self, request: pb.FetchKvRequest) -> AsyncIterator[pb.KvChunk]:
         """Stream a staged prefill, claimed first so that a retry cannot double-serve it."""
-        staged = self._staging.claim(request.request_id)
-        if staged is None:
-            raise NotStaged(f"no staged KV for request {request.request_id!r}")
+        if not request.stage_handle:
+            raise InvalidArgument("stage_handle is required")
+        staged = self._staging.claim(request.stage_handle, request.tenant)
+        if staged is None:  # the same answer whether absent or another tenant's
+            raise NotStaged(f"no staged KV under this handle (request {request.request_id!r})")
         stream = self._stream(staged.kv, staged.num_tokens, request.max_chunk_bytes)
         async for msg in self._count_sent(stream, "handoff"):
             yield msg
@@ -41,7 +43,9 @@ class KvSender:
     async def read_blocks(self, request: pb.ReadBlocksRequest) -> AsyncIterator[pb.KvChunk]:
         """Stream the KV of the first blocks of an open Tx (any role may serve)."""
         try:
-            kv = await self._read_tx_blocks(request.tx_id, tuple(request.block_keys))
+            kv = await self._read_tx_blocks(
+                request.tx_id, tuple(request.block_keys), request.tenant
+            )
         except (BlockPoolError, ContentMissing):
             await self._state.events.after_mutation()  # the lookup may have expired leases
             raise
@@ -85,12 +89,14 @@ class KvSender:
             if complete:
                 metrics.transfer_seconds.labels("sent", kind).observe(time.perf_counter() - started)
 
-    async def _read_tx_blocks(self, tx_id: str, keys: tuple[int, ...]) -> KvContent:
+    async def _read_tx_blocks(self, tx_id: str, keys: tuple[int, ...], tenant: str) -> KvContent:
         """KV of the open Tx's first ``len(keys)`` blocks, which must hold exactly ``keys``."""
         state = self._state
         if not keys:
             raise InvalidArgument("block_keys must not be empty")
         handles = state.pool.get_tx(tx_id).handles
+        if state.pool.tx_tenant(tx_id) != tenant:
+            raise TenantMismatch(f"transaction {tx_id!r} belongs to another tenant")
         if len(keys) > len(handles):
             raise InvalidArgument(
                 f"transaction {tx_id!r} holds {len(handles)} blocks, {len(keys)} were asked for"

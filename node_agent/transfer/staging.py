@@ -1,16 +1,20 @@
 """Prefilled KV waiting for its decode node's ``FetchKv``: bounded in bytes and time.
 
-A ``Prefill`` stages the prompt's KV under its request id; the first ``FetchKv``
-claims it (a retry cannot double-serve it); the housekeeping loop drops what nobody
-claimed within its TTL. ``max_bytes`` bounds the whole area: a prefill that would
-exceed it is refused up front (``EngineBusy``), before any compute.
+A ``Prefill`` stages the prompt's KV under a handle this module makes (128 random
+bits, single use), bound to the request's tenant: never under the client's request id,
+which two requests (two tenants, or a client's retry) may share. The first
+``FetchKv`` naming the handle and the same tenant claims it (a retry cannot
+double-serve it); the housekeeping loop drops what nobody claimed within its TTL.
+``max_bytes`` bounds the whole area: a prefill that would exceed it is refused up
+front (``EngineBusy``), before any compute.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
-from node_agent.errors import EngineBusy, PromptRejected
+from node_agent.errors import EngineBusy
 from node_agent.kv import KvContent
 
 __all__ = ["StagedKv", "StagingArea"]
@@ -22,6 +26,7 @@ class StagedKv:
     num_tokens: int
     nbytes: int
     expires_at: float
+    tenant: str
 
 
 class StagingArea:
@@ -33,24 +38,29 @@ class StagingArea:
     def __len__(self) -> int:
         return len(self._staged)
 
-    def check_room(self, request_id: str, nbytes: int) -> None:
+    def check_room(self, nbytes: int) -> None:
         """Refuse a prefill whose KV could not be staged (before computing it)."""
-        if request_id in self._staged:
-            raise PromptRejected(f"request {request_id!r} is already staged")
         if self.nbytes + nbytes > self._max_bytes:
             raise EngineBusy("staged KV buffer is full")
 
-    def stage(self, request_id: str, staged: StagedKv) -> None:
-        self._staged[request_id] = staged
+    def stage(self, staged: StagedKv) -> str:
+        """Stage ``staged``; returns its new handle."""
+        handle = secrets.token_urlsafe(16)
+        self._staged[handle] = staged
         self.nbytes += staged.nbytes
+        return handle
 
-    def claim(self, request_id: str) -> StagedKv | None:
-        """Take the staged KV out (None: never staged, expired or already claimed)."""
-        staged = self._staged.pop(request_id, None)
-        if staged is not None:
-            self.nbytes -= staged.nbytes
+    def claim(self, handle: str, tenant: str) -> StagedKv | None:
+        """Take the staged KV out (None: never staged, expired, already claimed, or
+        staged for another tenant, which keeps it for its owner)."""
+        staged = self._staged.get(handle)
+        if staged is None or staged.tenant != tenant:
+            return None
+        del self._staged[handle]
+        self.nbytes -= staged.nbytes
         return staged
 
     def expire(self, now: float) -> None:
-        for request_id in [r for r, st in self._staged.items() if st.expires_at <= now]:
-            self.claim(request_id)
+        for handle in [h for h, st in self._staged.items() if st.expires_at <= now]:
+            staged = self._staged.pop(handle)
+            self.nbytes -= staged.nbytes

@@ -218,9 +218,13 @@ async def test_watch_with_another_epoch_must_resync(stub: pb_grpc.NodeAgentAsync
 
 async def test_fetch_unknown_staged_kv_is_not_found(stub: pb_grpc.NodeAgentAsyncStub) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        async for _ in stub.FetchKv(pb.FetchKvRequest(request_id="never")):
+        async for _ in stub.FetchKv(pb.FetchKvRequest(request_id="never", stage_handle="nope")):
             pass
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # the client's id names nothing
+        async for _ in stub.FetchKv(pb.FetchKvRequest(request_id="never")):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_prefill_checks_keys_against_the_prompt(
@@ -243,7 +247,12 @@ async def test_prefill_checks_keys_against_the_prompt(
             pb.PrefillRequest(request_id="r1", tenant="t", tx_id="p1", prompt_token_ids=prompt)
         )
         assert resp.computed_tokens == 69
-        chunks = [c async for c in stub.FetchKv(pb.FetchKvRequest(request_id="r1"))]
+        chunks = [
+            c
+            async for c in stub.FetchKv(
+                pb.FetchKvRequest(request_id="r1", stage_handle=resp.stage_handle, tenant="t")
+            )
+        ]
         total = sum(len(c.data) for c in chunks)
         assert total == chunks[0].total_bytes == 69 * prefill.engine.info.kv_layout.bytes_per_token
         with pytest.raises(grpc.aio.AioRpcError) as info:

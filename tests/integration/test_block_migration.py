@@ -213,7 +213,10 @@ async def test_pulled_prefix_is_reused_and_decodes_like_recompute(
             tenant=TENANT,
             prompt_token_ids=P_PROMPT,
             kv_source=pb.KvSource(
-                address=dst.address, request_id="r-dst", num_tokens=len(P_PROMPT) - 1
+                address=dst.address,
+                request_id="r-dst",
+                stage_handle=prefill.stage_handle,
+                num_tokens=len(P_PROMPT) - 1,
             ),
         ),
     )
@@ -240,7 +243,11 @@ async def test_read_blocks_streams_checked_chunks_and_refuses_bad_requests(
     await s.TxAllocate(alloc("lock", keys, lock_only=True))
 
     chunks = await read_all(
-        s.ReadBlocks(pb.ReadBlocksRequest(tx_id="lock", block_keys=keys[:2], max_chunk_bytes=4096))
+        s.ReadBlocks(
+            pb.ReadBlocksRequest(
+                tx_id="lock", tenant=TENANT, block_keys=keys[:2], max_chunk_bytes=4096
+            )
+        )
     )
     total = 2 * BS * src.engine.info.kv_layout.bytes_per_token
     assert len(chunks) == total // 4096
@@ -250,7 +257,8 @@ async def test_read_blocks_streams_checked_chunks_and_refuses_bad_requests(
     assert all(zlib.crc32(c.data) == c.crc32 for c in chunks)
 
     def read(tx_id: str, block_keys: list[int]) -> Awaitable[list[pb.KvChunk]]:
-        return read_all(s.ReadBlocks(pb.ReadBlocksRequest(tx_id=tx_id, block_keys=block_keys)))
+        request = pb.ReadBlocksRequest(tx_id=tx_id, tenant=TENANT, block_keys=block_keys)
+        return read_all(s.ReadBlocks(request))
 
     not_found = grpc.StatusCode.NOT_FOUND
     invalid = grpc.StatusCode.INVALID_ARGUMENT

@@ -165,7 +165,8 @@ async def test_a_fused_prefill_commits_once_its_kv_is_staged(start_agent: AgentF
         assert (first.cached_tokens, first.computed_tokens) == (0, 69)
         assert prefill.service.pool.stats().open_txs == 0
         assert prefill.service.pool.stats().cached_blocks == 2
-        chunks = [c async for c in stub.FetchKv(pb.FetchKvRequest(request_id="r-p-1"))]
+        fetch = pb.FetchKvRequest(request_id="r-p-1", stage_handle=first.stage_handle, tenant="t")
+        chunks = [c async for c in stub.FetchKv(fetch)]
         assert sum(len(c.data) for c in chunks) == chunks[0].total_bytes > 0
         again = await stub.Prefill(fused_prefill("p-2", PROMPT))
         assert again.cached_tokens == 64  # the first prefill's blocks, reused

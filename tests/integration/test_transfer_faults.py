@@ -49,23 +49,26 @@ class LinkDropsAfter:
         await self._real.aclose()
 
 
-async def stage(prefill: AgentServer, stub: pb_grpc.NodeAgentAsyncStub, rid: str) -> None:
+async def stage(prefill: AgentServer, stub: pb_grpc.NodeAgentAsyncStub, rid: str) -> str:
     keys = compute_block_keys(PROMPT[:-1], tenant="t", model=MODEL, block_size=32)
     await stub.TxAllocate(
         pb.TxAllocateRequest(tx_id=f"tx-{rid}", tenant="t", block_keys=keys, lease_s=30)
     )
-    await stub.Prefill(
+    staged = await stub.Prefill(
         pb.PrefillRequest(request_id=rid, tenant="t", tx_id=f"tx-{rid}", prompt_token_ids=PROMPT)
     )
+    return staged.stage_handle
 
 
-def generate(rid: str, source: str) -> pb.GenerateRequest:
+def generate(rid: str, source: str, handle: str) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=rid,
         tenant="t",
         prompt_token_ids=PROMPT,
         sampling=pb.SamplingParams(temperature=0, max_tokens=4),
-        kv_source=pb.KvSource(address=source, request_id=rid, num_tokens=len(PROMPT) - 1),
+        kv_source=pb.KvSource(
+            address=source, request_id=rid, stage_handle=handle, num_tokens=len(PROMPT) - 1
+        ),
     )
 
 
@@ -76,10 +79,12 @@ async def test_prefill_node_gone_before_the_fetch(start_agent: AgentFactory) -> 
         grpc.aio.insecure_channel(prefill.address) as pch,
         grpc.aio.insecure_channel(decode.address) as dch,
     ):
-        await stage(prefill, pb_grpc.NodeAgentStub(pch), "r1")
+        handle = await stage(prefill, pb_grpc.NodeAgentStub(pch), "r1")
         await prefill.stop(grace_s=0.1)  # the prefill node dies with the KV staged
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await pb_grpc.NodeAgentStub(dch).Generate(generate("r1", prefill.address)).read()
+            await (
+                pb_grpc.NodeAgentStub(dch).Generate(generate("r1", prefill.address, handle)).read()
+            )
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     info = pb.ErrorInfo.FromString(dict(failed.value.trailing_metadata() or ())[ERROR_INFO_KEY])
     assert info.reason == "transfer"
@@ -97,9 +102,11 @@ async def test_transfer_cut_mid_stream(start_agent: AgentFactory) -> None:
         grpc.aio.insecure_channel(decode.address) as dch,
     ):
         pstub = pb_grpc.NodeAgentStub(pch)
-        await stage(prefill, pstub, "r2")
+        handle = await stage(prefill, pstub, "r2")
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await pb_grpc.NodeAgentStub(dch).Generate(generate("r2", prefill.address)).read()
+            await (
+                pb_grpc.NodeAgentStub(dch).Generate(generate("r2", prefill.address, handle)).read()
+            )
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "KV" in (failed.value.details() or "")
         # The conductor's side of the failure: abort the prefill Tx; nothing was committed.

@@ -23,6 +23,8 @@ from node_agent.blocks.types import (
     CommitResult,
     InvalidArgument,
     PoolStats,
+    TenantMismatch,
+    TenantQuotaExceeded,
     TxClosed,
     TxExpired,
     TxMode,
@@ -255,8 +257,17 @@ def test_lock_only_with_nothing_cached_opens_an_empty_tx(pool: BlockPool) -> Non
 
 def test_lock_only_keys_longer_than_capacity(pool: BlockPool) -> None:
     commit_fresh(pool, "a", [1, 2])
-    result = pool.tx_allocate(params("src", range(1, 100), mode=TxMode.LOCK_ONLY))
+    result = pool.tx_allocate(params("src", range(1, 9), mode=TxMode.LOCK_ONLY))
     assert result.reused_blocks == 2
+
+
+@pytest.mark.parametrize("mode", list(TxMode))
+def test_more_keys_than_the_pool_holds_are_refused_before_any_work(
+    pool: BlockPool, mode: TxMode
+) -> None:
+    with pytest.raises(CapacityExhausted, match="need 200000 new blocks"):
+        pool.tx_allocate(params("big", range(1, 200_001), mode=mode))
+    assert pool.stats().open_txs == 0
 
 
 # ----------------------------------------------------------------- in-flight sharing
@@ -607,3 +618,41 @@ def test_check_invariants_detects_corruption(pool: BlockPool) -> None:
     pool._blocks[0].lock_count = 0  # simulate a lost lock
     with pytest.raises(AssertionError, match="I3"):
         pool.check_invariants()
+
+
+# ----------------------------------------------------------------- tenants
+
+
+def test_a_tenant_cannot_touch_another_tenants_blocks(pool: BlockPool) -> None:
+    commit_fresh(pool, "a", [1, 2, 3])  # tenant "t"
+    open_b = pool.tx_allocate(params("t-open", [5, 6]))
+    before = full_state(pool)
+    for mode in TxMode:
+        for keys in ([1, 2, 3], [9, 2], [5]):  # cached, cached mid-list, in flight
+            with pytest.raises(TenantMismatch):
+                pool.tx_allocate(params(f"x-{mode}-{keys}", keys, mode=mode, tenant="evil"))
+    assert full_state(pool) == before
+    assert pool.locked_by_tenant("evil") == 0
+    assert pool.tx_allocate(params("own", [1, 2, 3, 4])).reused_blocks == 3
+    assert open_b.handles
+    pool.check_invariants()
+
+
+def test_tenant_lock_limit_counts_a_shared_prefix_once(clock: FakeClock) -> None:
+    pool = BlockPool(capacity_blocks=8, clock=clock, max_lease_s=60.0, max_tenant_locked_blocks=4)
+    commit_fresh(pool, "warm", [1, 2])
+    for i in range(5):  # five requests on one cached prefix: 2 blocks locked, not 10
+        pool.tx_allocate(params(f"r{i}", [1, 2]))
+    assert pool.locked_by_tenant("t") == 2
+    pool.tx_allocate(params("more", [1, 2, 3, 4]))
+    assert pool.locked_by_tenant("t") == 4
+    before = full_state(pool)
+    with pytest.raises(TenantQuotaExceeded):
+        pool.tx_allocate(params("over", [7]))
+    assert full_state(pool) == before
+    other = pool.tx_allocate(params("other", [20, 21, 22, 23], tenant="u"))  # untouched
+    assert other.new_blocks == 4
+    pool.tx_abort("more")
+    assert pool.locked_by_tenant("t") == 2
+    pool.tx_allocate(params("over", [7]))
+    pool.check_invariants()
