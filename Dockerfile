@@ -34,18 +34,20 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 
 FROM python:3.11-slim AS runtime
 ENV PATH=/opt/kvc/bin:$PATH PYTHONUNBUFFERED=1
-RUN useradd --system --uid 10001 --create-home kvc
+RUN useradd --system --uid 10001 --create-home kvc \
+ && install -d -o kvc -g kvc -m 0750 /certs
 WORKDIR /home/kvc
 ENTRYPOINT ["kvc"]
 
 FROM runtime AS agent
 COPY --from=build-agent /opt/kvc /opt/kvc
 USER 10001
-# agent gRPC, agent /metrics (with --metrics-port 9464)
+# agent gRPC (mTLS: KVC_AGENT_TLS_CERT_FILE, _KEY_FILE, _CA_FILE; docs/security.md),
+# agent /metrics, /health and /ready (plain HTTP)
 EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
-  CMD ["kvc", "probe", "grpc://127.0.0.1:50051"]
-CMD ["agent", "--host", "0.0.0.0"]
+  CMD ["kvc", "probe", "http://127.0.0.1:9464/health"]
+CMD ["agent", "--host", "0.0.0.0", "--metrics-port", "9464"]
 
 # The last stage is the default target: the conductor.
 FROM runtime AS conductor

@@ -183,6 +183,8 @@ def create_app(
                 model=model_name,
                 rpc_timeout_s=settings.rpc_timeout_s,
                 observe_call=metrics.record_agent_call,
+                tls=settings.tls_files(),
+                plaintext=settings.grpc_plaintext,
             )
             stack.push_async_callback(fleet.aclose)
             redis = connect(settings.redis_url) if settings.redis_url else None

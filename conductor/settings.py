@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.config import JsonDict
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -17,6 +17,7 @@ from conductor.core.policies import Policy
 from conductor.core.scheduler import Admission, SchedulerConfig
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.priors import DecodePrior, PrefillPrior
+from kvc.tls import GrpcTlsSettings, check_plaintext
 
 _HTTP: Final[JsonDict] = {"group": "HTTP server"}
 _AGENTS: Final[JsonDict] = {"group": "node agents"}
@@ -31,7 +32,7 @@ def _split_csv(value: Any) -> Any:
     return value
 
 
-class ConductorSettings(BaseSettings):
+class ConductorSettings(GrpcTlsSettings, BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVC_CONDUCTOR_", extra="forbid")
 
     host: str = Field("127.0.0.1", description="HTTP bind address", json_schema_extra=_HTTP)
@@ -231,6 +232,13 @@ class ConductorSettings(BaseSettings):
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"agent address {addr!r} is not host:port")
         return value
+
+    @model_validator(mode="after")
+    def _agents_reachable_securely(self) -> ConductorSettings:
+        if self.tls_files() is None:
+            for address in self.agents:
+                check_plaintext(address, self.grpc_plaintext, "to agent " + address)
+        return self
 
     @field_validator("tenants_file")
     @classmethod

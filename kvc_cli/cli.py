@@ -3,7 +3,8 @@
   kvc conductor [flags]   run the OpenAI-compatible conductor (HTTP)
   kvc agent [flags]       run a node agent (gRPC) around an engine
   kvc demo [flags]        conductor on 127.0.0.1:8000 + a prefill and a decode agent
-  kvc probe URL           health probe for containers (http://… or grpc://host:port)
+  kvc probe URL           health probe for containers (http://… or grpc[s]://host:port)
+  kvc certs --out DIR     a private CA and conductor/agent certificates for mTLS
   kvc bench replay ...    replay a Mooncake trace on the simulated fleet (docs/simulator.md)
   kvc sim-engine [flags]  a simulated vLLM engine, timing from a profile (docs/fleet.md)
   kvc bench live ...      replay it against a live OpenAI-compatible URL; bench compare
@@ -21,6 +22,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -100,6 +102,25 @@ def _run_probe(ns: argparse.Namespace, log_level: LogLevel) -> int:
     from kvc_cli.probe import main as probe_main
 
     return probe_main(ns.url, ns.timeout_s)
+
+
+def _run_certs(ns: argparse.Namespace, log_level: LogLevel) -> int:
+    from kvc.tls import write_bundle
+
+    try:
+        written = write_bundle(Path(ns.out), days=ns.days, extra_dns=ns.dns)
+    except (OSError, ValueError) as exc:
+        print(f"kvc certs: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    print(
+        "conductors: --tls-cert-file conductor.pem --tls-key-file conductor-key.pem "
+        "--tls-ca-file ca.pem; agents: the same with agent.pem and agent-key.pem. "
+        "Keep ca-key.pem offline (docs/security.md).",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _run_bench_replay(ns: argparse.Namespace, log_level: LogLevel) -> int:
@@ -277,10 +298,23 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p_demo.add_argument("--startup-timeout-s", type=float, default=180.0)
     p_demo.set_defaults(func=_run_demo)
-    p_probe = command("probe", "health probe: http://host:port/health or grpc://host:port")
+    p_probe = command(
+        "probe",
+        "health probe: http://host:port/health, grpc://host:port, or grpcs://host:port "
+        "(mTLS with the files in KVC_AGENT_TLS_CERT_FILE, _KEY_FILE, _CA_FILE)",
+    )
     p_probe.add_argument("url")
     p_probe.add_argument("--timeout-s", type=float, default=3.0)
     p_probe.set_defaults(func=_run_probe)
+    p_certs = command(
+        "certs", "write a private CA and a conductor and an agent certificate for mTLS"
+    )
+    p_certs.add_argument("--out", required=True, help="folder for the PEM files")
+    p_certs.add_argument("--days", type=int, default=365, help="validity of every certificate")
+    p_certs.add_argument(
+        "--dns", action="append", default=[], help="an extra DNS name in both certificates"
+    )
+    p_certs.set_defaults(func=_run_certs)
     register_sim_engine(command)
     p_bench = command("bench", "benchmarks: trace replay on the simulator")
     bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)

@@ -100,6 +100,8 @@ def _run(opts: DemoOptions, sup: Supervisor, stop: threading.Event) -> int:
         f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n\n'
         f"  Metrics: {base}/metrics   Readiness: {base}/ready\n"
         f"{agent_metrics}"
+        f"  gRPC between these processes is plaintext on loopback: a deployment uses mTLS\n"
+        f"  (docs/security.md).\n"
         f"  Press Ctrl-C to stop.\n",
         flush=True,
     )

@@ -2,12 +2,15 @@
 
 For container healthchecks and exec probes without curl or grpc_health_probe:
 ``http://HOST:PORT/PATH`` expects HTTP 200; ``grpc://HOST:PORT`` runs the standard
-gRPC health check (``grpc.health.v1``) for the node agent service.
+gRPC health check (``grpc.health.v1``) for the node agent service; ``grpcs://`` does it
+over mTLS with the agent's own files (``KVC_AGENT_TLS_CERT_FILE``, ``_KEY_FILE``,
+``_CA_FILE``: a probe runs in the agent's container, with its environment).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from urllib.parse import urlparse
 
@@ -15,11 +18,13 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2
 
+from kvc.tls import TlsFiles, client_channel
 from kvc.wire import SERVICE_NAME
 
 
-async def _grpc_serving(address: str, timeout_s: float) -> bool:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def _grpc_serving(address: str, timeout_s: float, tls: TlsFiles | None) -> bool:
+    channel = client_channel(address, tls, "any")
+    async with channel:
         check = channel.unary_unary(
             "/grpc.health.v1.Health/Check",
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
@@ -42,8 +47,20 @@ def probe(url: str, timeout_s: float = 3.0) -> bool:
         except httpx.HTTPError:
             return False
     if parsed.scheme == "grpc" and parsed.netloc:
-        return asyncio.run(_grpc_serving(parsed.netloc, timeout_s))
-    raise ValueError(f"unsupported probe URL {url!r}: use http://… or grpc://host:port")
+        return asyncio.run(_grpc_serving(parsed.netloc, timeout_s, None))
+    if parsed.scheme == "grpcs" and parsed.netloc:
+        env = os.environ
+        tls = TlsFiles.from_settings(
+            env.get("KVC_AGENT_TLS_CERT_FILE", ""),
+            env.get("KVC_AGENT_TLS_KEY_FILE", ""),
+            env.get("KVC_AGENT_TLS_CA_FILE", ""),
+        )
+        if tls is None:
+            raise ValueError("grpcs:// needs KVC_AGENT_TLS_CERT_FILE, _KEY_FILE and _CA_FILE")
+        return asyncio.run(_grpc_serving(parsed.netloc, timeout_s, tls))
+    raise ValueError(
+        f"unsupported probe URL {url!r}: use http://…, grpc://host:port or grpcs://host:port"
+    )
 
 
 def main(url: str, timeout_s: float) -> int:

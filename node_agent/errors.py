@@ -10,7 +10,8 @@
     ├── TransferError          a KV transfer from a peer failed (connection, checksum,
     │                          size, layout); this node itself is fine
     ├── NotStaged              FetchKv of a request with no staged prefill
-    └── ContentMissing         ReadBlocks of blocks whose KV was never computed here
+    ├── ContentMissing         ReadBlocks of blocks whose KV was never computed here
+    └── NotPermitted           the caller's certificate does not allow this RPC
 
 The block table's own errors (``node_agent.blocks.pool.BlockPoolError`` and its
 subclasses: capacity, invalid argument, unknown or closed transaction) stay with the
@@ -24,6 +25,7 @@ __all__ = [
     "Draining",
     "EngineBusy",
     "EngineError",
+    "NotPermitted",
     "NotStaged",
     "PromptRejected",
     "TransferError",
@@ -61,3 +63,7 @@ class NotStaged(Exception):
 
 class ContentMissing(Exception):
     """ReadBlocks of blocks whose KV was never computed here (allocated or committed bare)."""
+
+
+class NotPermitted(Exception):
+    """The caller's role (from its client certificate) may not call this RPC."""

@@ -261,12 +261,17 @@ class AgentMetrics:
 
 
 class MetricsServer:
-    """``GET``/``HEAD /metrics`` served by uvicorn on the running event loop.
+    """``GET``/``HEAD /metrics``, ``/health`` and ``/ready`` served by uvicorn on the
+    running event loop.
 
     The body is ``prometheus_client``'s ASGI app over the agent's registry (the format
     the scraper's ``Accept`` asks for, uncompressed); ``before_scrape`` runs first on
-    every scrape (the agent samples its gauges there). Any other path is a 404, any
-    other method a 405. ``port`` is the bound port (``port=0`` picks a free one).
+    every scrape (the agent samples its gauges there). ``/health`` answers 200 while
+    the event loop runs; ``/ready`` 200 while ``ready()`` holds (the agent takes new
+    work), else 503: kubelet's HTTP probes, which need no client certificate when the
+    gRPC port requires one (kubelet's gRPC probe speaks no TLS). Any other path is a
+    404, any other method a 405. ``port`` is the bound port (``port=0`` picks a free
+    one).
     """
 
     def __init__(
@@ -276,7 +281,9 @@ class MetricsServer:
         host: str,
         port: int,
         before_scrape: Callable[[], None] | None = None,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
+        self._ready = ready
         self._exposition = make_asgi_app(metrics.registry, disable_compression=True)
         self._before_scrape = before_scrape
         self._host = host
@@ -288,11 +295,19 @@ class MetricsServer:
     async def _app(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] != "http":
             return
-        if scope["path"] != "/metrics":
+        path = scope["path"]
+        if path not in ("/metrics", "/health", "/ready"):
             await _respond(send, 404, b"not found: try /metrics\n")
             return
         if scope["method"] not in ("GET", "HEAD"):
             await _respond(send, 405, b"")
+            return
+        if path == "/health":
+            await _respond(send, 200, b"ok\n")
+            return
+        if path == "/ready":
+            ready = self._ready is None or self._ready()
+            await _respond(send, 200 if ready else 503, b"ready\n" if ready else b"draining\n")
             return
         if self._before_scrape is not None:
             try:

@@ -49,6 +49,7 @@ from node_agent.errors import (
     Draining,
     EngineBusy,
     EngineError,
+    NotPermitted,
     NotStaged,
     PromptRejected,
     TransferError,
@@ -60,7 +61,14 @@ __all__ = ["AGENT_ERRORS", "Context", "abort", "grpc_error", "maps_errors"]
 log = logging.getLogger("node_agent")
 
 Context = grpc.aio.ServicerContext[Any, Any]
-AGENT_ERRORS = (BlockPoolError, EngineError, TransferError, NotStaged, ContentMissing)
+AGENT_ERRORS = (
+    BlockPoolError,
+    EngineError,
+    TransferError,
+    NotStaged,
+    ContentMissing,
+    NotPermitted,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -76,7 +84,7 @@ def grpc_error(exc: Exception) -> tuple[grpc.StatusCode, str, pb.ErrorInfo | Non
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), info
     if isinstance(exc, TenantQuotaExceeded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), pb.ErrorInfo(reason="tenant_quota")
-    if isinstance(exc, TenantMismatch):
+    if isinstance(exc, TenantMismatch | NotPermitted):
         return grpc.StatusCode.PERMISSION_DENIED, str(exc), None
     if isinstance(exc, EngineBusy):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), pb.ErrorInfo(reason="busy")

@@ -43,11 +43,13 @@ from redis.asyncio import Redis
 
 from kvc.block_keys import BlockKey
 from kvc.registry import AgentRecord, connect, keep_registered
+from kvc.tls import check_plaintext
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.version import package_version
 from kvc.wire import MAX_MESSAGE_BYTES, ROLE_TO_PB, SERVICE_NAME
 from node_agent.agent_state import AgentState
+from node_agent.auth import authorized
 from node_agent.blocks.pool import BlockPool
 from node_agent.blocks.types import (
     AllocateParams,
@@ -113,7 +115,12 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             self.pool, engine, self.metrics, max_buffered=settings.event_buffer
         )
         self.state = AgentState(settings, engine, self.pool, self.metrics, self.events, clock)
-        self.transport: KvTransport = transport if transport is not None else GrpcKvTransport()
+        self.tls = settings.tls_files() is not None  # callers carry role certificates
+        self.transport: KvTransport = (
+            transport
+            if transport is not None
+            else GrpcKvTransport(settings.tls_files(), settings.grpc_plaintext)
+        )
         self.staging = StagingArea(settings.max_staged_bytes)
         self.sender = KvSender(self.state, self.staging, self.transport)
         self.receiver = KvReceiver(self.state, self.transport)
@@ -213,16 +220,19 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
 
     # ----------------------------------------------------------------- RPCs
     @maps_errors
+    @authorized("conductor", "agent")
     async def GetInfo(self, request: pb.GetInfoRequest, context: Context) -> pb.NodeInfo:
         return self.node_info
 
     @maps_errors
+    @authorized("conductor")
     async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
         await self.set_draining(not request.resume)
         open_txs, running = self.busy()
         return pb.DrainResponse(draining=self.draining, open_txs=open_txs, running_requests=running)
 
     @maps_errors
+    @authorized("conductor")
     async def TxAllocate(
         self, request: pb.TxAllocateRequest, context: Context
     ) -> pb.TxAllocateResponse:
@@ -253,11 +263,13 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         return await self._tx(op, lambda: self.pool.tx_allocate(params))
 
     @maps_errors
+    @authorized("conductor")
     async def TxCommit(self, request: pb.TxCommitRequest, context: Context) -> pb.TxCommitResponse:
         result = await self._tx("commit", lambda: self.pool.tx_commit(request.tx_id))
         return pb.TxCommitResponse(tx_id=request.tx_id, stored_blocks=len(result.stored_keys))
 
     @maps_errors
+    @authorized("conductor")
     async def TxAbort(self, request: pb.TxAbortRequest, context: Context) -> pb.TxAbortResponse:
         result = await self._tx("abort", lambda: self.pool.tx_abort(request.tx_id))
         return pb.TxAbortResponse(tx_id=request.tx_id, freed_blocks=result.freed_blocks)
@@ -275,10 +287,12 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         return result
 
     @maps_errors
+    @authorized("conductor")
     async def Snapshot(self, request: pb.SnapshotRequest, context: Context) -> pb.SnapshotResponse:
         return self.events.snapshot(self.node_info)
 
     @maps_errors
+    @authorized("conductor")
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Context
     ) -> AsyncIterator[pb.EventBatch]:
@@ -286,6 +300,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             yield batch
 
     @maps_errors
+    @authorized("conductor")
     async def Prefill(self, request: pb.PrefillRequest, context: Context) -> pb.PrefillResponse:
         if not request.HasField("tx"):
             return await self.generation.prefill(request)
@@ -332,6 +347,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         await self._tx("commit", lambda: self.pool.tx_commit(tx_id))
 
     @maps_errors
+    @authorized("conductor")
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
@@ -360,6 +376,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 yield msg
 
     @maps_errors
+    @authorized("conductor", "agent")
     async def FetchKv(
         self, request: pb.FetchKvRequest, context: Context
     ) -> AsyncIterator[pb.KvChunk]:
@@ -367,6 +384,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             yield chunk
 
     @maps_errors
+    @authorized("conductor", "agent")
     async def ReadBlocks(
         self, request: pb.ReadBlocksRequest, context: Context
     ) -> AsyncIterator[pb.KvChunk]:
@@ -374,6 +392,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             yield chunk
 
     @maps_errors
+    @authorized("conductor")
     async def PullBlocks(
         self, request: pb.PullBlocksRequest, context: Context
     ) -> pb.PullBlocksResponse:
@@ -422,7 +441,7 @@ class AgentServer:
     async def start(self) -> int:
         pb_grpc.add_NodeAgentServicer_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self.port = self._server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        self.port = self._bind()
         self.service.bind(self.port)
         if self.settings.calibrate:  # before serving: never next to a real request
             await self.service.calibrate(self.settings.calibration_budget_s)
@@ -446,6 +465,7 @@ class AgentServer:
                 host=self.settings.metrics_host or self.settings.host,
                 port=self.settings.metrics_port,
                 before_scrape=self.service.refresh_metrics,
+                ready=lambda: not self.service.draining,
             )
             await self.metrics_server.start()
         log.info(
@@ -456,6 +476,15 @@ class AgentServer:
             self.address,
         )
         return self.port
+
+    def _bind(self) -> int:
+        address = f"{self.settings.host}:{self.settings.port}"
+        files = self.settings.tls_files()
+        if files is not None:
+            return self._server.add_secure_port(address, files.server_credentials())
+        check_plaintext(address, self.settings.grpc_plaintext, "served")
+        log.warning("gRPC is plaintext on %s: no TLS files (docs/security.md)", address)
+        return self._server.add_insecure_port(address)
 
     def _registry_record(self) -> AgentRecord:
         info = self.service.node_info

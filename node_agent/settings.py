@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.roles import NodeRole
+from kvc.tls import GrpcTlsSettings
 
 _NODE: Final[JsonDict] = {"group": "node: gRPC server, registry, metrics"}
 _ENGINE: Final[JsonDict] = {"group": "engine"}
@@ -27,7 +28,7 @@ _VLLM: Final[JsonDict] = {"group": "vLLM engine (--engine vllm, docs/engines.md)
 DEFAULT_MAX_RUNNING: Final = {"embedded": 16, "vllm": 256}
 
 
-class AgentSettings(BaseSettings):
+class AgentSettings(GrpcTlsSettings, BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVC_AGENT_", extra="forbid")
 
     node_id: str = Field(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ from conductor.app import create_app
 from conductor.settings import ConductorSettings
 from conductor.state import AppState
 from kvc.roles import NodeRole
+from kvc.tls import write_bundle
 from node_agent.main import build_engine
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
@@ -57,6 +59,15 @@ async def start_agent() -> AsyncIterator[AgentFactory]:
     yield start
     for server in started:
         await server.stop(grace_s=0.5)
+
+
+@pytest.fixture(scope="session")
+def tls_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA and a conductor and an agent certificate (``kvc certs``), as a deployment
+    mounts them: ca.pem, conductor.pem, conductor-key.pem, agent.pem, agent-key.pem."""
+    out = tmp_path_factory.mktemp("tls")
+    write_bundle(out)
+    return out
 
 
 @pytest.fixture

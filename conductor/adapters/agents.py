@@ -30,6 +30,7 @@ from tenacity import (
 )
 
 from kvc.roles import NodeRole
+from kvc.tls import PlaintextPolicy, TlsFiles, client_channel
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import ERROR_INFO_KEY, MAX_MESSAGE_BYTES, ROLE_FROM_PB, SERVICE_NAME
@@ -203,8 +204,12 @@ class AgentFleet:
         model: str,
         rpc_timeout_s: float,
         observe_call: CallObserver | None = None,
+        tls: TlsFiles | None = None,
+        plaintext: PlaintextPolicy = "loopback",
     ) -> None:
         self.model = model
+        self._tls = tls
+        self._plaintext = plaintext
         self.rpc_timeout_s = rpc_timeout_s
         self._observer = _ObserveUnaryCalls(observe_call) if observe_call else None
         self._agents: dict[str, AgentHandle] = {}
@@ -213,13 +218,19 @@ class AgentFleet:
             self.add(address)
 
     def add(self, address: str) -> AgentHandle:
+        """The agent at ``address``, with a channel opened on first sight (mTLS with
+        the conductor's certificate; ``ValueError`` where plaintext is not allowed)."""
         agent = self._agents.get(address)
         if agent is None:
             interceptors: list[grpc.aio.ClientInterceptor] = [_RetryIdempotentCalls(address)]
             if self._observer is not None:
                 interceptors.append(self._observer)  # inside the retries: sees each attempt
-            channel = grpc.aio.insecure_channel(
-                address, options=_CHANNEL_OPTIONS, interceptors=interceptors
+            channel = client_channel(
+                address,
+                self._tls,
+                self._plaintext,
+                options=_CHANNEL_OPTIONS,
+                interceptors=interceptors,
             )
             agent = self._agents[address] = AgentHandle(
                 address=address, channel=channel, stub=pb_grpc.NodeAgentStub(channel)
@@ -236,7 +247,12 @@ class AgentFleet:
         for address in set(self._agents) - addresses:
             log.info("agent %s left the registry", address)
             self.remove(address)
-        new = [self.add(a) for a in sorted(addresses - set(self._agents))]
+        new = []
+        for address in sorted(addresses - set(self._agents)):
+            try:
+                new.append(self.add(address))
+            except ValueError as exc:  # registered, but not reachable securely: skipped
+                log.error("agent %s not added: %s", address, exc)
         await asyncio.gather(*(self.refresh_one(a) for a in new))
 
     def get(self, address: str) -> AgentHandle:

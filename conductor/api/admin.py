@@ -8,6 +8,8 @@ GET  /admin/index                 shadow index and cost-model state
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 from typing import Annotated, Any
 
 import grpc
@@ -25,12 +27,23 @@ from kvc.v1 import node_agent_pb2 as pb
 router = APIRouter(prefix="/admin")
 
 
-def require_admin(request: Request, state: StateDep) -> None:
-    keys = state.settings.admin_keys
-    if not keys:
-        raise NotFound("Admin endpoints are disabled: start the conductor with --admin-keys.")
+def is_admin(request: Request, state: AppState) -> bool:
+    """Whether the request carries one of the admin keys (bearer), compared in constant
+    time: digests of equal length, every key compared, no early exit."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or token.strip() not in keys:
+    if scheme.lower() != "bearer" or not state.settings.admin_keys:
+        return False
+    offered = hashlib.sha256(token.strip().encode()).digest()
+    found = False
+    for key in state.settings.admin_keys:
+        found |= hmac.compare_digest(offered, hashlib.sha256(key.encode()).digest())
+    return found
+
+
+def require_admin(request: Request, state: StateDep) -> None:
+    if not state.settings.admin_keys:
+        raise NotFound("Admin endpoints are disabled: start the conductor with --admin-keys.")
+    if not is_admin(request, state):
         raise AuthenticationFailed("An admin key is required for this endpoint.")
 
 

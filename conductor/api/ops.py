@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from conductor.api.admin import is_admin
 from conductor.api.deps import StateDep
 from conductor.api.schemas import AgentReadiness, HealthResponse, NotReadyResponse, ReadyResponse
 from conductor.errors import ServiceUnavailable
@@ -26,8 +27,15 @@ async def health() -> HealthResponse:
         503: {"model": NotReadyResponse, "description": "Not ready; `Retry-After`"},
     },
 )
-async def ready(state: StateDep) -> Response:
-    """Readiness: a prefill-capable and a decode-capable agent are usable."""
+async def ready(request: Request, state: StateDep) -> Response:
+    """Readiness: a prefill-capable and a decode-capable agent are usable.
+
+    The agents as the conductor sees them (addresses, errors) are listed only to an
+    admin key, or when the conductor runs without any keys (nothing is private then);
+    anyone else learns ready or not."""
+    details = is_admin(request, state) or not (
+        state.settings.admin_keys or state.tenants.auth_required
+    )
     agents = [
         AgentReadiness(
             address=a.address,
@@ -37,7 +45,7 @@ async def ready(state: StateDep) -> Response:
             inflight=a.inflight,
             error=a.last_error or None,
         )
-        for a in state.fleet.handles()
+        for a in (state.fleet.handles() if details else ())
     ]
     if state.fleet.ready() and not state.draining:
         return JSONResponse(ReadyResponse(agents=agents).model_dump())

@@ -644,7 +644,7 @@ class AgentReadiness(_ResponseModel):
 
 class ReadyResponse(_ResponseModel):
     status: Literal["ready"] = "ready"
-    agents: list[AgentReadiness]
+    agents: list[AgentReadiness]  # empty unless the caller may see them (an admin key)
 
 
 class NotReadyResponse(ErrorResponse):

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from kvc.tls import PlaintextPolicy, TlsFiles, client_channel
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import MAX_MESSAGE_BYTES
@@ -64,8 +65,12 @@ class KvTransport(Protocol):
 class GrpcKvTransport:
     """KV chunks over gRPC streams; one channel per peer address (the peer pool)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, tls: TlsFiles | None = None, plaintext: PlaintextPolicy = "loopback"
+    ) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = tls  # this agent's certificate: peers serve agents KV
+        self._plaintext = plaintext
 
     async def send(
         self, data: bytes, *, layout: KvLayout, num_tokens: int, chunk_bytes: int
@@ -110,9 +115,15 @@ class GrpcKvTransport:
     def _stub(self, address: str) -> pb_grpc.NodeAgentAsyncStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-            )
+            try:
+                channel = client_channel(
+                    address,
+                    self._tls,
+                    self._plaintext,
+                    options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                )
+            except ValueError as exc:  # plaintext beyond loopback, or unreadable TLS files
+                raise TransferError(f"KV transfer from {address} refused: {exc}") from exc
             self._channels[address] = channel
         return pb_grpc.NodeAgentStub(channel)
 

@@ -82,3 +82,25 @@ async def test_draining_agent_refuses_new_work_but_finishes_a_tx(
         await stub.TxCommit(pb.TxCommitRequest(tx_id="before"))  # in-flight work completes
         assert agent.service.busy() == (0, 0)
     assert_no_locks(agent)
+
+
+async def test_ready_lists_agents_only_to_an_admin_when_keys_are_set(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """An unauthenticated /ready once listed every agent's address and error."""
+    agent = await start_agent("both")
+    async with conductor([agent], admin_keys=["admin-secret"], api_keys=["sk-1"]) as c:
+        anonymous = await c.client.get("/ready")
+        assert anonymous.status_code == 200
+        assert anonymous.json() == {"status": "ready", "agents": []}
+        client = await c.client.get("/ready", headers={"Authorization": "Bearer sk-1"})
+        assert client.json()["agents"] == []  # an API key is not an admin key
+        admin = await c.client.get("/ready", headers=ADMIN)
+        assert [a["address"] for a in admin.json()["agents"]] == [agent.address]
+        for key in ("admin-secre", "admin-secret-", "", "x" * 200):  # near misses
+            resp = await c.client.get("/admin/nodes", headers={"Authorization": f"Bearer {key}"})
+            assert resp.status_code == 401, key
+    async with conductor([agent]) as c:  # no keys at all: nothing is private
+        assert [a["address"] for a in (await c.client.get("/ready")).json()["agents"]] == [
+            agent.address
+        ]

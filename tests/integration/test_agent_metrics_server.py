@@ -33,3 +33,20 @@ async def test_the_exposition_has_the_agent_and_its_process() -> None:
             assert (await client.delete("/metrics")).status_code == 405
     finally:
         await server.stop()
+
+
+async def test_health_and_ready_for_kubelets_http_probes() -> None:
+    """Liveness and readiness over plain HTTP: kubelet's gRPC probe speaks no TLS, and
+    with mTLS on the gRPC port takes only certificates of the cluster's CA."""
+    draining = False
+    server = MetricsServer(AgentMetrics(), host="127.0.0.1", port=0, ready=lambda: not draining)
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as client:
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/ready")).status_code == 200
+            draining = True
+            assert (await client.get("/ready")).status_code == 503
+            assert (await client.get("/health")).status_code == 200  # alive while draining
+    finally:
+        await server.stop()

@@ -35,6 +35,9 @@ def test_environment_configures_settings(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setenv("KVC_CONDUCTOR_AGENTS", "a:1, b:2")
     monkeypatch.setenv("KVC_CONDUCTOR_API_KEYS", "k1,k2")
+    with pytest.raises(ValueError, match="refusing plaintext gRPC to agent a:1"):
+        ConductorSettings()  # agents beyond loopback, no TLS files
+    monkeypatch.setenv("KVC_CONDUCTOR_GRPC_PLAINTEXT", "any")
     settings = ConductorSettings()
     assert settings.agents == ["a:1", "b:2"]
     assert settings.api_keys == ["k1", "k2"]
@@ -91,7 +94,9 @@ def test_switches_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert (agent.calibrate, agent.block_size, agent.capacity_blocks) == (False, 16, 64)
     assert agent.threads == 3  # environment below the flags
     argv = ["conductor", "--api-keys-in-redis", "--agents", "a:1,b:2", "--policy", "round_robin"]
+    argv += ["--grpc-plaintext", "any"]
     conductor = settings_from_args(ConductorSettings, build_parser().parse_args(argv))
+    assert conductor.grpc_plaintext == "any"
     assert conductor.api_keys_in_redis
     assert conductor.agents == ["a:1", "b:2"]
     assert conductor.policy == "round_robin"

@@ -38,12 +38,26 @@ from tests.tooling import require_tool, run_tool
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def validate_command(argv: list[str]) -> None:
+def tls_env(role: str, certs: Path) -> dict[str, str]:
+    """The TLS files a deployment mounts at /certs, here from a real bundle."""
+    name = {"conductor": "conductor", "agent": "agent"}[role]
+    return {
+        f"KVC_{role.upper()}_TLS_CERT_FILE": str(certs / f"{name}.pem"),
+        f"KVC_{role.upper()}_TLS_KEY_FILE": str(certs / f"{name}-key.pem"),
+        f"KVC_{role.upper()}_TLS_CA_FILE": str(certs / "ca.pem"),
+    }
+
+
+def validate_command(argv: list[str], env: dict[str, str] | None = None) -> None:
+    """Parse and validate a kvc command line, with ``env`` as its environment."""
     ns = build_parser().parse_args(argv)
-    if ns.command == "conductor":
-        settings_from_args(ConductorSettings, ns)
-    elif ns.command == "agent":
-        settings_from_args(AgentSettings, ns)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in (env or {}).items():
+            mp.setenv(key, value)
+        if ns.command == "conductor":
+            settings_from_args(ConductorSettings, ns)
+        elif ns.command == "agent":
+            settings_from_args(AgentSettings, ns)
 
 
 def flag(argv: list[str], name: str) -> str | None:
@@ -64,11 +78,18 @@ def kvc_services(role: str) -> dict[str, list[str]]:
     }
 
 
-def test_compose_commands_are_valid() -> None:
+def test_compose_commands_are_valid(tls_bundle: Path) -> None:
     services = compose()["services"]
     for name, svc in services.items():
         if "build" in svc:
-            validate_command(svc["command"])
+            env = {
+                key: str(tls_bundle / Path(value).name) if value.startswith("/certs/") else value
+                for key, value in (svc.get("environment") or {}).items()
+            }
+            validate_command(svc["command"], env)
+            if svc["command"][0] == "certs":  # a one-shot job, no healthcheck
+                assert svc["healthcheck"] == {"disable": True}
+                continue
             test = svc["healthcheck"]["test"]
             assert test[:3] == ["CMD", "kvc", "probe"], name
             build_parser().parse_args(test[2:])
@@ -76,6 +97,28 @@ def test_compose_commands_are_valid() -> None:
             image = svc["image"]
             assert re.match(r"^[\w./-]+:[\w.-]+$", image), f"{name}: pin the image tag"
             assert not image.endswith(":latest"), name
+
+
+def test_compose_grpc_is_mtls_with_certificates_made_on_up() -> None:
+    services = compose()["services"]
+    certs = services["certs"]
+    assert certs["command"][:3] == ["certs", "--out", "/certs"]
+    assert certs["volumes"] == ["kvc-certs:/certs"]
+    assert "kvc-certs" in compose()["volumes"]
+    for role in ("conductor", "agent"):
+        for name in kvc_services(role):
+            svc = services[name]
+            env = svc["environment"]
+            prefix = f"KVC_{role.upper()}_"
+            assert env[prefix + "TLS_CERT_FILE"] == f"/certs/{role}.pem", name
+            assert env[prefix + "TLS_KEY_FILE"] == f"/certs/{role}-key.pem", name
+            assert env[prefix + "TLS_CA_FILE"] == "/certs/ca.pem", name
+            assert prefix + "GRPC_PLAINTEXT" not in env, name
+            assert "--grpc-plaintext" not in svc["command"], name
+            assert "kvc-certs:/certs:ro" in svc["volumes"], name
+            assert svc["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+            if role == "agent":
+                assert svc["healthcheck"]["test"][-1] == "grpcs://127.0.0.1:50051", name
 
 
 def test_compose_runs_the_whole_system() -> None:
@@ -253,7 +296,7 @@ def test_dockerfile_builds_one_image_per_role() -> None:
 
 
 @pytest.mark.parametrize("target", ["conductor", "agent"])
-def test_dockerfile_images_run_non_root_with_healthcheck(target: str) -> None:
+def test_dockerfile_images_run_non_root_with_healthcheck(target: str, tls_bundle: Path) -> None:
     chain = base_chain(dockerfile_stages(), target)
     assert in_force(chain, "USER") not in ("root", "0")
     healthcheck = re.search(r"CMD\s+(\[.*\])", in_force(chain, "HEALTHCHECK"))
@@ -264,7 +307,8 @@ def test_dockerfile_images_run_non_root_with_healthcheck(target: str) -> None:
     assert yaml.safe_load(in_force(chain, "ENTRYPOINT")) == ["kvc"]
     command = yaml.safe_load(in_force(chain, "CMD"))
     assert command[0] == target
-    validate_command(command)
+    # Serving on 0.0.0.0 needs TLS files: without them the agent refuses to start.
+    validate_command(command, tls_env(target, tls_bundle))
 
 
 def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies() -> None:
@@ -291,8 +335,10 @@ def test_compose_services_run_their_role_image() -> None:
         if "build" in svc:
             target = svc["build"]["target"]
             assert target in stages, name
-            # kvc fleet up runs agents and simulated engines: the agent image (ZMQ extra).
-            expected = "agent" if svc["command"][0] == "fleet" else svc["command"][0]
+            # kvc fleet up runs agents and simulated engines: the agent image (ZMQ extra);
+            # kvc certs needs only the core install: the conductor image.
+            images = {"fleet": "agent", "certs": "conductor"}
+            expected = images.get(svc["command"][0], svc["command"][0])
             assert target == expected, name
 
 

@@ -25,6 +25,7 @@ CRD schemas (only their shape is checked), and the vLLM image's own flags.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +37,6 @@ import pytest
 import yaml
 
 from kvc.models import DEFAULT_MODEL_DIR
-from kvc.wire import SERVICE_NAME
 from tests.tooling import require_tool, run_tool
 from tests.unit.test_deploy_files import flag, validate_command
 
@@ -61,6 +61,7 @@ SECRETS = {
 }
 
 Manifest = dict[str, Any]
+TLS_MOUNT = "/etc/kvc/tls/"
 
 
 # Offline rendering knows no cluster APIs: render the Prometheus Operator objects anyway.
@@ -110,14 +111,22 @@ def kvc_args(container: Manifest) -> list[str]:
     return [str(a) for a in container["args"]]
 
 
-def validate_kvc(args: list[str]) -> None:
-    """``validate_command``; a model folder that exists only on the cluster's volume is
-    replaced by the packaged one (the settings check that the folder exists)."""
+def validate_kvc(args: list[str], container: Manifest, tls_bundle: Path) -> None:
+    """``validate_command`` with the container's environment; a model folder that exists
+    only on the cluster's volume is replaced by the packaged one (the settings check
+    that the folder exists), and the mounted TLS files by a real bundle."""
     model = flag(args, "--model")
     if model is not None and not Path(model).is_dir():
         args = list(args)
         args[args.index("--model") + 1] = str(DEFAULT_MODEL_DIR)
-    validate_command(args)
+    env = {}
+    for e in container.get("env", []):
+        value = e.get("value")
+        if isinstance(value, str) and value.startswith(TLS_MOUNT):
+            value = str(tls_bundle / value.removeprefix(TLS_MOUNT))
+        if value is not None and e["name"].startswith("KVC_"):
+            env[e["name"]] = value
+    validate_command(args, env)
 
 
 def test_helm_lint_is_clean() -> None:
@@ -153,12 +162,14 @@ def test_objects_match_the_kubernetes_schemas(manifests: list[Manifest]) -> None
         kubernetes_validate.validate(d, KUBE_VERSION, strict=True)
 
 
-def test_conductor_command_and_probes_are_valid(manifests: list[Manifest]) -> None:
+def test_conductor_command_and_probes_are_valid(
+    manifests: list[Manifest], tls_bundle: Path
+) -> None:
     (deployment,) = of_kind(manifests, "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     args = kvc_args(container)
     assert args[0] == "conductor"
-    validate_kvc(args)
+    validate_kvc(args, container, tls_bundle)
     port = int(flag(args, "--port") or 0)
     assert container["ports"][0]["containerPort"] == port
     # kubelet's own HTTP probes: no process per probe in the container.
@@ -168,7 +179,7 @@ def test_conductor_command_and_probes_are_valid(manifests: list[Manifest]) -> No
     assert container["image"].startswith("kv-conductor:")
 
 
-def test_agent_commands_and_probes_are_valid(manifests: list[Manifest]) -> None:
+def test_agent_commands_and_probes_are_valid(manifests: list[Manifest], tls_bundle: Path) -> None:
     agents = [(sts, c) for sts, c in containers(manifests) if c["name"] == "agent"]
     assert len(agents) == 2
     roles = set()
@@ -188,12 +199,13 @@ def test_agent_commands_and_probes_are_valid(manifests: list[Manifest]) -> None:
         assert flag(args, "--node-id") == "$(POD_NAME)"
         env = {e["name"]: e for e in container["env"]}
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-        for probe in ("startupProbe", "readinessProbe"):
-            assert container[probe]["grpc"] == {"port": grpc_port, "service": SERVICE_NAME}
+        # kubelet's HTTP probes on the metrics port (its gRPC probe cannot do mTLS): a
+        # draining agent is not ready (/ready 503) but alive (/health 200).
+        for probe, path in (("startupProbe", "/ready"), ("readinessProbe", "/ready"),
+                            ("livenessProbe", "/health")):  # fmt: skip
+            assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}, probe
         assert container["image"].startswith("kv-conductor-agent:")
-        # A draining agent is NOT_SERVING for kvc.v1.NodeAgent but alive: liveness asks "".
-        assert container["livenessProbe"]["grpc"] == {"port": grpc_port, "service": ""}
-        validate_kvc(args)
+        validate_kvc(args, container, tls_bundle)
     assert roles == {"prefill", "decode"}
 
 
@@ -438,3 +450,62 @@ def test_bearer_keys_and_tenants_file_from_an_existing_secret() -> None:
         assert not any("KVC_CONDUCTOR" in e["name"] for e in container.get("env", []))
     with pytest.raises(helm.HelmError, match=r"needs auth\.existingSecret"):
         render_values({"auth": {"tenantsFileKey": "tenants.json"}})
+
+
+def rendered_docs(values: dict[str, Any]) -> list[Manifest]:
+    return [d for p, text in render_values(values).items() if p.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]  # fmt: skip
+
+
+def tls_volume(pod: Manifest) -> Manifest | None:
+    return next((v for v in pod["volumes"] if v["name"] == "tls"), None)
+
+
+def test_mtls_by_default_with_certificates_the_chart_makes() -> None:
+    """Each pod mounts its role's certificate and key and the CA, nothing else (the
+    CA's key is never in the cluster); the certificates verify against the CA."""
+    from cryptography import x509
+
+    docs = rendered_docs({})
+    (secret,) = [d for d in of_kind(docs, "Secret") if d["metadata"]["name"].endswith("-tls")]
+    data = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    assert set(data) == {"ca.pem", "conductor.pem", "conductor-key.pem", "agent.pem",
+                         "agent-key.pem"}  # fmt: skip
+    ca = x509.load_pem_x509_certificate(data["ca.pem"])
+    for role in ("conductor", "agent"):
+        cert = x509.load_pem_x509_certificate(data[f"{role}.pem"])
+        cert.verify_directly_issued_by(ca)
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert sans.get_values_for_type(x509.DNSName) == [f"kvc-{role}"]
+    for workload, container in containers(docs):
+        if container["name"] not in ("conductor", "agent"):
+            continue
+        role = container["name"]
+        pod = workload["spec"]["template"]["spec"]
+        volume = tls_volume(pod)
+        assert volume is not None
+        assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+        assert {i["key"] for i in volume["secret"]["items"]} == {
+            "ca.pem", f"{role}.pem", f"{role}-key.pem"
+        }  # fmt: skip
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        prefix = f"KVC_{role.upper()}_"
+        assert env[prefix + "TLS_CERT_FILE"] == f"{TLS_MOUNT}{role}.pem"
+        assert prefix + "GRPC_PLAINTEXT" not in env
+
+
+def test_mtls_from_an_existing_secret_or_off_behind_a_mesh() -> None:
+    docs = rendered_docs({"tls": {"existingSecret": "my-kvc-tls"}})
+    assert not [d for d in of_kind(docs, "Secret") if d["metadata"]["name"].endswith("-tls")]
+    for workload, container in containers(docs):
+        if container["name"] in ("conductor", "agent"):
+            volume = tls_volume(workload["spec"]["template"]["spec"])
+            assert volume is not None
+            assert volume["secret"]["secretName"] == "my-kvc-tls"
+    docs = rendered_docs({"tls": {"enabled": False}})
+    assert not of_kind(docs, "Secret")
+    for workload, container in containers(docs):
+        if container["name"] in ("conductor", "agent"):
+            assert tls_volume(workload["spec"]["template"]["spec"]) is None
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env[f"KVC_{container['name'].upper()}_GRPC_PLAINTEXT"] == "any"

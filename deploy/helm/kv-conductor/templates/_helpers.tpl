@@ -123,3 +123,54 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     readOnly: true
 {{- end }}
 {{- end -}}
+
+{{/* The Secret with the mTLS files: tls.existingSecret, else the chart's own. */}}
+{{- define "kvc.tlsSecretName" -}}
+{{- .Values.tls.existingSecret | default (printf "%s-tls" (include "kvc.fullname" .)) -}}
+{{- end -}}
+
+{{/* KVC_<SERVICE>_TLS_* (or the explicit plaintext switch when tls.enabled is false);
+call with (list . "CONDUCTOR" "conductor"). */}}
+{{- define "kvc.tlsEnv" -}}
+{{- $root := index . 0 -}}
+{{- $svc := index . 1 -}}
+{{- $role := index . 2 -}}
+{{- if $root.Values.tls.enabled }}
+- name: KVC_{{ $svc }}_TLS_CERT_FILE
+  value: /etc/kvc/tls/{{ $role }}.pem
+- name: KVC_{{ $svc }}_TLS_KEY_FILE
+  value: /etc/kvc/tls/{{ $role }}-key.pem
+- name: KVC_{{ $svc }}_TLS_CA_FILE
+  value: /etc/kvc/tls/ca.pem
+{{- else }}
+- name: KVC_{{ $svc }}_GRPC_PLAINTEXT
+  value: any
+{{- end }}
+{{- end -}}
+
+{{- define "kvc.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/kvc/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Only the role's own certificate and key, and the CA; call with (list . "agent"). */}}
+{{- define "kvc.tlsVolume" -}}
+{{- $root := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- if $root.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "kvc.tlsSecretName" $root | quote }}
+    defaultMode: 0440
+    items:
+      - key: ca.pem
+        path: ca.pem
+      - key: {{ $role }}.pem
+        path: {{ $role }}.pem
+      - key: {{ $role }}-key.pem
+        path: {{ $role }}-key.pem
+{{- end }}
+{{- end -}}

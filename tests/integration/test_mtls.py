@@ -1,0 +1,207 @@
+"""mTLS on every gRPC hop and authorization by the role in the caller's certificate:
+conductors run transactions and generations, agents only pull KV from each other, a
+caller without a certificate of the cluster's CA gets nothing, and plaintext is served
+and dialled on loopback only (unless a mesh encrypts: ``grpc_plaintext=any``)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvc.tls import AGENT_NAME, PlaintextPolicy, TlsFiles, write_bundle
+from kvc.v1 import node_agent_pb2 as pb
+from kvc.v1 import node_agent_pb2_grpc as pb_grpc
+from node_agent.server import AgentServer
+from node_agent.settings import AgentSettings
+from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, chat_body
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("certs")
+    write_bundle(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("other")
+    write_bundle(out)
+    return out
+
+
+def tls_of(folder: Path, role: str) -> dict[str, str]:
+    return {
+        "tls_cert_file": str(folder / f"{role}.pem"),
+        "tls_key_file": str(folder / f"{role}-key.pem"),
+        "tls_ca_file": str(folder / "ca.pem"),
+    }
+
+
+def files_of(folder: Path, role: str) -> TlsFiles:
+    return TlsFiles(folder / f"{role}.pem", folder / f"{role}-key.pem", folder / "ca.pem")
+
+
+@pytest.fixture
+async def tls_agent(start_agent: AgentFactory, certs: Path) -> AgentServer:
+    return await start_agent("both", capacity_blocks=32, **tls_of(certs, "agent"))
+
+
+def secure(address: str, files: TlsFiles) -> grpc.aio.Channel:
+    return grpc.aio.secure_channel(
+        address,
+        files.channel_credentials(),
+        options=[("grpc.ssl_target_name_override", AGENT_NAME)],
+    )
+
+
+async def status_of(call: Any) -> grpc.StatusCode:
+    async def run() -> None:
+        if hasattr(call, "__aiter__"):
+            async for _ in call:
+                pass
+        else:
+            await call
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await run()
+    return info.value.code()
+
+
+def alloc(tx_id: str) -> pb.TxAllocateRequest:
+    return pb.TxAllocateRequest(tx_id=tx_id, tenant="t", block_keys=[11, 12], lease_s=30)
+
+
+async def test_the_conductor_role_may_do_everything_an_agent_only_pull(
+    tls_agent: AgentServer, certs: Path
+) -> None:
+    address = tls_agent.address
+    async with secure(address, files_of(certs, "conductor")) as channel:
+        stub = pb_grpc.NodeAgentStub(channel)
+        await stub.TxAllocate(alloc("c1"))
+        await stub.Snapshot(pb.SnapshotRequest())
+        await stub.TxAbort(pb.TxAbortRequest(tx_id="c1"))
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    async with secure(address, files_of(certs, "agent")) as channel:
+        peer = pb_grpc.NodeAgentStub(channel)
+        assert (await peer.GetInfo(pb.GetInfoRequest())).node_id
+        assert await status_of(peer.TxAllocate(alloc("a1"))) == denied
+        assert await status_of(peer.Snapshot(pb.SnapshotRequest())) == denied
+        assert await status_of(peer.Drain(pb.DrainRequest())) == denied
+        watch = peer.WatchEvents(pb.WatchEventsRequest(from_seq=1))
+        assert await status_of(watch) == denied
+        generate = peer.Generate(pb.GenerateRequest(request_id="g", prompt_token_ids=[1, 2]))
+        assert await status_of(generate) == denied
+        prefill = peer.Prefill(pb.PrefillRequest(request_id="p", prompt_token_ids=[1, 2]))
+        assert await status_of(prefill) == denied
+        pull = pb.PullBlocksRequest(tx_id="c", source_address="x:1", source_tx_id="s", num_blocks=1)
+        assert await status_of(peer.PullBlocks(pull)) == denied  # no poisoning by a peer
+        assert await status_of(peer.TxCommit(pb.TxCommitRequest(tx_id="c1"))) == denied
+        # Pulling is an agent's right, and still needs a staged handle of the tenant.
+        fetch = peer.FetchKv(pb.FetchKvRequest(stage_handle="guess", tenant="t"))
+        assert await status_of(fetch) == grpc.StatusCode.NOT_FOUND
+    assert not tls_agent.service.draining
+    assert_no_locks(tls_agent)
+
+
+async def test_callers_without_a_certificate_of_the_ca_get_nothing(
+    tls_agent: AgentServer, certs: Path, other_ca: Path
+) -> None:
+    address = tls_agent.address
+    unavailable = grpc.StatusCode.UNAVAILABLE
+    async with grpc.aio.insecure_channel(address) as channel:  # plaintext
+        call = pb_grpc.NodeAgentStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
+        assert await status_of(call) == unavailable
+    server_only = grpc.ssl_channel_credentials(root_certificates=(certs / "ca.pem").read_bytes())
+    options = [("grpc.ssl_target_name_override", AGENT_NAME)]
+    async with grpc.aio.secure_channel(address, server_only, options=options) as channel:
+        call = pb_grpc.NodeAgentStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
+        assert await status_of(call) == unavailable  # no client certificate
+    async with secure(address, files_of(other_ca, "conductor")) as channel:
+        tx = pb_grpc.NodeAgentStub(channel).TxAllocate(alloc("x"), timeout=5)
+        assert await status_of(tx) == unavailable  # another CA's conductor
+    assert_no_locks(tls_agent)
+
+
+async def test_disaggregated_serving_end_to_end_over_mtls(
+    start_agent: AgentFactory, conductor: ConductorFactory, certs: Path
+) -> None:
+    prefill = await start_agent("prefill", **tls_of(certs, "agent"))
+    decode = await start_agent("decode", **tls_of(certs, "agent"))
+    async with conductor([prefill, decode], **tls_of(certs, "conductor")) as c:
+        resp = await c.client.post("/v1/chat/completions", json=chat_body("hello " * 60))
+        assert resp.status_code == 200, resp.text
+    assert decode.service.metrics.transfer_bytes.labels("received", "handoff")._value.get() > 0
+    assert_no_locks(prefill, decode)
+
+
+async def test_a_conductor_without_tls_cannot_use_tls_agents(
+    start_agent: AgentFactory, conductor: ConductorFactory, certs: Path
+) -> None:
+    agent = await start_agent("both", **tls_of(certs, "agent"))
+    async with conductor([agent]) as c:
+        resp = await c.client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 503, resp.text
+    assert_no_locks(agent)
+
+
+async def test_server_picks_up_rotated_files(
+    start_agent: AgentFactory, certs: Path, other_ca: Path, tmp_path: Path
+) -> None:
+    live = tmp_path / "live"
+    shutil.copytree(certs, live)
+    agent = await start_agent("both", **tls_of(live, "agent"))
+    async with secure(agent.address, files_of(certs, "conductor")) as channel:
+        await pb_grpc.NodeAgentStub(channel).GetInfo(pb.GetInfoRequest())
+    for name in ("agent.pem", "agent-key.pem", "ca.pem"):  # a new CA and certificate
+        shutil.copy(other_ca / name, live / name)
+    async with secure(agent.address, files_of(other_ca, "conductor")) as channel:
+        await pb_grpc.NodeAgentStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
+    async with secure(agent.address, files_of(certs, "conductor")) as channel:
+        call = pb_grpc.NodeAgentStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
+        assert await status_of(call) == grpc.StatusCode.UNAVAILABLE  # the old CA is out
+
+
+@pytest.mark.parametrize(
+    ("host", "policy", "refused"),
+    [
+        ("127.0.0.1", "loopback", False),
+        ("0.0.0.0", "loopback", True),  # every interface: reachable from the network
+        ("0.0.0.0", "any", False),  # behind a mesh that encrypts
+        ("127.0.0.1", "never", True),
+    ],
+)
+async def test_plaintext_only_where_the_policy_allows(
+    host: str, policy: PlaintextPolicy, refused: bool
+) -> None:
+    from node_agent.main import build_engine
+
+    settings = AgentSettings(port=0, host=host, grpc_plaintext=policy, calibrate=False)
+    server = AgentServer(settings, build_engine(settings))
+    if refused:
+        with pytest.raises(ValueError, match="refusing plaintext gRPC"):
+            await server.start()
+        await server.engine.aclose()
+        return
+    await server.start()
+    await server.stop(grace_s=0.1)
+
+
+async def test_kvc_probe_checks_a_tls_agent_with_its_own_files(
+    tls_agent: AgentServer, certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from kvc_cli.probe import probe
+
+    address = tls_agent.address
+    with pytest.raises(ValueError, match="grpcs:// needs"):
+        await asyncio.to_thread(probe, f"grpcs://{address}")
+    for name, value in tls_of(certs, "agent").items():
+        monkeypatch.setenv(f"KVC_AGENT_{name.upper()}", value)
+    assert await asyncio.to_thread(probe, f"grpcs://{address}")
+    assert not await asyncio.to_thread(probe, f"grpc://{address}", 2.0)  # plaintext: refused
