@@ -40,6 +40,7 @@ from conductor.errors import (
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
+    RequestTimeout,
 )
 from conductor.metrics import ConductorMetrics
 from conductor.settings import ConductorSettings
@@ -61,17 +62,26 @@ def _error_response(exc: ConductorError, request_id: str | None) -> JSONResponse
     return JSONResponse(exc.to_response_body(), status_code=exc.status_code, headers=headers)
 
 
-class _BodyTooLarge(Exception):
+# BaseException: raised inside the app's body read, they must pass FastAPI, which turns
+# any Exception there into a 400 "error parsing the body", up to the middleware below.
+class _BodyTooLarge(BaseException):
+    pass
+
+
+class _BodyTimeout(BaseException):
     pass
 
 
 class RequestContextMiddleware:
     """Assigns ``X-Request-Id`` (accepted when sane, else generated), echoes it on
-    every response, and refuses bodies over ``max_body_bytes`` with 413."""
+    every response, refuses bodies over ``max_body_bytes`` with 413, and a body that
+    has not arrived in full ``body_timeout_s`` after the request began with 408 (a
+    slow client cannot hold a connection and its task for ever)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -99,14 +109,23 @@ class RequestContextMiddleware:
             await self._too_large(scope, receive, send_with_id)
             return
         received = 0
+        body_done = False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
         async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # afterwards: waiting for the client to go (no deadline)
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise _BodyTimeout from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
                     raise _BodyTooLarge
+                body_done = not message.get("more_body", False)
             return message
 
         try:
@@ -115,6 +134,15 @@ class RequestContextMiddleware:
             if started:
                 raise
             await self._too_large(scope, receive, send_with_id)
+        except _BodyTimeout:
+            if started:
+                raise
+            exc = RequestTimeout(
+                f"The request body did not arrive within {self.body_timeout_s:g} s.", param=None
+            )
+            response = _error_response(exc, None)
+            response.headers["Connection"] = "close"  # the rest of the body is not read
+            await response(scope, receive, send_with_id)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         exc = PayloadTooLarge(
@@ -245,6 +273,7 @@ def create_app(
                             interval_s=settings.agent_poll_interval_s,
                             stop=stop,
                             on_redis_state=lambda up: metrics.redis_up.set(int(up)),
+                            grace_s=settings.registry_grace_s,
                         )
                     )
                 )
@@ -280,5 +309,9 @@ def create_app(
     app.include_router(extras_router)
     app.include_router(admin_router)
     install_openapi(app)
-    app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        RequestContextMiddleware,
+        max_body_bytes=settings.max_request_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
     return app

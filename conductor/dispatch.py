@@ -52,6 +52,7 @@ from conductor.core.scheduler import (
     ScheduleRequest,
 )
 from conductor.errors import (
+    ConductorError,
     RateLimited,
     ServiceUnavailable,
 )
@@ -161,6 +162,7 @@ class Dispatcher:
         self._telemetry = telemetry
         self.refusals = RefusalLog()
         self._capacity_freed = asyncio.Event()
+        self._streams: set[GenerationStream] = set()  # running generations
         self._cleanup: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ helpers
@@ -520,7 +522,10 @@ class Dispatcher:
             if placed.would_have_hit_tokens:
                 telemetry.count_would_have_hit(placed.would_have_hit_tokens)
 
+        stream: GenerationStream
+
         def on_close(gaps_s: list[float], tokens: int, finish_reason: str | None) -> None:
+            self._streams.discard(stream)
             release_books()
             mean_gap = sum(gaps_s) / len(gaps_s) if gaps_s else None
             if mean_gap is not None and telemetry is not None:
@@ -529,4 +534,14 @@ class Dispatcher:
                 tokens, stopped=finish_reason == "stop", now_s=self._clock(), mean_gap_s=mean_gap
             )
 
-        return GenerationStream(call, first, placed, on_close)
+        stream = GenerationStream(call, first, placed, on_close)
+        self._streams.add(stream)
+        return stream
+
+    def interrupt_streams(self, error: ConductorError) -> int:
+        """End every running generation with ``error`` (shutdown deadline): a stream
+        sends it as its last event and [DONE]. Returns how many were running."""
+        streams = list(self._streams)
+        for stream in streams:
+            stream.interrupt(error)
+        return len(streams)

@@ -12,6 +12,7 @@ the envelope api.openai.com sends (``param`` and ``code`` are null when unset)::
     ├── AuthenticationFailed      401  invalid_request_error  code=invalid_api_key
     ├── NotFound                  404  invalid_request_error
     │   └── ModelNotFound         404  invalid_request_error  code=model_not_found  param=model
+    ├── RequestTimeout            408  invalid_request_error  code=request_timeout
     ├── PayloadTooLarge           413  invalid_request_error  code=request_too_large
     ├── UnprocessableEntity       422  invalid_request_error
     ├── RateLimited               429  requests (or tokens)   code=rate_limit_exceeded
@@ -65,6 +66,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "RateLimited",
+    "RequestTimeout",
     "ServiceUnavailable",
     "UnprocessableEntity",
     "UpstreamError",
@@ -251,6 +253,13 @@ class ModelNotFound(NotFound):
             message = f"The model `{model}` does not exist or you do not have access to it."
         super().__init__(message, param=param, code=code, headers=headers)
         self.model = model
+
+
+class RequestTimeout(ConductorError):
+    status_code = 408
+    error_type = "invalid_request_error"
+    default_message = "The request body did not arrive in time."
+    default_code = "request_timeout"
 
 
 class PayloadTooLarge(ConductorError):

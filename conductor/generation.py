@@ -5,6 +5,7 @@ mapped to ``ConductorError``s. The dispatcher (``conductor.dispatch``) starts it
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,6 +131,7 @@ class GenerationStream:
         self._tokens = 0
         self._last_token_at = time.perf_counter()
         self._gaps_s: list[float] = []
+        self._interrupted: ConductorError | None = None
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -149,7 +151,16 @@ class GenerationStream:
                 read = await self._call.read()
             except grpc.aio.AioRpcError as exc:
                 await self.aclose()
+                if self._interrupted is not None:
+                    raise self._interrupted from None
                 raise map_agent_error(translate_rpc_error(self.placed.decode_node, exc)) from exc
+            except asyncio.CancelledError:
+                # The call was cancelled by ``interrupt``, not this task: an error to send.
+                task = asyncio.current_task()
+                if self._interrupted is None or (task is not None and task.cancelling()):
+                    raise
+                await self.aclose()
+                raise self._interrupted from None
             if read is grpc.aio.EOF:
                 await self.aclose()
                 raise UpstreamError("the decode node ended the stream without a finish reason")
@@ -168,6 +179,13 @@ class GenerationStream:
             self._finish_reason = delta.finish_reason
             await self.aclose()
         return delta
+
+    def interrupt(self, error: ConductorError) -> None:
+        """Stop the generation from outside (shutdown): the next read raises ``error``."""
+        if self._closed or self._finished:
+            return
+        self._interrupted = error
+        self._call.cancel()
 
     async def aclose(self) -> None:
         if self._closed:

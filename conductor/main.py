@@ -2,24 +2,30 @@
 
 SIGTERM (or Ctrl-C): ``/ready`` turns 503 at once, the process keeps serving for
 ``drain_delay_s`` so load balancers stop sending new requests, then uvicorn closes the
-listener and lets in-flight requests (and their transactions) finish, up to 30 s. A
-second signal stops at once. The process exits 0 after a graceful stop.
+listener and lets in-flight requests (and their transactions) finish, up to
+``shutdown_timeout_s``; a generation still running then ends with an error event and
+[DONE] (a non-streamed one with a 503), never a cut connection. A second signal skips
+the drain delay. The process exits 0 after a graceful stop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import math
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from conductor.app import create_app
+from conductor.errors import ServiceUnavailable
 from conductor.settings import ConductorSettings
 
 log = logging.getLogger("conductor")
@@ -27,22 +33,68 @@ log = logging.getLogger("conductor")
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+# Between the streams' error events and uvicorn cancelling what is left: time for the
+# events to leave.
+_FLUSH_S = 2.0
+
+
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_delay_s: float) -> None:
+    """uvicorn with the conductor's shutdown: on SIGTERM, not ready for
+    ``drain_delay_s`` (load balancers stop sending), then no new connections and up to
+    ``shutdown_timeout_s`` for requests in flight; a generation still running then
+    ends with an error (a stream: an error event and [DONE]) instead of a cut
+    connection. A second signal skips the drain delay."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        app: FastAPI,
+        drain_delay_s: float,
+        shutdown_timeout_s: float,
+    ) -> None:
         super().__init__(config)
         self._app = app
         self._drain_delay_s = drain_delay_s
+        self._shutdown_timeout_s = shutdown_timeout_s
         self._drain_until: float | None = None
+        self._deadline_armed = False
+
+    def _state(self) -> Any:
+        return getattr(self._app.state, "conductor", None)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_until is None and self._drain_delay_s > 0:
             self._drain_until = time.monotonic() + self._drain_delay_s
-            state = getattr(self._app.state, "conductor", None)
+            state = self._state()
             if state is not None:
                 state.draining = True  # /ready answers 503 from now on
             log.info("draining for %.1f s before closing", self._drain_delay_s)
             return
+        self._arm_deadline()
         super().handle_exit(sig, frame)
+
+    def _arm_deadline(self) -> None:
+        """Once closing starts: end what still runs after ``shutdown_timeout_s``."""
+        if self._deadline_armed:
+            return
+        self._deadline_armed = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a signal outside the loop's callbacks
+            loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(loop.call_later, self._shutdown_timeout_s, self._interrupt)
+
+    def _interrupt(self) -> None:
+        state = self._state()
+        if state is None:
+            return
+        error = ServiceUnavailable(
+            "The conductor is shutting down and ended this generation; retry.",
+            retry_after_s=1.0,
+        )
+        count = state.dispatcher.interrupt_streams(error)
+        if count:
+            log.warning("shutdown deadline: ended %d generation(s) still running", count)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -61,6 +113,7 @@ class GracefulServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_until is not None and time.monotonic() >= self._drain_until:
+            self._arm_deadline()
             self.should_exit = True
         return await super().on_tick(counter)
 
@@ -73,6 +126,7 @@ def serve(settings: ConductorSettings, log_level: str) -> None:
         port=settings.port,
         log_level=log_level.lower(),
         timeout_keep_alive=settings.keepalive_timeout_s,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s + _FLUSH_S),
+        limit_concurrency=settings.max_connections,
     )
-    GracefulServer(config, app, settings.drain_delay_s).run()
+    GracefulServer(config, app, settings.drain_delay_s, settings.shutdown_timeout_s).run()

@@ -87,6 +87,29 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
         description="On SIGTERM, report not-ready this long before closing",
         json_schema_extra=_HTTP,
     )
+    shutdown_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "After the drain delay, how long requests in flight may finish; a stream "
+            "still open then ends with an error event and [DONE]. Keep drain delay plus "
+            "this under the deployment's grace period (Kubernetes: "
+            "terminationGracePeriodSeconds)"
+        ),
+        json_schema_extra=_HTTP,
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A request body that has not arrived in full by then is refused (408)",
+        json_schema_extra=_HTTP,
+    )
+    max_connections: int = Field(
+        4096,
+        ge=1,
+        description="Open HTTP connections at once; a connection beyond it gets 503",
+        json_schema_extra=_HTTP,
+    )
 
     agents: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -100,6 +123,15 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
     )
     rpc_timeout_s: float = Field(
         30.0, gt=0, description="Deadline of one unary agent call", json_schema_extra=_AGENTS
+    )
+    registry_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description=(
+            "An agent missing from the registry stays this long before it leaves the "
+            "fleet (a Redis restarted empty lists nobody until agents re-register)"
+        ),
+        json_schema_extra=_AGENTS,
     )
     agent_poll_interval_s: float = Field(
         2.0, gt=0, description="Agent health/info poll period", json_schema_extra=_AGENTS

@@ -132,44 +132,56 @@ async def wait_until(
 
 
 class RedisServer:
-    """A real redis-server on a free loopback port (Debian package ``redis-server``)."""
+    """A real redis-server on a free loopback port (Debian package ``redis-server``),
+    without persistence: a restart comes back empty."""
 
-    def __init__(self, port: int, proc: Any) -> None:
+    def __init__(self, binary: str, port: int, folder: Any) -> None:
+        self.binary = binary
         self.port = port
-        self.proc = proc
+        self.folder = folder
         self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc: Any = None
+        self.start()
+
+    def start(self) -> None:
+        import socket
+        import subprocess
+        import time
+
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.folder)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=10)
 
+    def restart_empty(self) -> None:
+        self.stop()
+        self.start()
+
 
 @pytest.fixture
 def redis_server(tmp_path: Any) -> Any:
     import shutil
     import socket
-    import subprocess
-    import time
 
     binary = shutil.which("redis-server")
     assert binary, "redis-server is not installed: run `make system-deps`"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while True:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        assert time.monotonic() < deadline, "redis-server did not start"
-        time.sleep(0.02)
-    server = RedisServer(port, proc)
+    server = RedisServer(binary, port, tmp_path)
     yield server
     server.stop()

@@ -40,6 +40,11 @@ log = logging.getLogger("conductor.agents")
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
+    # A restarted agent is dialled again within a second or two (gRPC's default backoff
+    # grows to 120 s: a restarted agent sat unused for 5-55 s, longer after an outage).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 _RETRIED_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in ("TxCommit", "TxAbort"))
 _TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -220,6 +221,14 @@ async def test_body_too_large(conductor: ConductorFactory) -> None:
         assert envelope(resp)["code"] == "request_too_large"
         assert resp.headers["x-request-id"]
 
+        async def chunked() -> AsyncIterator[bytes]:  # no Content-Length to refuse by
+            for _ in range(8):
+                yield b"x" * 1024
+
+        resp = await c.client.post("/v1/chat/completions", content=chunked())
+        assert resp.status_code == 413, resp.text
+        assert envelope(resp)["code"] == "request_too_large"
+
 
 async def test_api_keys(start_agent: AgentFactory, conductor: ConductorFactory) -> None:
     agent = await start_agent("both")
@@ -286,3 +295,41 @@ async def test_agent_dies_before_request_is_503(
         assert resp.status_code == 503
         assert "retry-after" in resp.headers
         envelope(resp)
+
+
+async def test_a_role_with_no_agent_is_503_not_429(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """Only a prefill node: nothing to wait for, so 503 with Retry-After (it was a 429
+    insufficient_capacity, which tells a client the fleet is merely busy)."""
+    prefill = await start_agent("prefill")
+    async with conductor([prefill]) as c:
+        resp = await c.client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 503, resp.text
+        assert float(resp.headers["retry-after"]) > 0
+        assert envelope(resp)["code"] == "service_unavailable"
+    assert_no_locks(prefill)
+
+
+async def test_a_body_that_does_not_arrive_is_408(conductor: ConductorFactory) -> None:
+    """A client that sends part of a body and stalls held its connection (and a task)
+    for ever; now it gets 408 after body_timeout_s."""
+
+    async def trickle() -> AsyncIterator[bytes]:
+        yield b'{"model": "tiny-llama", "messages": ['
+        await asyncio.sleep(30)
+        yield b"]}"
+
+    async with conductor([], body_timeout_s=0.3) as c:
+        started = time.perf_counter()
+        resp = await c.client.post(
+            "/v1/chat/completions",
+            content=trickle(),
+            headers={"content-type": "application/json"},
+        )
+        assert resp.status_code == 408, resp.text
+        assert envelope(resp)["code"] == "request_timeout"
+        assert time.perf_counter() - started < 10
+        # A body that arrives in time is not affected by the deadline afterwards.
+        ok = await c.client.post("/v1/chat/completions", json=chat_body(model="gpt-9"))
+        assert ok.status_code == 404

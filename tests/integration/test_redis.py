@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
 
 from conductor.tenants import key_digest
@@ -173,3 +174,28 @@ async def test_invalid_tenants_file_fails_fast(tmp_path: Path) -> None:
     bad = tmp_path / "tenants.json"
     bad.write_text('{"tenants": {"x": {"requests_per_minute": -1}}}')
     assert await asyncio.to_thread(main, ["conductor", "--tenants-file", str(bad)]) == 2
+
+
+@pytest.mark.parametrize("grace_s", [20.0, 0.0])
+async def test_a_redis_restarted_empty_does_not_empty_the_fleet(
+    start_agent: AgentFactory, conductor: ConductorFactory, redis_server: RedisServer,
+    grace_s: float,
+) -> None:  # fmt: skip
+    """Once, a Redis without persistence that restarted listed no agents, both
+    conductors dropped every agent and served 503s until the agents' next heartbeat.
+    Now the fleet keeps the agents it knew for ``registry_grace_s`` after the Redis
+    server changed (0: the old behaviour, shown for contrast)."""
+    agent = await start_agent("both", redis_url=redis_server.url, registry_ttl_s=60.0)
+    settings = {"redis_url": redis_server.url, "agent_poll_interval_s": 0.1,
+                "registry_grace_s": grace_s}  # fmt: skip
+    async with conductor([], **settings) as c:
+        await wait_until(lambda: c.state.fleet.ready())
+        redis_server.restart_empty()  # the agent re-registers only in 20 s
+        await asyncio.sleep(1.0)  # several discovery rounds against the empty registry
+        resp = await c.client.post("/v1/chat/completions", json=chat_body())
+        if grace_s:
+            assert resp.status_code == 200, resp.text
+            assert [a.address for a in c.state.fleet.handles()] == [agent.address]
+        else:
+            assert resp.status_code == 503
+    assert_no_locks(agent)

@@ -213,7 +213,11 @@ class Fleet:
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                ready = httpx.get(f"{self.base}/ready", timeout=2.0).json()
+                ready = httpx.get(  # the agents are listed to an admin only
+                    f"{self.base}/ready",
+                    headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                    timeout=2.0,
+                ).json()
                 usable = {a["address"] for a in ready.get("agents", []) if a.get("usable")}
                 if want <= usable:
                     return
