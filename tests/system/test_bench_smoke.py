@@ -77,3 +77,16 @@ def test_vllm_client_bench_sees_every_request_served_or_refused_before_prefill(
         assert r["tx_abort"] == 0
     assert rows[2]["served"] == 1
     assert (tmp_path / "vllm_client.png").stat().st_size > 1000
+
+
+def test_soak_bench_accounts_for_every_request(tmp_path: Path) -> None:
+    from bench import soak
+
+    code = soak.main(["--out", str(tmp_path), "--duration-s", "15", "--sample-s", "3",
+                      "--concurrency", "4"])  # fmt: skip
+    data = json.loads((tmp_path / "soak.json").read_text())
+    assert code == 0, (tmp_path / "soak.md").read_text()
+    assert data["status"] == "ok"
+    assert data["sent"] > 20
+    assert set(data["rss_mib"]) == {"prefill", "decode", "conductor"}
+    assert (tmp_path / "soak.png").stat().st_size > 1000
