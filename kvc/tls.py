@@ -34,15 +34,15 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import grpc
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from pydantic import BaseModel, Field, model_validator
 from pydantic.config import JsonDict
+
+if TYPE_CHECKING:  # imported where certificates are made: ~12 MiB a conductor need not hold
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 __all__ = [
     "AGENT_NAME",
@@ -243,10 +243,15 @@ class GrpcTlsSettings(BaseModel):
 
 
 def _name(common_name: str) -> x509.Name:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -258,6 +263,11 @@ def write_bundle(out: Path, *, days: int = 365, extra_dns: Sequence[str] = ()) -
     """Write a new CA (``ca.pem``, ``ca-key.pem``) and a conductor and an agent
     certificate signed by it (``conductor.pem``/``-key.pem``, ``agent.pem``/``-key.pem``)
     into ``out``. Keys are ECDSA P-256, written mode 0600. Returns the paths."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
     if days < 1:
         raise ValueError("days must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
