@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import signal
 import threading
 import time
@@ -26,16 +25,12 @@ from fastapi import FastAPI
 
 from conductor.app import create_app
 from conductor.errors import ServiceUnavailable
+from conductor.http_server import uvicorn_config
 from conductor.settings import ConductorSettings
 
 log = logging.getLogger("conductor")
 
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-# Between the streams' error events and uvicorn cancelling what is left: time for the
-# events to leave.
-_FLUSH_S = 2.0
 
 
 class GracefulServer(uvicorn.Server):
@@ -120,13 +115,5 @@ class GracefulServer(uvicorn.Server):
 
 def serve(settings: ConductorSettings, log_level: str) -> None:
     app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=log_level.lower(),
-        timeout_keep_alive=settings.keepalive_timeout_s,
-        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s + _FLUSH_S),
-        limit_concurrency=settings.max_connections,
-    )
+    config = uvicorn_config(settings, app, log_level)
     GracefulServer(config, app, settings.drain_delay_s, settings.shutdown_timeout_s).run()

@@ -98,6 +98,13 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
         ),
         json_schema_extra=_HTTP,
     )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A connection whose request headers are not complete this long after "
+        "it opened (or after the request's first byte) gets 408 and is closed",
+        json_schema_extra=_HTTP,
+    )
     body_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -1,0 +1,94 @@
+"""The conductor's HTTP server against slow and greedy clients, on a real socket: a
+connection that never completes its headers gets 408 and is closed after
+header_timeout_s (uvicorn alone keeps it for ever), an idle kept-alive connection is
+not cut by that deadline, and connections beyond max_connections get 503."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import uvicorn
+
+from conductor.app import create_app
+from conductor.http_server import uvicorn_config
+from conductor.settings import ConductorSettings
+
+GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: conductor\r\n\r\n"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class InTestServer(uvicorn.Server):
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the test process keeps its handlers
+        yield
+
+
+@asynccontextmanager
+async def serving(**overrides: Any) -> AsyncIterator[int]:
+    settings = ConductorSettings(port=free_port(), **overrides)
+    server = InTestServer(uvicorn_config(settings, create_app(settings), "warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not task.done(), task
+        await asyncio.sleep(0.01)
+    try:
+        yield settings.port
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def read_until_closed(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
+    return await asyncio.wait_for(reader.read(), timeout_s)
+
+
+async def test_headers_that_never_complete_get_408_and_a_closed_connection() -> None:
+    async with serving(header_timeout_s=0.5) as port:
+        # Silent after connecting; then headers a line at a time, never finished.
+        for opening in (b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: c\r\n"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(opening)
+            started = time.perf_counter()
+            answer = await read_until_closed(reader, 5.0)
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            assert b'"code":"request_timeout"' in answer
+            assert 0.4 < time.perf_counter() - started < 3.0
+            writer.close()
+
+
+async def test_an_idle_kept_alive_connection_is_not_cut_by_the_header_deadline() -> None:
+    async with serving(header_timeout_s=0.3) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(2):
+            writer.write(GET_HEALTH)
+            status = await asyncio.wait_for(reader.readline(), 5)
+            assert status.startswith(b"HTTP/1.1 200"), status
+            while (await reader.readline()) not in (b"\r\n", b""):
+                pass  # headers
+            await reader.readexactly(len(b'{"status":"ok"}'))
+            await asyncio.sleep(0.8)  # idle longer than the header deadline
+        writer.close()
+
+
+async def test_connections_beyond_the_cap_get_503() -> None:
+    async with serving(header_timeout_s=5.0, max_connections=3) as port:
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(GET_HEALTH)
+        status = await asyncio.wait_for(reader.readline(), 5)
+        assert status.startswith(b"HTTP/1.1 503"), status
+        writer.close()
+        for _, w in held:
+            w.close()
