@@ -85,7 +85,7 @@ async def transfer_gbps(prompt_tokens: int, repeats: int) -> dict[str, Any]:
                 await dst.TxAllocate(
                     pb.TxAllocateRequest(tx_id=f"d{i}", tenant="bench", block_keys=keys, lease_s=60)
                 )
-                await src.TxAllocate(
+                lock = await src.TxAllocate(
                     pb.TxAllocateRequest(
                         tx_id=f"s{i}", tenant="bench", block_keys=keys, lease_s=60,
                         mode=pb.TX_MODE_LOCK_ONLY,
@@ -94,7 +94,7 @@ async def transfer_gbps(prompt_tokens: int, repeats: int) -> dict[str, Any]:
                 pulled = await dst.PullBlocks(
                     pb.PullBlocksRequest(
                         tx_id=f"d{i}", source_address=src_addr, source_tx_id=f"s{i}",
-                        num_blocks=len(keys),
+                        source_read_token=lock.read_token, num_blocks=len(keys),
                     )
                 )  # fmt: skip
                 await src.TxCommit(pb.TxCommitRequest(tx_id=f"s{i}"))

@@ -349,6 +349,7 @@ class Dispatcher:
                     tx_id=tx_id,
                     source_address=source.info.advertise_address if source.info else source.address,
                     source_tx_id=src_tx,
+                    source_read_token=lock.read_token,
                     num_blocks=locked,
                 ),
                 timeout=self._request_timeout_s,

@@ -68,7 +68,7 @@ from node_agent.rpc_errors import AGENT_ERRORS, Context, maps_errors
 from node_agent.settings import AgentSettings
 from node_agent.transfer.receiver import KvReceiver
 from node_agent.transfer.sender import KvSender
-from node_agent.transfer.staging import StagingArea
+from node_agent.transfer.staging import ReadGrants, StagingArea
 from node_agent.transfer.transport import GrpcKvTransport, KvTransport, layout_to_pb
 
 __all__ = ["AgentServer", "NodeAgentService"]
@@ -122,7 +122,8 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             else GrpcKvTransport(settings.tls_files(), settings.grpc_plaintext)
         )
         self.staging = StagingArea(settings.max_staged_bytes)
-        self.sender = KvSender(self.state, self.staging, self.transport)
+        self.read_grants = ReadGrants()
+        self.sender = KvSender(self.state, self.staging, self.read_grants, self.transport)
         self.receiver = KvReceiver(self.state, self.transport)
         self.generation = Generation(self.state, self.staging, self.receiver)
         self.health: health.aio.HealthServicer | None = None
@@ -183,6 +184,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         if expired:
             log.info("leases expired, transactions aborted: %s", ", ".join(expired))
         self.staging.expire(self.state.clock())
+        self.read_grants.prune(self._tx_open)
         self.events.publish_pool_events()
         self.events.publish_load()
         self.refresh_metrics()
@@ -237,7 +239,9 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         self, request: pb.TxAllocateRequest, context: Context
     ) -> pb.TxAllocateResponse:
         result = await self._allocate(request)
+        lock_only = request.mode == pb.TX_MODE_LOCK_ONLY
         return pb.TxAllocateResponse(
+            read_token=self.read_grants.issue(result.tx_id) if lock_only else "",
             tx_id=result.tx_id,
             handles=list(result.handles),
             reused_blocks=result.reused_blocks,

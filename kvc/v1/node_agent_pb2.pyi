@@ -327,6 +327,7 @@ class TxAllocateResponse(_message.Message):
     LEASE_REMAINING_S_FIELD_NUMBER: _builtins.int
     FREE_BLOCKS_FIELD_NUMBER: _builtins.int
     ALLOCATABLE_BLOCKS_FIELD_NUMBER: _builtins.int
+    READ_TOKEN_FIELD_NUMBER: _builtins.int
     tx_id: _builtins.str
     reused_blocks: _builtins.int
     """length of the cached prefix reused"""
@@ -337,6 +338,11 @@ class TxAllocateResponse(_message.Message):
     allocatable_blocks: _builtins.int
     """Blocks the next allocation could obtain after this one: free plus evictable
     (cached and unlocked; evicting them loses only cache). >= free_blocks.
+    """
+    read_token: _builtins.str
+    """LOCK_ONLY: the grant to read this Tx's blocks (ReadBlocksRequest.read_token), made
+    by this agent (128 random bits, never logged); the conductor hands it to the
+    destination in PullBlocksRequest. Empty for ALLOCATE.
     """
     @_builtins.property
     def handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -352,10 +358,11 @@ class TxAllocateResponse(_message.Message):
         lease_remaining_s: _builtins.float = ...,
         free_blocks: _builtins.int = ...,
         allocatable_blocks: _builtins.int = ...,
+        read_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable_blocks", b"allocatable_blocks", "free_blocks", b"free_blocks", "handles", b"handles", "lease_remaining_s", b"lease_remaining_s", "new_blocks", b"new_blocks", "reused_blocks", b"reused_blocks", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable_blocks", b"allocatable_blocks", "free_blocks", b"free_blocks", "handles", b"handles", "lease_remaining_s", b"lease_remaining_s", "new_blocks", b"new_blocks", "read_token", b"read_token", "reused_blocks", b"reused_blocks", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1190,12 +1197,15 @@ class ReadBlocksRequest(_message.Message):
     BLOCK_KEYS_FIELD_NUMBER: _builtins.int
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    READ_TOKEN_FIELD_NUMBER: _builtins.int
     tx_id: _builtins.str
     """an open Tx on the serving (source) node"""
     max_chunk_bytes: _builtins.int
     """0 = agent default"""
     tenant: _builtins.str
     """must be the Tx's tenant (else PERMISSION_DENIED)"""
+    read_token: _builtins.str
+    """required: the Tx's TxAllocateResponse.read_token"""
     @_builtins.property
     def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Must equal the keys of the Tx's first len(block_keys) blocks, in order;
@@ -1209,10 +1219,11 @@ class ReadBlocksRequest(_message.Message):
         block_keys: _abc.Iterable[_builtins.int] | None = ...,
         max_chunk_bytes: _builtins.int = ...,
         tenant: _builtins.str = ...,
+        read_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "max_chunk_bytes", b"max_chunk_bytes", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "max_chunk_bytes", b"max_chunk_bytes", "read_token", b"read_token", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1226,6 +1237,7 @@ class PullBlocksRequest(_message.Message):
     SOURCE_ADDRESS_FIELD_NUMBER: _builtins.int
     SOURCE_TX_ID_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    SOURCE_READ_TOKEN_FIELD_NUMBER: _builtins.int
     tx_id: _builtins.str
     """the open Tx on this (destination) node"""
     source_address: _builtins.str
@@ -1234,6 +1246,8 @@ class PullBlocksRequest(_message.Message):
     """its open Tx (LOCK_ONLY) holding the blocks"""
     num_blocks: _builtins.int
     """copy the first num_blocks blocks of tx_id"""
+    source_read_token: _builtins.str
+    """the source Tx's read_token, passed to its ReadBlocks"""
     def __init__(
         self,
         *,
@@ -1241,10 +1255,11 @@ class PullBlocksRequest(_message.Message):
         source_address: _builtins.str = ...,
         source_tx_id: _builtins.str = ...,
         num_blocks: _builtins.int = ...,
+        source_read_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "source_address", b"source_address", "source_tx_id", b"source_tx_id", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "source_address", b"source_address", "source_read_token", b"source_read_token", "source_tx_id", b"source_tx_id", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -73,6 +73,7 @@ class KvReceiver:
             tx_id=request.source_tx_id,
             block_keys=keys,
             tenant=state.pool.tx_tenant(request.tx_id),
+            read_token=request.source_read_token,
         )
         bs = state.settings.block_size
         try:

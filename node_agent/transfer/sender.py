@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.agent_state import AgentState
 from node_agent.blocks.types import BlockPoolError, InvalidArgument, TenantMismatch
-from node_agent.errors import ContentMissing, NotStaged
+from node_agent.errors import ContentMissing, NotPermitted, NotStaged
 from node_agent.kv import KvContent
-from node_agent.transfer.staging import StagingArea
+from node_agent.transfer.staging import ReadGrants, StagingArea
 from node_agent.transfer.transport import KvTransport
 
 __all__ = ["KvSender"]
@@ -24,9 +24,16 @@ _MIN_CHUNK_BYTES = 4096
 
 
 class KvSender:
-    def __init__(self, state: AgentState, staging: StagingArea, transport: KvTransport) -> None:
+    def __init__(
+        self,
+        state: AgentState,
+        staging: StagingArea,
+        grants: ReadGrants,
+        transport: KvTransport,
+    ) -> None:
         self._state = state
         self._staging = staging
+        self._grants = grants
         self._transport = transport
 
     async def fetch_kv(self, request: pb.FetchKvRequest) -> AsyncIterator[pb.KvChunk]:
@@ -41,7 +48,10 @@ class KvSender:
             yield msg
 
     async def read_blocks(self, request: pb.ReadBlocksRequest) -> AsyncIterator[pb.KvChunk]:
-        """Stream the KV of the first blocks of an open Tx (any role may serve)."""
+        """Stream the KV of the first blocks of an open Tx (any role may serve), to a
+        caller holding the Tx's read grant."""
+        if not self._grants.allows(request.tx_id, request.read_token):
+            raise NotPermitted(f"no read grant for transaction {request.tx_id!r}")
         try:
             kv = await self._read_tx_blocks(
                 request.tx_id, tuple(request.block_keys), request.tenant

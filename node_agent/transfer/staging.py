@@ -11,13 +11,15 @@ front (``EngineBusy``), before any compute.
 
 from __future__ import annotations
 
+import hmac
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from node_agent.errors import EngineBusy
 from node_agent.kv import KvContent
 
-__all__ = ["StagedKv", "StagingArea"]
+__all__ = ["ReadGrants", "StagedKv", "StagingArea"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +66,32 @@ class StagingArea:
         for handle in [h for h, st in self._staged.items() if st.expires_at <= now]:
             staged = self._staged.pop(handle)
             self.nbytes -= staged.nbytes
+
+
+class ReadGrants:
+    """The grants to read an open LOCK_ONLY transaction's blocks (``ReadBlocks``): a
+    token this agent makes when the conductor locks the blocks, which the conductor
+    hands to the one destination it sends to pull them. A transaction id shows up in
+    logs; the token never does. A grant lives as long as its transaction."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def issue(self, tx_id: str) -> str:
+        """The transaction's token (the same one for a retried allocation)."""
+        token = self._tokens.get(tx_id)
+        if token is None:
+            token = self._tokens[tx_id] = secrets.token_urlsafe(16)
+        return token
+
+    def allows(self, tx_id: str, token: str) -> bool:
+        known = self._tokens.get(tx_id)
+        return known is not None and hmac.compare_digest(known, token)
+
+    def prune(self, is_open: Callable[[str], bool]) -> None:
+        """Forget the grants of transactions that are no longer open."""
+        for tx_id in [t for t in self._tokens if not is_open(t)]:
+            del self._tokens[tx_id]

@@ -170,7 +170,11 @@ async def test_pulled_prefix_is_reused_and_decodes_like_recompute(
     block0 = payloads(dst, "T_dst")[0]
     pulled = await p.PullBlocks(
         pb.PullBlocksRequest(
-            tx_id="T_dst", source_address=src.address, source_tx_id="T_src", num_blocks=n
+            tx_id="T_dst",
+            source_address=src.address,
+            source_tx_id="T_src",
+            source_read_token=src_tx.read_token,
+            num_blocks=n,
         )
     )
     bytes_per_token = dst.engine.info.kv_layout.bytes_per_token
@@ -192,7 +196,11 @@ async def test_pulled_prefix_is_reused_and_decodes_like_recompute(
     # A retried pull finds nothing left to copy.
     again = await p.PullBlocks(
         pb.PullBlocksRequest(
-            tx_id="T_dst", source_address=src.address, source_tx_id="T_src", num_blocks=n
+            tx_id="T_dst",
+            source_address=src.address,
+            source_tx_id="T_src",
+            source_read_token=src_tx.read_token,
+            num_blocks=n,
         )
     )
     assert (again.blocks_copied, again.bytes) == (0, 0)
@@ -240,12 +248,17 @@ async def test_read_blocks_streams_checked_chunks_and_refuses_bad_requests(
     s = stubs(src)
     await cache_prompt(s, S_PROMPT, "warm")
     keys = keys_of(S_PROMPT)
-    await s.TxAllocate(alloc("lock", keys, lock_only=True))
+    grants = {"lock": (await s.TxAllocate(alloc("lock", keys, lock_only=True))).read_token}
+    assert len(grants["lock"]) >= 20
 
     chunks = await read_all(
         s.ReadBlocks(
             pb.ReadBlocksRequest(
-                tx_id="lock", tenant=TENANT, block_keys=keys[:2], max_chunk_bytes=4096
+                tx_id="lock",
+                tenant=TENANT,
+                block_keys=keys[:2],
+                max_chunk_bytes=4096,
+                read_token=grants["lock"],
             )
         )
     )
@@ -256,36 +269,48 @@ async def test_read_blocks_streams_checked_chunks_and_refuses_bad_requests(
     assert [c.offset for c in chunks] == list(range(0, total, 4096))
     assert all(zlib.crc32(c.data) == c.crc32 for c in chunks)
 
-    def read(tx_id: str, block_keys: list[int]) -> Awaitable[list[pb.KvChunk]]:
-        request = pb.ReadBlocksRequest(tx_id=tx_id, tenant=TENANT, block_keys=block_keys)
+    def read(
+        tx_id: str, block_keys: list[int], token: str | None = None
+    ) -> Awaitable[list[pb.KvChunk]]:
+        request = pb.ReadBlocksRequest(
+            tx_id=tx_id,
+            tenant=TENANT,
+            block_keys=block_keys,
+            read_token=grants.get(tx_id, "") if token is None else token,
+        )
         return read_all(s.ReadBlocks(request))
 
-    not_found = grpc.StatusCode.NOT_FOUND
+    denied = grpc.StatusCode.PERMISSION_DENIED
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     precondition = grpc.StatusCode.FAILED_PRECONDITION
-    await expect_code(read("never-opened", keys), not_found)
+    await expect_code(read("never-opened", keys), denied)  # no grant for it
+    await expect_code(read("lock", keys, token=""), denied)
+    await expect_code(read("lock", keys, token=grants["lock"][:-1] + "A"), denied)
     await expect_code(read("lock", keys[1:]), invalid)  # not the tx's leading blocks
     await expect_code(read("lock", [*keys_of(P_PROMPT)[:3], keys[0]]), invalid)
     await expect_code(read("lock", [*keys, 12345]), invalid)  # more than the tx holds
     await expect_code(read("lock", []), invalid)
-    # Blocks without KV: allocated but never prefilled, or committed bare.
-    await s.TxAllocate(alloc("fresh", keys_of(P_PROMPT)))
-    details = await expect_code(read("fresh", keys_of(P_PROMPT)[3:4]), invalid)
-    assert "other blocks" in details
-    # Its first 3 blocks are S's cached ones (readable); the 4th has no KV yet.
-    assert len(await read("fresh", keys_of(P_PROMPT)[:3])) == 1
-    await expect_code(read("fresh", keys_of(P_PROMPT)), precondition)
+    # An ALLOCATE Tx gets no grant: only a conductor's LOCK_ONLY source is readable.
+    fresh = await s.TxAllocate(alloc("fresh", keys_of(P_PROMPT)))
+    assert fresh.read_token == ""
+    await expect_code(read("fresh", keys_of(P_PROMPT)[:3]), denied)
+    # Blocks committed bare (without KV) are locked, and not readable.
     bare = keys_of([*range(1000, 1000 + 2 * BS), 1])
     await s.TxAllocate(alloc("bare", bare))
     await s.TxCommit(pb.TxCommitRequest(tx_id="bare"))
-    await s.TxAllocate(alloc("bare-lock", bare, lock_only=True))
+    bare_lock = await s.TxAllocate(alloc("bare-lock", bare, lock_only=True))
+    grants["bare-lock"] = bare_lock.read_token
     details = await expect_code(read("bare-lock", bare), precondition)
     assert "hold no KV" in details
     await s.TxCommit(pb.TxCommitRequest(tx_id="bare-lock"))
     await expect_code(read("bare-lock", bare), precondition)  # closed tx
+    retried = await s.TxAllocate(alloc("lock", keys, lock_only=True))  # idempotent retry
+    assert retried.read_token == grants["lock"]
 
     for tx_id in ("lock", "fresh"):
         await s.TxAbort(pb.TxAbortRequest(tx_id=tx_id))
+    await src.service.housekeeping_once()
+    assert len(src.service.read_grants) == 0  # grants go with their transactions
     assert_no_locks(src)
 
 
@@ -302,14 +327,18 @@ async def test_failed_pulls_change_nothing_on_the_destination(
     await cache_prompt(p, P_WARM, "p-warm")
     keys = keys_of(P_PROMPT)
     await p.TxAllocate(alloc("T_dst", keys))
-    await s.TxAllocate(alloc("T_src", keys[:3], lock_only=True))
-    await s.TxAllocate(alloc("T_other", keys_of(S_PROMPT)[:1], lock_only=True))
+    grant = (await s.TxAllocate(alloc("T_src", keys[:3], lock_only=True))).read_token
+    other = await s.TxAllocate(alloc("T_other", keys_of(S_PROMPT)[:1], lock_only=True))
     before = payloads(dst, "T_dst")
     dst_cached = cached_state(dst)
 
     def pull(**fields: Any) -> Awaitable[pb.PullBlocksResponse]:
         request = pb.PullBlocksRequest(
-            tx_id="T_dst", source_address=src.address, source_tx_id="T_src", num_blocks=3
+            tx_id="T_dst",
+            source_address=src.address,
+            source_tx_id="T_src",
+            source_read_token=grant,
+            num_blocks=3,
         )
         for name, value in fields.items():
             setattr(request, name, value)
@@ -318,9 +347,13 @@ async def test_failed_pulls_change_nothing_on_the_destination(
     unavailable = grpc.StatusCode.UNAVAILABLE
     await expect_code(pull(source_address=UNREACHABLE), unavailable)
     details = await expect_code(pull(source_tx_id="no-such-tx"), unavailable)
-    assert "NOT_FOUND" in details  # the source's refusal is named in the message
+    assert "PERMISSION_DENIED" in details  # the source's refusal is named in the message
+    details = await expect_code(pull(source_read_token=""), unavailable)
+    assert "PERMISSION_DENIED" in details  # no grant, no KV
     # The source's tx holds fewer blocks than the destination asks for.
-    details = await expect_code(pull(source_tx_id="T_other"), unavailable)
+    details = await expect_code(
+        pull(source_tx_id="T_other", source_read_token=other.read_token), unavailable
+    )
     assert "INVALID_ARGUMENT" in details
     await expect_code(pull(tx_id="no-such-tx"), grpc.StatusCode.NOT_FOUND)
     await expect_code(pull(num_blocks=5), grpc.StatusCode.INVALID_ARGUMENT)
@@ -355,9 +388,13 @@ async def test_pull_after_the_destination_lease_expired_is_refused(
     s, p = stubs(src), stubs(dst)
     await cache_prompt(s, S_PROMPT, "s-warm")
     keys = keys_of(P_PROMPT)
-    await s.TxAllocate(alloc("T_src", keys[:3], lock_only=True))
+    grant = (await s.TxAllocate(alloc("T_src", keys[:3], lock_only=True))).read_token
     request = pb.PullBlocksRequest(
-        tx_id="T_dst", source_address=src.address, source_tx_id="T_src", num_blocks=3
+        tx_id="T_dst",
+        source_address=src.address,
+        source_tx_id="T_src",
+        source_read_token=grant,
+        num_blocks=3,
     )
 
     # Expired before the pull.

@@ -200,8 +200,10 @@ async def test_a_prefix_migration_is_counted_on_both_nodes(start_agent: AgentFac
         await cache_prompt(p, P_WARM, "p-warm")
         keys = keys_of(P_PROMPT)
         await p.TxAllocate(alloc("T_dst", keys))
-        await s.TxAllocate(alloc("T_src", keys[:3], lock_only=True))
-        pull = pb.PullBlocksRequest(tx_id="T_dst", source_tx_id="T_src", num_blocks=3)
+        lock = await s.TxAllocate(alloc("T_src", keys[:3], lock_only=True))
+        pull = pb.PullBlocksRequest(
+            tx_id="T_dst", source_tx_id="T_src", source_read_token=lock.read_token, num_blocks=3
+        )
         pull.source_address = UNREACHABLE
         with pytest.raises(grpc.aio.AioRpcError):
             await p.PullBlocks(pull)

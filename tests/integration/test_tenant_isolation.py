@@ -76,8 +76,12 @@ async def test_another_tenant_cannot_lock_read_or_overwrite_the_victims_blocks(
         lock = pb.TxAllocateRequest(
             tx_id="v-lock", tenant=VICTIM, block_keys=keys, lease_s=30, mode=pb.TX_MODE_LOCK_ONLY
         )
-        await stub.TxAllocate(lock)
-        read = pb.ReadBlocksRequest(tx_id="v-lock", tenant="attacker", block_keys=keys)
+        grant = (await stub.TxAllocate(lock)).read_token
+        read = pb.ReadBlocksRequest(tx_id="v-lock", tenant=VICTIM, block_keys=keys)
+        assert await code_of(stub.ReadBlocks(read)) == denied  # a tx id alone reads nothing
+        read = pb.ReadBlocksRequest(
+            tx_id="v-lock", tenant="attacker", block_keys=keys, read_token=grant
+        )
         assert await code_of(stub.ReadBlocks(read)) == denied
         read.tenant = VICTIM
         assert [c async for c in stub.ReadBlocks(read)]  # the owner still reads
