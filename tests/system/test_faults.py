@@ -5,7 +5,8 @@ kills them, each fault bounded in time. What must hold:
   conductor serves;
 * decode agent SIGKILL mid-stream: the client's stream ends with an error event and
   [DONE]; the agent restarted on its port is used again within 5 s;
-* prefill agent SIGKILL before any token: the request is retried on the other prefill
+* prefill agent SIGKILL in the middle of a prefill (its Tx open), or dead before the
+  conductor noticed: no token was sent, the request is retried on the other prefill
   node and succeeds;
 * SIGTERM with a stream longer than ``shutdown_timeout_s``: the stream ends with an
   error event and [DONE] (not a cut connection), the conductor exits 0;
@@ -291,3 +292,35 @@ def test_rolling_conductor_restart_under_load_fails_no_request(fleet: Fleet) -> 
     assert len(results) > 20
     assert set(results) == {200}, {code: results.count(code) for code in set(results)}
     stop(fleet.procs())
+
+
+def test_prefill_agent_sigkill_mid_prefill_retries_on_the_other(fleet: Fleet) -> None:
+    """The prefill node dies while it computes the prompt (its fused Tx is open): no
+    token was sent, so the conductor places the request again and it succeeds."""
+    prefills = [fleet.agent("prefill"), fleet.agent("prefill")]
+    fleet.agent("decode")
+    base = fleet.conductor()
+    words = " ".join(f"w{i}" for i in range(1000))  # ~3,700 tokens: a long prefill
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": 4}
+    result: dict[str, Any] = {}
+
+    def ask() -> None:
+        result["resp"] = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    victim = None
+    deadline = time.monotonic() + 30
+    while victim is None and time.monotonic() < deadline and asker.is_alive():
+        for agent in prefills:
+            if agent.gauge("node_agent_open_transactions") > 0:
+                victim = agent
+                break
+        time.sleep(0.01)
+    assert victim is not None, "no prefill was seen in flight"
+    victim.kill()
+    asker.join(120)
+    resp = result["resp"]
+    assert resp.status_code == 200, resp.text
+    survivor = prefills[1] if victim is prefills[0] else prefills[0]
+    assert survivor.gauge("node_agent_open_transactions") == 0
