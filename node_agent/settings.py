@@ -137,12 +137,12 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         600.0, gt=0, description="Longest Tx lease a conductor may ask", json_schema_extra=_BLOCKS
     )
     tenant_max_locked_share: float = Field(
-        1.0,
+        0.9,
         gt=0,
         le=1,
         description=(
-            "Share of the pool one tenant's blocks may take locked at once (1: no limit); "
-            "below 1 one tenant (or a bug) cannot lock a shared node's whole pool"
+            "Share of the pool one tenant's locked blocks may reach while another "
+            "tenant holds locks (alone, a tenant uses the whole pool); 1: no limit"
         ),
         json_schema_extra=_BLOCKS,
     )

@@ -55,8 +55,9 @@ Tenants
     A block remembers the tenant whose tx created it (blocks mirrored from an engine's
     own cache have none). A tx naming a key whose block belongs to another tenant is
     refused before anything changes: a tenant cannot lock, read or overwrite another's
-    KV even when it learns the keys. At most ``max_tenant_locked_blocks`` of one
-    tenant's blocks are locked at once (a prefix shared by many txs counts once). A tx
+    KV even when it learns the keys. While another tenant holds locks, a tenant may
+    take its own locked blocks to at most ``max_tenant_locked_blocks`` (a prefix shared
+    by many txs counts once); alone on the node, it may use the whole pool. A tx
     naming more keys than ``capacity_blocks`` is ``CapacityExhausted`` before any
     per-key work (a 700,000-key request costs nothing).
 
@@ -254,7 +255,7 @@ class BlockPool:
         self._check_tenant(tenant, keys)
         lock_only = params.mode is TxMode.LOCK_ONLY
         handles = self._cached_prefix(keys) if lock_only else []
-        if self.max_tenant_locked_blocks is not None:
+        if self.max_tenant_locked_blocks is not None and self._others_hold_locks(tenant):
             if lock_only:
                 self._check_quota(tenant, [self._blocks[h] for h in handles], fresh=0)
             else:
@@ -639,6 +640,12 @@ class BlockPool:
                 owner = self._blocks[h].tenant
                 if owner is not None and owner != tenant:
                     raise TenantMismatch(f"key {key:#x} belongs to another tenant")
+
+    def _others_hold_locks(self, tenant: str) -> bool:
+        """Whether another tenant holds locks now: only then is the pool shared and a
+        tenant's limit applies (alone, a tenant may use the whole pool)."""
+        n = len(self._locked_by_tenant)
+        return n > 1 or (n == 1 and tenant not in self._locked_by_tenant)
 
     def _check_quota(self, tenant: str, held: list[_Block], *, fresh: int) -> None:
         """Refuse a tx that would take the tenant's locked blocks past its limit: the

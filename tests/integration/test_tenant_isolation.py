@@ -145,3 +145,37 @@ async def test_two_tenants_sharing_a_request_id_each_get_their_own_answer(
                 assert got == solo[key]["choices"][0]["message"]["content"]
     assert prefill.service.staging.nbytes == 0
     assert_no_locks(prefill, decode)
+
+
+async def test_one_tenant_cannot_lock_a_shared_nodes_whole_pool(
+    start_agent: AgentFactory,
+) -> None:
+    """Once, one TxAllocate of every block with a 600 s lease made every other tenant's
+    request 429 until the lease ran out. Alone on a node a tenant still uses the whole
+    pool; while another holds locks, each stays under tenant_max_locked_share."""
+    from kvc.wire import ERROR_INFO_KEY
+
+    agent = await start_agent("prefill", capacity_blocks=16, tenant_max_locked_share=0.5)
+    async with grpc.aio.insecure_channel(agent.address) as channel:
+        stub = pb_grpc.NodeAgentStub(channel)
+
+        def tx(tx_id: str, tenant: str, keys: range) -> pb.TxAllocateRequest:
+            return pb.TxAllocateRequest(
+                tx_id=tx_id, tenant=tenant, block_keys=list(keys), lease_s=600
+            )
+
+        alone = await stub.TxAllocate(tx("hog-alone", "hog", range(1, 13)))
+        assert alone.new_blocks == 12  # nobody else here: 12 of 16 is fine
+        await stub.TxAbort(pb.TxAbortRequest(tx_id="hog-alone"))
+        await stub.TxAllocate(tx("fair", "fair", range(100, 102)))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.TxAllocate(tx("hog", "hog", range(1, 13)))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailer = dict(info.value.trailing_metadata() or ())[ERROR_INFO_KEY]
+        assert pb.ErrorInfo.FromString(trailer).reason == "tenant_quota"
+        await stub.TxAllocate(tx("hog-8", "hog", range(1, 9)))  # its share: 8 of 16
+        more = await stub.TxAllocate(tx("fair-more", "fair", range(102, 108)))
+        assert more.new_blocks == 6  # the other tenant still finds room
+        for tx_id in ("fair", "hog-8", "fair-more"):
+            await stub.TxAbort(pb.TxAbortRequest(tx_id=tx_id))
+    assert_no_locks(agent)

@@ -640,6 +640,10 @@ def test_a_tenant_cannot_touch_another_tenants_blocks(pool: BlockPool) -> None:
 
 def test_tenant_lock_limit_counts_a_shared_prefix_once(clock: FakeClock) -> None:
     pool = BlockPool(capacity_blocks=8, clock=clock, max_lease_s=60.0, max_tenant_locked_blocks=4)
+    alone = pool.tx_allocate(params("alone", [40, 41, 42, 43, 44, 45], tenant="solo"))
+    assert alone.new_blocks == 6  # alone on the node: the whole pool, past the limit
+    pool.tx_abort("alone")
+    pool.tx_allocate(params("other-holds", [30], tenant="u"))  # now the pool is shared
     commit_fresh(pool, "warm", [1, 2])
     for i in range(5):  # five requests on one cached prefix: 2 blocks locked, not 10
         pool.tx_allocate(params(f"r{i}", [1, 2]))
@@ -650,8 +654,8 @@ def test_tenant_lock_limit_counts_a_shared_prefix_once(clock: FakeClock) -> None
     with pytest.raises(TenantQuotaExceeded):
         pool.tx_allocate(params("over", [7]))
     assert full_state(pool) == before
-    other = pool.tx_allocate(params("other", [20, 21, 22, 23], tenant="u"))  # untouched
-    assert other.new_blocks == 4
+    other = pool.tx_allocate(params("other", [20, 21, 22], tenant="u"))  # its own room
+    assert other.new_blocks == 3
     pool.tx_abort("more")
     assert pool.locked_by_tenant("t") == 2
     pool.tx_allocate(params("over", [7]))
