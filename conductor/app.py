@@ -26,6 +26,8 @@ from conductor.adapters.discovery import run_discovery
 from conductor.adapters.ratelimit import RateLimiter
 from conductor.adapters.shadow import ShadowSync
 from conductor.api.admin import router as admin_router
+from conductor.api.anthropic import MESSAGES_PATH, anthropic_error_body
+from conductor.api.anthropic import router as anthropic_router
 from conductor.api.extras import router as extras_router
 from conductor.api.openai import router as openai_router
 from conductor.api.openapi_doc import install as install_openapi
@@ -55,11 +57,16 @@ log = logging.getLogger("conductor")
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-def _error_response(exc: ConductorError, request_id: str | None) -> JSONResponse:
+def _error_response(exc: ConductorError, request_id: str | None, path: str = "") -> JSONResponse:
+    """The error as the route's API writes them: Anthropic's body on the Messages API,
+    OpenAI's envelope everywhere else."""
     headers = dict(exc.headers)
     if request_id:
         headers["X-Request-Id"] = request_id
-    return JSONResponse(exc.to_response_body(), status_code=exc.status_code, headers=headers)
+    body = anthropic_error_body(exc, request_id) if path == MESSAGES_PATH else None
+    return JSONResponse(
+        body or exc.to_response_body(), status_code=exc.status_code, headers=headers
+    )
 
 
 # BaseException: raised inside the app's body read, they must pass FastAPI, which turns
@@ -140,7 +147,7 @@ class RequestContextMiddleware:
             exc = RequestTimeout(
                 f"The request body did not arrive within {self.body_timeout_s:g} s.", param=None
             )
-            response = _error_response(exc, None)
+            response = _error_response(exc, None, scope.get("path", ""))
             response.headers["Connection"] = "close"  # the rest of the body is not read
             await response(scope, receive, send_with_id)
 
@@ -148,7 +155,7 @@ class RequestContextMiddleware:
         exc = PayloadTooLarge(
             f"Request body exceeds the limit of {self.max_body_bytes} bytes.", param=None
         )
-        await _error_response(exc, None)(scope, receive, send)
+        await _error_response(exc, None, scope.get("path", ""))(scope, receive, send)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -159,11 +166,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, ConductorError)
         if exc.status_code >= 500:
             log.warning("request %s failed: %s", rid(request), exc.message)
-        return _error_response(exc, rid(request))
+        return _error_response(exc, rid(request), request.url.path)
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return _error_response(InvalidRequest.from_validation_errors(exc.errors()), rid(request))
+        err = InvalidRequest.from_validation_errors(exc.errors())
+        return _error_response(err, rid(request), request.url.path)
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -173,11 +181,11 @@ def _install_error_handlers(app: FastAPI) -> None:
             err = ConductorError(str(exc.detail), code=None)
             err.status_code = exc.status_code  # type: ignore[misc]
             err.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _error_response(err, rid(request))
+        return _error_response(err, rid(request), request.url.path)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request %s: unexpected error", rid(request), exc_info=exc)
-        return _error_response(ConductorError(), rid(request))
+        return _error_response(ConductorError(), rid(request), request.url.path)
 
     app.add_exception_handler(ConductorError, on_conductor_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
@@ -305,6 +313,7 @@ def create_app(
     )
     _install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(anthropic_router)
     app.include_router(ops_router)
     app.include_router(extras_router)
     app.include_router(admin_router)

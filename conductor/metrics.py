@@ -31,7 +31,7 @@ from prometheus_client import (
 from kvc.roles import NODE_ROLES
 
 OUTCOMES = ("success", "client_error", "rejected", "upstream_error", "cancelled")
-ENDPOINTS = ("chat_completions", "completions")
+ENDPOINTS = ("chat_completions", "completions", "messages")
 
 PROMPT_SOURCES = ("local", "migrated", "computed")
 PREDICTED_QUANTITIES = ("ttft", "tbt")  # what a prediction-ratio sample compares

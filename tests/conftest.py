@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from fastapi import FastAPI
 
 from conductor.app import create_app
@@ -86,6 +88,43 @@ def conductor() -> ConductorFactory:
                 yield Conductor(app=app, client=client)
 
     return make
+
+
+class InTestServer(uvicorn.Server):
+    """uvicorn for a test: the test process keeps its own signal handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def served(config: uvicorn.Config) -> AsyncIterator[None]:
+    """Serve ``config`` on its loopback port for the block."""
+    server = InTestServer(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not task.done(), task
+        await asyncio.sleep(0.01)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.asynccontextmanager
+async def over_http(app: FastAPI) -> AsyncIterator[str]:
+    """The app (its lifespan already running) on a real loopback port: its base URL, for
+    clients that bring their own HTTP stack (the ``anthropic`` SDK)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
+    async with served(config):
+        yield f"http://127.0.0.1:{port}"
 
 
 def chat_body(content: str = "Hello there!", **extra: Any) -> dict[str, Any]:

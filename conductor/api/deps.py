@@ -29,8 +29,11 @@ async def authenticate(request: Request, state: StateDep) -> Tenant:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
+        token = request.headers.get("x-api-key", "")  # Anthropic's SDKs send it so
+    if not token.strip():
         raise AuthenticationFailed(
-            "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
+            "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' "
+            "(or 'x-api-key: YOUR_KEY')."
         )
     tenant = await state.tenants.resolve(token.strip())
     if tenant is None:

@@ -14,13 +14,14 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from conductor.api.admission import admit
+from conductor.api.admission import Admitted, admit
 from conductor.api.deps import StateDep, TenantDep, request_id
 from conductor.api.limits import request_slo
 from conductor.api.openapi_doc import GENERATION_ERRORS, errors, streamed
@@ -60,6 +61,7 @@ from conductor.errors import (
 )
 from conductor.generation import TokenDelta, UsageCounts
 from conductor.state import AppState
+from conductor.tenants import Tenant
 from kvc.tokenization import ChatTemplateError, TextTooLong
 
 log = logging.getLogger("conductor.api")
@@ -448,19 +450,21 @@ async def prompt_token_ids(
         ) from exc
 
 
-@router.post(
-    "/v1/chat/completions",
-    response_model=None,
-    responses={
-        **streamed(ChatCompletionResponse, ChatCompletionChunk),
-        **errors(*GENERATION_ERRORS),
-    },
-)
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep
-) -> Response:
+@dataclass(frozen=True, slots=True)
+class StartedChat:
+    """A chat generation admitted: its first token exists."""
+
+    admitted: Admitted
+    reader: _ToolCallReader | None  # reads tool calls out of the text, when tools may be
+    prompt_tokens: int
+
+
+async def start_chat(
+    body: ChatCompletionRequest, request: Request, state: AppState, tenant: Tenant, endpoint: str
+) -> StartedChat:
+    """Check, tokenize and admit a chat request (the OpenAI route's and the Messages
+    route's, which translates into one)."""
     rid = request_id(request)
-    log_unknown_fields(rid, body.unknown_fields())
     check_model(state, body.model)
     _reject_unsupported(body.n, body.logprobs)
     _refuse_what_chat_cannot_honour(body, state)
@@ -478,10 +482,9 @@ async def chat_completions(
         )
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
-
     adm = await admit(
         state,
-        "chat_completions",
+        endpoint,
         rid,
         tenant,
         prompt_ids,
@@ -491,10 +494,27 @@ async def chat_completions(
         request_slo(request, state),
         response_format=_forced_call_format(body),
     )
+    return StartedChat(adm, _ToolCallReader.for_request(body, state), len(prompt_ids))
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={
+        **streamed(ChatCompletionResponse, ChatCompletionChunk),
+        **errors(*GENERATION_ERRORS),
+    },
+)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep
+) -> Response:
+    rid = request_id(request)
+    log_unknown_fields(rid, body.unknown_fields())
+    chat = await start_chat(body, request, state, tenant, "chat_completions")
+    adm, reader = chat.admitted, chat.reader
     completion_id = new_chat_completion_id()
     created = int(time.time())
     model = state.model_name
-    reader = _ToolCallReader.for_request(body, state)
     if not body.stream:
         text, finish, usage = await adm.collect()
         content: str | None = text

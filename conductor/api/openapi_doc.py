@@ -23,7 +23,7 @@ from pydantic.json_schema import models_json_schema
 from conductor.api.schemas import ChatCompletionChunk, CompletionChunk, ErrorResponse
 from kvc.version import package_version
 
-__all__ = ["errors", "install", "streamed"]
+__all__ = ["ANTHROPIC_EVENTS", "errors", "install", "streamed"]
 
 _REF: Final = "#/components/schemas/{model}"
 
@@ -44,15 +44,36 @@ _WHEN: Final[dict[int, str]] = {
 }
 
 GENERATION_ERRORS: Final = (400, 401, 404, 413, 422, 429, 502, 503, 504)
+# The Messages API's stream: ``event: <type>`` and ``data: {"type": <type>, ...}``, the
+# last one message_stop (or error), no [DONE].
+ANTHROPIC_EVENTS: Final = ("message_start", "content_block_start", "content_block_delta",
+                           "content_block_stop", "message_delta", "message_stop", "ping",
+                           "error")  # fmt: skip
 
 
-def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` entries for error statuses, each with OpenAI's error envelope."""
-    return {s: {"model": ErrorResponse, "description": _WHEN[s]} for s in statuses}
+def errors(
+    *statuses: int, model: type[BaseModel] = ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries for error statuses, each with OpenAI's error envelope (or
+    ``model``: the Messages API answers Anthropic's error body)."""
+    return {s: {"model": model, "description": _WHEN[s]} for s in statuses}
 
 
-def streamed(response: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, Any]:
-    """The 200 of a route that answers ``response`` as JSON, or a stream of ``chunk``s."""
+def streamed(response: type[BaseModel], chunk: type[BaseModel] | None) -> dict[int | str, Any]:
+    """The 200 of a route that answers ``response`` as JSON, or a stream of ``chunk``s
+    (None: Anthropic's typed events, ``event:`` and ``data:`` lines, no ``[DONE]``)."""
+    if chunk is None:
+        kinds = list(ANTHROPIC_EVENTS)
+        stream: dict[str, Any] = {"schema": {"type": "string"}, "x-kvc-event-types": kinds}
+        events = f"server-sent events typed as Anthropic types them ({', '.join(kinds)})"
+        description = f"`{response.__name__}`, or with `stream: true` {events}"
+        return {
+            200: {
+                "model": response,
+                "description": description,
+                "content": {"text/event-stream": stream},
+            }
+        }
     return {
         200: {
             "model": response,
@@ -77,8 +98,8 @@ def _build(app: FastAPI) -> dict[str, Any]:
     doc = get_openapi(
         title=app.title,
         version=package_version(),
-        description="The conductor's HTTP API: OpenAI's chat and completions, vLLM's "
-        "tokenizer extras, operations and admin routes (docs/api.md).",
+        description="The conductor's HTTP API: OpenAI's chat and completions, Anthropic's "
+        "Messages, vLLM's tokenizer extras, operations and admin routes (docs/api.md).",
         routes=app.routes,
     )
     for operations in doc["paths"].values():

@@ -19,12 +19,25 @@ from conductor.generation import TokenDelta, UsageCounts
 
 # (delta, None) for each token delta, then (None, usage) once at the end; None: no event.
 ChunkMaker = Callable[[TokenDelta | None, UsageCounts | None], str | None]
+# The last event(s) of a stream that failed after it began.
+ErrorEvent = Callable[[ConductorError], str]
+
+
+def openai_error_event(exc: ConductorError) -> str:
+    """OpenAI's convention: an ``{"error": …}`` data event, then ``[DONE]``."""
+    return sse_data(json.dumps(exc.to_response_body())) + SSE_DONE
 
 
 async def sse_events(
-    adm: Admitted, make_chunk: ChunkMaker, first_event: str | None
+    adm: Admitted,
+    make_chunk: ChunkMaker,
+    first_event: str | None,
+    *,
+    on_error: ErrorEvent = openai_error_event,
+    done: str = SSE_DONE,
 ) -> AsyncGenerator[str, None]:
-    """Stream chunks; on error send an error event; always close the generation."""
+    """Stream chunks, then ``done``; on error send ``on_error``'s events; always close
+    the generation."""
     outcome = "cancelled"
     usage: UsageCounts | None = None
     try:
@@ -39,12 +52,12 @@ async def sse_events(
         tail = make_chunk(None, usage)
         if tail is not None:
             yield tail
-        yield SSE_DONE
+        if done:
+            yield done
         outcome = "success"
     except ConductorError as exc:
         outcome = "upstream_error"
-        yield sse_data(json.dumps(exc.to_response_body()))
-        yield SSE_DONE
+        yield on_error(exc)
     finally:
         await adm.stream.aclose()
         adm.finish(outcome, usage)
@@ -61,9 +74,12 @@ class GenerationResponse(StreamingResponse):
         make_chunk: ChunkMaker,
         first_event: str | None,
         request_id: str,
+        *,
+        on_error: ErrorEvent = openai_error_event,
+        done: str = SSE_DONE,
     ) -> None:
         self._adm = adm
-        self._events = sse_events(adm, make_chunk, first_event)
+        self._events = sse_events(adm, make_chunk, first_event, on_error=on_error, done=done)
         headers = {
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",

@@ -8,15 +8,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
-
-import uvicorn
 
 from conductor.app import create_app
 from conductor.http_server import uvicorn_config
 from conductor.settings import ConductorSettings
+from tests.conftest import served
 
 GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: conductor\r\n\r\n"
 
@@ -28,25 +27,11 @@ def free_port() -> int:
         return port
 
 
-class InTestServer(uvicorn.Server):
-    @contextmanager
-    def capture_signals(self) -> Iterator[None]:  # the test process keeps its handlers
-        yield
-
-
 @asynccontextmanager
 async def serving(**overrides: Any) -> AsyncIterator[int]:
     settings = ConductorSettings(port=free_port(), **overrides)
-    server = InTestServer(uvicorn_config(settings, create_app(settings), "warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), task
-        await asyncio.sleep(0.01)
-    try:
+    async with served(uvicorn_config(settings, create_app(settings), "warning")):
         yield settings.port
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def read_until_closed(reader: asyncio.StreamReader, timeout_s: float) -> bytes:

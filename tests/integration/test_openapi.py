@@ -32,6 +32,17 @@ def _check(doc: dict[str, Any], template: str, method: str, resp: httpx.Response
 
     if media == "application/json":
         conforms(content[media]["schema"], resp.json())
+    elif media == "text/event-stream" and "x-kvc-event-types" in content[media]:
+        # Anthropic's framing: "event: <type>" then "data: {"type": <type>, …}".
+        kinds = []
+        for block in (b for b in resp.text.split("\n\n") if b.strip()):
+            event, data = block.split("\n", 1)
+            kind = event.removeprefix("event: ")
+            assert json.loads(data.removeprefix("data: "))["type"] == kind, seen
+            kinds.append(kind)
+        assert set(kinds) <= set(content[media]["x-kvc-event-types"]), seen
+        assert kinds[0] == "message_start", seen
+        assert kinds[-1] == "message_stop", seen
     elif media == "text/event-stream":
         events = [b[len("data: ") :] for b in resp.text.split("\n\n") if b.strip()]
         assert events[-1] == "[DONE]", seen
@@ -74,6 +85,14 @@ async def test_the_document_is_valid_and_every_recorded_response_matches_it(
         await record("POST", completions, json=prompt, headers=KEY)
         await record("POST", completions, json={**prompt, **stream}, headers=KEY)
         await record("POST", completions, json={**prompt, "echo": True}, headers=KEY)
+        messages = "/v1/messages"
+        ask = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+        await record("POST", messages, json=ask, headers={"x-api-key": "k1"})
+        await record("POST", messages, json={**ask, "stream": True}, headers={"x-api-key": "k1"})
+        await record("POST", messages, json={**ask, "max_tokens": 0}, headers=KEY)
+        await record("POST", messages, json=ask)
+        await record("POST", messages, json={**ask, "model": "claude-9"}, headers=KEY)
+        await record("POST", messages, json={**ask, "stop_sequences": ["x"]}, headers=KEY)
         await record("GET", "/v1/models", headers=KEY)
         await record("GET", "/v1/models", json=None)
         await record("GET", "/v1/models/{model}", f"/v1/models/{MODEL}", headers=KEY)
@@ -109,6 +128,8 @@ async def test_the_document_is_valid_and_every_recorded_response_matches_it(
         f"POST {chat} 200", f"POST {chat} 400", f"POST {chat} 401", f"POST {chat} 404",
         f"POST {chat} 413", f"POST {chat} 422", f"POST {chat} 503", "GET /ready 503",
         f"POST {completions} 422", "POST /admin/nodes/{node}/drain 404",
+        "POST /v1/messages 200", "POST /v1/messages 400", "POST /v1/messages 401",
+        "POST /v1/messages 404", "POST /v1/messages 422",
     ):  # fmt: skip
         assert expected in seen, (expected, sorted(seen))
 
@@ -127,4 +148,5 @@ async def test_validation_errors_are_documented_as_the_400_envelope(
                     assert schema["$ref"].rsplit("/", 1)[-1] in (
                         "ErrorResponse",
                         "NotReadyResponse",
+                        "AnthropicErrorResponse",  # /v1/messages: Anthropic's shape
                     ), (method, path, status)

@@ -477,6 +477,68 @@ async def test_a_function_calling_loop_with_the_openai_sdk(
     assert_no_locks(both)
 
 
+async def test_tool_use_with_the_anthropic_sdk(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]], conductor: ConductorFactory
+) -> None:
+    """The same loop through Anthropic's Messages API and its official SDK: a
+    ``tool_use`` block with the parsed input and ``stop_reason: "tool_use"``, streamed
+    as ``input_json_delta``; the ``tool_result`` goes back and the answer is text."""
+    from anthropic import AsyncAnthropic
+
+    from tests.conftest import over_http
+
+    (*_, both), (*_, engine) = vllm_agents
+    tok = ChatTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    call_text = (
+        'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    tool = {"name": "get_weather", "description": "Current weather in a city.",
+            "input_schema": WEATHER_TOOL["function"]["parameters"]}  # type: ignore[index]  # fmt: skip
+    async with (
+        conductor([both], tool_call_parser="hermes") as c,
+        over_http(c.app) as base,
+        AsyncAnthropic(base_url=base, api_key="unused", max_retries=0) as client,
+    ):
+        turns: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Oslo?"}]
+
+        async def ask() -> Any:
+            return await client.messages.create(
+                model=MODEL, max_tokens=64, messages=cast(Any, turns), tools=cast(Any, [tool])
+            )
+
+        engine.replies.append(tok.encode(call_text))
+        reply = await ask()
+        assert reply.stop_reason == "tool_use"
+        said, use = reply.content
+        assert (said.type, said.text) == ("text", "Checking.")
+        assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {"city": "Oslo"})
+        assert use.id.startswith("toolu_")
+
+        engine.replies.append(tok.encode(call_text))
+        async with client.messages.stream(
+            model=MODEL, max_tokens=64, messages=cast(Any, turns), tools=cast(Any, [tool])
+        ) as stream:
+            final = await stream.get_final_message()
+        assert final.stop_reason == "tool_use"
+        assert [b.type for b in final.content] == ["text", "tool_use"]
+        assert final.content[1].input == {"city": "Oslo"}  # type: ignore[union-attr]
+
+        turns += [
+            {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
+                                              {"type": "tool_use", "id": use.id,
+                                               "name": use.name, "input": use.input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                          "content": '{"sky": "clear", "c": 21}'}]},
+        ]  # fmt: skip
+        engine.replies.append(tok.encode("Clear sky, 21 degrees."))
+        answer = await ask()
+        assert answer.stop_reason == "end_turn"
+        assert [(b.type, b.text) for b in answer.content] == [("text", "Clear sky, 21 degrees.")]
+        _, sent = engine.completions[-1]
+        assert "clear" in tok.decode(sent["prompt"])  # the tool's result reached the prompt
+    assert_no_locks(both)
+
+
 async def test_without_a_parser_tools_that_may_be_called_are_refused(
     vllm_agents: tuple[list[AgentServer], list[StandInVllm]], conductor: ConductorFactory
 ) -> None:

@@ -1,0 +1,428 @@
+"""Anthropic's Messages API (``POST /v1/messages``), so the official ``anthropic`` SDK
+works against the conductor unchanged.
+
+A Messages request is translated into a chat request (system prompt, text blocks,
+``tool_use`` and ``tool_result`` blocks as an assistant's tool calls and tool messages,
+tools and ``tool_choice``) and runs the same path as ``/v1/chat/completions``: the same
+chat template, scheduling, tool-call parsing and accounting. The answer is rendered as
+Anthropic renders it: content blocks (``text``, ``tool_use``), ``stop_reason``
+(``end_turn``, ``max_tokens``, ``tool_use``), usage with ``cache_read_input_tokens``
+(the prompt tokens served from a node's prefix cache), the streamed event sequence
+(``message_start``, ``content_block_start``/``_delta``/``_stop``, ``message_delta``,
+``message_stop``; an ``error`` event when a stream fails after it began) and error bodies
+(``{"type": "error", "error": {"type", "message"}}``). The API key comes in ``x-api-key``
+(or ``Authorization: Bearer``).
+
+Refused with 422 rather than ignored, until they are built: ``cache_control`` on the
+request, a block or a tool (explicit prompt-cache retention), ``stop_sequences`` (the
+matched sequence is not reported back yet), ``output_config``, image and document
+blocks, extended thinking. Other fields are logged once per name, as on the OpenAI
+routes.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, ValidationError
+
+from conductor.api.deps import StateDep, TenantDep, request_id
+from conductor.api.openai import log_unknown_fields, start_chat
+from conductor.api.openapi_doc import GENERATION_ERRORS, errors, streamed
+from conductor.api.schemas import ChatCompletionRequest, OpenAIRequest, _ResponseModel
+from conductor.api.sse import GenerationResponse
+from conductor.api.tool_calls import Call
+from conductor.errors import ConductorError, InvalidRequest, UnprocessableEntity
+from conductor.generation import TokenDelta, UsageCounts
+
+__all__ = ["MESSAGES_PATH", "anthropic_error_body", "router"]
+
+MESSAGES_PATH = "/v1/messages"
+router = APIRouter()
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(exc: ConductorError, request_id: str | None) -> dict[str, Any]:
+    """Anthropic's error body for one of the conductor's errors (same status code)."""
+    status = exc.status_code
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": exc.message}}
+    if request_id:
+        body["request_id"] = request_id
+    return body
+
+
+class AnthropicErrorDetail(_ResponseModel):
+    type: str  # invalid_request_error, authentication_error, not_found_error, …
+    message: str
+
+
+class AnthropicErrorResponse(_ResponseModel):
+    """Anthropic's error body: what every error of the Messages API answers."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+    request_id: str | None = None
+
+
+# --------------------------------------------------------------------- the request
+
+
+class MessagesRequest(OpenAIRequest):
+    """``POST /v1/messages``. Content blocks are read in the translation, where an
+    unsupported one gets a 422 naming it."""
+
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+
+
+def _refuse(param: str, why: str) -> UnprocessableEntity:
+    return UnprocessableEntity(
+        f"'{param}' is not supported yet: {why}.", param=param, code="unsupported_value"
+    )
+
+
+def _no_cache_control(block: Any, where: str) -> None:
+    if isinstance(block, dict) and "cache_control" in block:
+        raise _refuse(f"{where}.cache_control", "prompt-cache retention is not built yet")
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A string, or a list of text blocks, as one string."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"'{where}' must be a string or a list of text blocks.", param=where)
+    parts = []
+    for i, block in enumerate(content):
+        _no_cache_control(block, f"{where}[{i}]")
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise _refuse(f"{where}[{i}].type", "only text blocks here")
+        if not isinstance(block.get("text"), str):
+            raise InvalidRequest(f"'{where}[{i}].text' must be a string.", param=where)
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def _message(i: int, message: dict[str, Any]) -> list[dict[str, Any]]:
+    """One Messages API message as chat messages."""
+    where = f"messages[{i}]"
+    role = message.get("role")
+    if role not in ("user", "assistant"):
+        raise InvalidRequest(f"'{where}.role' must be 'user' or 'assistant'.", param=where)
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise InvalidRequest(
+            f"'{where}.content' must be a string or a list of blocks.", param=f"{where}.content"
+        )
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        _no_cache_control(block, at)
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(
+                {
+                    "id": str(block.get("id", "")),
+                    "type": "function",
+                    "function": {
+                        "name": str(block.get("name", "")),
+                        "arguments": json.dumps(block.get("input", {})),
+                    },
+                }
+            )
+        elif kind == "tool_result" and role == "user":
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": str(block.get("tool_use_id", "")),
+                    "content": _text_of(block.get("content", ""), f"{at}.content"),
+                }
+            )
+        elif kind in ("text", "tool_use", "tool_result"):
+            raise InvalidRequest(f"'{at}' is not a valid {kind} block here.", param=at)
+        else:
+            raise _refuse(f"{at}.type", f"{kind!r} blocks are not built yet")
+    if role == "assistant":
+        turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        if calls:
+            turn["tool_calls"] = calls
+        return [turn]
+    return [*results, *([{"role": "user", "content": "".join(texts)}] if texts else [])]
+
+
+def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
+    """(OpenAI ``tool_choice``, ``parallel_tool_calls``) of an Anthropic ``tool_choice``."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise InvalidRequest(
+        "'tool_choice' must be auto, any, tool (with a name) or none.", param="tool_choice"
+    )
+
+
+def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+    """The chat request a Messages request stands for (422 for what is not built)."""
+    if body.stop_sequences:
+        raise _refuse("stop_sequences", "the matched sequence is not reported back yet")
+    if body.thinking is not None:
+        raise _refuse("thinking", "extended thinking is not built")
+    if body.cache_control is not None:
+        raise _refuse("cache_control", "prompt-cache retention is not built yet")
+    if body.output_config is not None:
+        raise _refuse("output_config", "output formats and effort are not built yet")
+    messages: list[dict[str, Any]] = []
+    if body.system:
+        messages.append({"role": "system", "content": _text_of(body.system, "system")})
+    for i, message in enumerate(body.messages):
+        messages.extend(_message(i, message))
+    tools = None
+    if body.tools is not None:
+        tools = []
+        for i, tool in enumerate(body.tools):
+            _no_cache_control(tool, f"tools[{i}]")
+            if not isinstance(tool.get("name"), str):
+                raise InvalidRequest(f"'tools[{i}].name' is required.", param=f"tools[{i}]")
+            tools.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": tool["name"],
+                        "description": tool.get("description", ""),
+                        "parameters": tool.get("input_schema", {"type": "object"}),
+                    },
+                }
+            )
+    choice, parallel = _tool_choice(body.tool_choice)
+    user = (body.metadata or {}).get("user_id")
+    chat: dict[str, Any] = {
+        "model": body.model,
+        "messages": messages,
+        "max_tokens": body.max_tokens,
+        "stream": body.stream,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "tools": tools,
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel,
+        "user": user if isinstance(user, str) else None,
+    }
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in chat.items() if v is not None}
+        )
+    except ValidationError as exc:
+        raise InvalidRequest.from_validation_errors(exc.errors()) from exc
+
+
+# --------------------------------------------------------------------- the answer
+
+
+class MessagesUsage(_ResponseModel):
+    input_tokens: int  # prompt tokens not read from a cache
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class MessagesResponse(_ResponseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[dict[str, Any]]
+    model: str
+    stop_reason: str | None
+    stop_sequence: str | None = None
+    usage: MessagesUsage
+
+
+def _usage(usage: UsageCounts) -> MessagesUsage:
+    cached = min(usage.cached_tokens, usage.prompt_tokens)
+    return MessagesUsage(
+        input_tokens=usage.prompt_tokens - cached,
+        output_tokens=usage.completion_tokens,
+        cache_read_input_tokens=cached,
+    )
+
+
+def _tool_use(call: Call) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except ValueError:
+        arguments = {}
+    return {
+        "type": "tool_use",
+        "id": call.id.replace("call_", "toolu_", 1),
+        "name": call.name,
+        "input": arguments if isinstance(arguments, dict) else {},
+    }
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+
+@router.post(
+    MESSAGES_PATH,
+    response_model=None,
+    responses={
+        **streamed(MessagesResponse, None),
+        **errors(*GENERATION_ERRORS, model=AnthropicErrorResponse),
+    },
+)
+async def messages(
+    body: MessagesRequest, request: Request, state: StateDep, tenant: TenantDep
+) -> Response:
+    """Anthropic's Messages API over the conductor's chat path."""
+    rid = request_id(request)
+    log_unknown_fields(rid, body.unknown_fields())
+    chat = await start_chat(to_chat_request(body), request, state, tenant, "messages")
+    adm, reader = chat.admitted, chat.reader
+    message_id = f"msg_{secrets.token_hex(12)}"
+    model = state.model_name
+    if not body.stream:
+        text, finish, usage = await adm.collect()
+        blocks: list[dict[str, Any]] = []
+        said, made = reader.read(text, last=True) if reader is not None else (text, [])
+        if said:
+            blocks.append({"type": "text", "text": said})
+        blocks += [_tool_use(c) for c in made]
+        reason = "tool_calls" if made else finish
+        answer = MessagesResponse(
+            id=message_id,
+            content=blocks,
+            model=model,
+            stop_reason=_STOP_REASONS.get(reason, "end_turn"),
+            usage=_usage(usage),
+        )
+        return JSONResponse(answer.model_dump(), headers={"X-Request-Id": rid, **adm.headers})
+
+    index = -1  # the content block being streamed
+    text_open = False
+    calls = 0
+
+    def make_event(delta: TokenDelta | None, usage: UsageCounts | None) -> str | None:
+        nonlocal index, text_open, calls
+        if delta is None:
+            return None
+        out: list[str] = []
+        said, made = (
+            (delta.text, [])
+            if reader is None
+            else reader.read(delta.text, last=delta.finish_reason is not None)
+        )
+        if said:
+            if not text_open:
+                index += 1
+                text_open = True
+                out.append(
+                    _event(
+                        "content_block_start",
+                        {"index": index, "content_block": {"type": "text", "text": ""}},
+                    )
+                )
+            out.append(
+                _event(
+                    "content_block_delta",
+                    {"index": index, "delta": {"type": "text_delta", "text": said}},
+                )
+            )
+        for call in made:
+            if text_open:
+                out.append(_event("content_block_stop", {"index": index}))
+                text_open = False
+            index += 1
+            calls += 1
+            block = {**_tool_use(call), "input": {}}
+            out.append(_event("content_block_start", {"index": index, "content_block": block}))
+            out.append(
+                _event(
+                    "content_block_delta",
+                    {
+                        "index": index,
+                        "delta": {
+                            "type": "input_json_delta",
+                            "partial_json": call.arguments or "{}",
+                        },
+                    },
+                )
+            )
+            out.append(_event("content_block_stop", {"index": index}))
+        if delta.finish_reason is not None:
+            if text_open:
+                out.append(_event("content_block_stop", {"index": index}))
+                text_open = False
+            reason = "tool_calls" if calls else delta.finish_reason
+            final = _usage(delta.usage) if delta.usage is not None else None
+            out.append(
+                _event(
+                    "message_delta",
+                    {
+                        "delta": {
+                            "stop_reason": _STOP_REASONS.get(reason, "end_turn"),
+                            "stop_sequence": None,
+                        },
+                        "usage": final.model_dump() if final else {"output_tokens": 0},
+                    },
+                )
+            )
+            out.append(_event("message_stop", {}))
+        return "".join(out) or None
+
+    start = MessagesResponse(
+        id=message_id,
+        content=[],
+        model=model,
+        stop_reason=None,
+        usage=MessagesUsage(input_tokens=chat.prompt_tokens, output_tokens=0),
+    )
+    first = _event("message_start", {"message": start.model_dump()})
+
+    def on_error(exc: ConductorError) -> str:
+        return _event("error", {"error": anthropic_error_body(exc, None)["error"]})
+
+    return GenerationResponse(adm, make_event, first, rid, on_error=on_error, done="")
