@@ -69,7 +69,16 @@ class Agent:
         self.proc.wait(timeout=10)
 
     def gauge(self, name: str) -> float:
-        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        # The metrics server starts just after the gRPC one (which made the system ready).
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+                break
+            except httpx.ConnectError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
         assert match is not None, name
         return float(match.group(1))
