@@ -22,18 +22,17 @@ import asyncio
 import json
 import random
 import shlex
-import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from bench.field_fleet import free_ports, http_ok
 from bench.fleet_scale import proc_memory_kib
 from bench.report import markdown_table, write_results
+from kvc_cli.supervisor import Supervisor
+from node_agent.engines.vllm.http_parsing import metric_values
 
 MODEL = "tiny-llama"
 WORDS = (
@@ -61,20 +60,6 @@ class Tally:
     def add(self, kind: str, outcome: str) -> None:
         counts = self.by_kind.setdefault(kind, {})
         counts[outcome] = counts.get(outcome, 0) + 1
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kvc_cli", *args], stdout=out, stderr=subprocess.STDOUT
-        )
 
 
 def _prompt(rng: random.Random, prefixes: list[str]) -> str:
@@ -124,14 +109,9 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, prefixes: list[str
         tally.transport_errors += 1
 
 
-def _metric_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def _metric_sum(text: str, name: str) -> float:
+    """The sum of a metric's samples over every label set (0 when absent)."""
+    return sum(value for _, value in metric_values(text).get(name, []))
 
 
 async def _load(opts: Options, base: str, tally: Tally, stop_at: float) -> None:
@@ -149,9 +129,7 @@ async def _load(opts: Options, base: str, tally: Tally, stop_at: float) -> None:
 
 
 def run(opts: Options) -> int:
-    opts.out.mkdir(parents=True, exist_ok=True)
-    http, pre, dec = free_port(), free_port(), free_port()
-    pre_m, dec_m = free_port(), free_port()
+    http, pre, dec, pre_m, dec_m = free_ports(5)
     base = f"http://127.0.0.1:{http}"
     agent = ["agent", "--host", "127.0.0.1", "--threads", "1", "--capacity-blocks", "1024"]
     commands = {
@@ -160,23 +138,12 @@ def run(opts: Options) -> int:
         "conductor": ["conductor", "--port", str(http), "--agents",
                       f"127.0.0.1:{pre},127.0.0.1:{dec}"],
     }  # fmt: skip
-    procs = {name: spawn(args, opts.out / f"{name}.log") for name, args in commands.items()}
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in procs}
+    procs = Supervisor(grace_s=60.0, log_dir=opts.out)
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     tally = Tally()
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            for name, proc in procs.items():
-                if proc.poll() is not None:
-                    raise SystemExit(f"{name} exited at start: see {opts.out / name}.log")
-            if time.monotonic() > deadline:
-                raise SystemExit("the system did not become ready")
-            time.sleep(0.5)
+        pids = {name: procs.spawn(name, args).proc.pid for name, args in commands.items()}
+        procs.wait_until(lambda: http_ok(f"{base}/ready"), "the conductor's /ready", 180)
         started = time.monotonic()
         stop_at = started + opts.duration_s
 
@@ -184,8 +151,8 @@ def run(opts: Options) -> int:
             load = asyncio.create_task(_load(opts, base, tally, stop_at))
             while not load.done():
                 now = time.monotonic() - started
-                for name, proc in procs.items():
-                    rss = proc_memory_kib(proc.pid).get("VmRSS")
+                for name, pid in pids.items():
+                    rss = proc_memory_kib(pid).get("VmRSS")
                     if rss is not None:
                         samples[name].append((now, rss / 1024))
                 await asyncio.wait({load}, timeout=opts.sample_s)
@@ -199,14 +166,7 @@ def run(opts: Options) -> int:
             for name, port in (("prefill", pre_m), ("decode", dec_m))
         }  # fmt: skip
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        procs.stop_all()
     return _report(opts, tally, samples, metrics, agent_locks, commands)
 
 
