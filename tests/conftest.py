@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import uvicorn
@@ -125,6 +126,22 @@ async def over_http(app: FastAPI) -> AsyncIterator[str]:
     config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
     async with served(config):
         yield f"http://127.0.0.1:{port}"
+
+
+async def rpc_status(call: Any) -> grpc.StatusCode:
+    """The status a unary or server-streaming gRPC call ends with (it must fail)."""
+
+    async def run() -> None:
+        if hasattr(call, "__aiter__"):
+            async for _ in call:
+                pass
+        else:
+            await call
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await run()
+    code: grpc.StatusCode = info.value.code()
+    return code
 
 
 def chat_body(content: str = "Hello there!", **extra: Any) -> dict[str, Any]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -17,7 +16,7 @@ from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
-from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, chat_body
+from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, chat_body, rpc_status
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +58,6 @@ def secure(address: str, files: TlsFiles) -> grpc.aio.Channel:
     )
 
 
-async def status_of(call: Any) -> grpc.StatusCode:
-    async def run() -> None:
-        if hasattr(call, "__aiter__"):
-            async for _ in call:
-                pass
-        else:
-            await call
-
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await run()
-    return info.value.code()
-
-
 def alloc(tx_id: str) -> pb.TxAllocateRequest:
     return pb.TxAllocateRequest(tx_id=tx_id, tenant="t", block_keys=[11, 12], lease_s=30)
 
@@ -89,21 +75,21 @@ async def test_the_conductor_role_may_do_everything_an_agent_only_pull(
     async with secure(address, files_of(certs, "agent")) as channel:
         peer = pb_grpc.NodeAgentStub(channel)
         assert (await peer.GetInfo(pb.GetInfoRequest())).node_id
-        assert await status_of(peer.TxAllocate(alloc("a1"))) == denied
-        assert await status_of(peer.Snapshot(pb.SnapshotRequest())) == denied
-        assert await status_of(peer.Drain(pb.DrainRequest())) == denied
+        assert await rpc_status(peer.TxAllocate(alloc("a1"))) == denied
+        assert await rpc_status(peer.Snapshot(pb.SnapshotRequest())) == denied
+        assert await rpc_status(peer.Drain(pb.DrainRequest())) == denied
         watch = peer.WatchEvents(pb.WatchEventsRequest(from_seq=1))
-        assert await status_of(watch) == denied
+        assert await rpc_status(watch) == denied
         generate = peer.Generate(pb.GenerateRequest(request_id="g", prompt_token_ids=[1, 2]))
-        assert await status_of(generate) == denied
+        assert await rpc_status(generate) == denied
         prefill = peer.Prefill(pb.PrefillRequest(request_id="p", prompt_token_ids=[1, 2]))
-        assert await status_of(prefill) == denied
+        assert await rpc_status(prefill) == denied
         pull = pb.PullBlocksRequest(tx_id="c", source_address="x:1", source_tx_id="s", num_blocks=1)
-        assert await status_of(peer.PullBlocks(pull)) == denied  # no poisoning by a peer
-        assert await status_of(peer.TxCommit(pb.TxCommitRequest(tx_id="c1"))) == denied
+        assert await rpc_status(peer.PullBlocks(pull)) == denied  # no poisoning by a peer
+        assert await rpc_status(peer.TxCommit(pb.TxCommitRequest(tx_id="c1"))) == denied
         # Pulling is an agent's right, and still needs a staged handle of the tenant.
         fetch = peer.FetchKv(pb.FetchKvRequest(stage_handle="guess", tenant="t"))
-        assert await status_of(fetch) == grpc.StatusCode.NOT_FOUND
+        assert await rpc_status(fetch) == grpc.StatusCode.NOT_FOUND
     assert not tls_agent.service.draining
     assert_no_locks(tls_agent)
 
@@ -115,15 +101,15 @@ async def test_callers_without_a_certificate_of_the_ca_get_nothing(
     unavailable = grpc.StatusCode.UNAVAILABLE
     async with grpc.aio.insecure_channel(address) as channel:  # plaintext
         call = pb_grpc.NodeAgentStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
-        assert await status_of(call) == unavailable
+        assert await rpc_status(call) == unavailable
     server_only = grpc.ssl_channel_credentials(root_certificates=(certs / "ca.pem").read_bytes())
     options = [("grpc.ssl_target_name_override", AGENT_NAME)]
     async with grpc.aio.secure_channel(address, server_only, options=options) as channel:
         call = pb_grpc.NodeAgentStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
-        assert await status_of(call) == unavailable  # no client certificate
+        assert await rpc_status(call) == unavailable  # no client certificate
     async with secure(address, files_of(other_ca, "conductor")) as channel:
         tx = pb_grpc.NodeAgentStub(channel).TxAllocate(alloc("x"), timeout=5)
-        assert await status_of(tx) == unavailable  # another CA's conductor
+        assert await rpc_status(tx) == unavailable  # another CA's conductor
     assert_no_locks(tls_agent)
 
 
@@ -163,7 +149,7 @@ async def test_server_picks_up_rotated_files(
         await pb_grpc.NodeAgentStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
     async with secure(agent.address, files_of(certs, "conductor")) as channel:
         call = pb_grpc.NodeAgentStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
-        assert await status_of(call) == grpc.StatusCode.UNAVAILABLE  # the old CA is out
+        assert await rpc_status(call) == grpc.StatusCode.UNAVAILABLE  # the old CA is out
 
 
 @pytest.mark.parametrize(

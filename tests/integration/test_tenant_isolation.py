@@ -19,6 +19,7 @@ from tests.conftest import (
     ConductorFactory,
     assert_no_locks,
     chat_body,
+    rpc_status,
 )
 
 BS = 32
@@ -42,21 +43,6 @@ async def cache_for_victim(stub: pb_grpc.NodeAgentAsyncStub) -> pb.PrefillRespon
     )
 
 
-async def code_of(call: Any) -> grpc.StatusCode:
-    """The status a unary or streaming call ends with (it must fail)."""
-
-    async def run() -> None:
-        if hasattr(call, "__aiter__"):
-            async for _ in call:
-                pass
-        else:
-            await call
-
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await run()
-    return info.value.code()
-
-
 async def test_another_tenant_cannot_lock_read_or_overwrite_the_victims_blocks(
     start_agent: AgentFactory,
 ) -> None:
@@ -70,7 +56,7 @@ async def test_another_tenant_cannot_lock_read_or_overwrite_the_victims_blocks(
             steal = pb.TxAllocateRequest(
                 tx_id=f"steal-{mode}", tenant="attacker", block_keys=keys, lease_s=600, mode=mode
             )
-            assert await code_of(stub.TxAllocate(steal)) == denied
+            assert await rpc_status(stub.TxAllocate(steal)) == denied
         assert agent.service.pool.locked_by_tenant("attacker") == 0
         # The victim's own lock, then a read of it under another tenant's name.
         lock = pb.TxAllocateRequest(
@@ -78,11 +64,11 @@ async def test_another_tenant_cannot_lock_read_or_overwrite_the_victims_blocks(
         )
         grant = (await stub.TxAllocate(lock)).read_token
         read = pb.ReadBlocksRequest(tx_id="v-lock", tenant=VICTIM, block_keys=keys)
-        assert await code_of(stub.ReadBlocks(read)) == denied  # a tx id alone reads nothing
+        assert await rpc_status(stub.ReadBlocks(read)) == denied  # a tx id alone reads nothing
         read = pb.ReadBlocksRequest(
             tx_id="v-lock", tenant="attacker", block_keys=keys, read_token=grant
         )
-        assert await code_of(stub.ReadBlocks(read)) == denied
+        assert await rpc_status(stub.ReadBlocks(read)) == denied
         read.tenant = VICTIM
         assert [c async for c in stub.ReadBlocks(read)]  # the owner still reads
         await stub.TxAbort(pb.TxAbortRequest(tx_id="v-lock"))
@@ -100,12 +86,12 @@ async def test_staged_kv_is_claimed_by_its_handle_and_tenant_only(
         assert len(staged.stage_handle) >= 20
         not_found = grpc.StatusCode.NOT_FOUND
         by_id = pb.FetchKvRequest(request_id="same-id", stage_handle="same-id", tenant=VICTIM)
-        assert await code_of(stub.FetchKv(by_id)) == not_found
+        assert await rpc_status(stub.FetchKv(by_id)) == not_found
         other = pb.FetchKvRequest(stage_handle=staged.stage_handle, tenant="attacker")
-        assert await code_of(stub.FetchKv(other)) == not_found
+        assert await rpc_status(stub.FetchKv(other)) == not_found
         own = pb.FetchKvRequest(stage_handle=staged.stage_handle, tenant=VICTIM)
         assert sum(len(c.data) for c in [c async for c in stub.FetchKv(own)]) > 0
-        assert await code_of(stub.FetchKv(own)) == not_found  # single use
+        assert await rpc_status(stub.FetchKv(own)) == not_found  # single use
         assert agent.service.staging.nbytes == 0
     assert_no_locks(agent)
 
