@@ -100,15 +100,14 @@ class InTestServer(uvicorn.Server):
 
 
 @contextlib.asynccontextmanager
-async def served(config: uvicorn.Config) -> AsyncIterator[None]:
+async def served(config: uvicorn.Config) -> AsyncIterator[uvicorn.Server]:
     """Serve ``config`` on its loopback port for the block."""
     server = InTestServer(config)
     task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), task
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: server.started or task.done())
+    assert not task.done(), task  # it failed to start: the task says why
     try:
-        yield
+        yield server
     finally:
         server.should_exit = True
         await task

@@ -12,10 +12,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
+
 from conductor.app import create_app
 from conductor.http_server import uvicorn_config
 from conductor.settings import ConductorSettings
-from tests.conftest import served
+from tests.conftest import served, wait_until
 
 GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: conductor\r\n\r\n"
 
@@ -28,10 +30,10 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def serving(**overrides: Any) -> AsyncIterator[int]:
+async def serving(**overrides: Any) -> AsyncIterator[tuple[int, uvicorn.Server]]:
     settings = ConductorSettings(port=free_port(), **overrides)
-    async with served(uvicorn_config(settings, create_app(settings), "warning")):
-        yield settings.port
+    async with served(uvicorn_config(settings, create_app(settings), "warning")) as server:
+        yield settings.port, server
 
 
 async def read_until_closed(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
@@ -39,7 +41,7 @@ async def read_until_closed(reader: asyncio.StreamReader, timeout_s: float) -> b
 
 
 async def test_headers_that_never_complete_get_408_and_a_closed_connection() -> None:
-    async with serving(header_timeout_s=0.5) as port:
+    async with serving(header_timeout_s=0.5) as (port, _):
         # Silent after connecting; then headers a line at a time, never finished.
         for opening in (b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: c\r\n"):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -53,7 +55,7 @@ async def test_headers_that_never_complete_get_408_and_a_closed_connection() -> 
 
 
 async def test_an_idle_kept_alive_connection_is_not_cut_by_the_header_deadline() -> None:
-    async with serving(header_timeout_s=0.3) as port:
+    async with serving(header_timeout_s=0.3) as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         for _ in range(2):
             writer.write(GET_HEALTH)
@@ -67,9 +69,9 @@ async def test_an_idle_kept_alive_connection_is_not_cut_by_the_header_deadline()
 
 
 async def test_connections_beyond_the_cap_get_503() -> None:
-    async with serving(header_timeout_s=5.0, max_connections=3) as port:
+    async with serving(header_timeout_s=5.0, max_connections=3) as (port, server):
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: len(server.server_state.connections) == 3)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(GET_HEALTH)
         status = await asyncio.wait_for(reader.readline(), 5)

@@ -300,13 +300,14 @@ def test_rolling_conductor_restart_under_load_fails_no_request(fleet: Fleet) -> 
     for t in threads:
         t.start()
     try:
-        time.sleep(2)
+        eventually(lambda: len(results) >= 10, 60, "no load before the restart")
         old_proc = fleet.conductors[0][0]
         old_proc.send_signal(signal.SIGTERM)
         assert old_proc.wait(timeout=60) == 0
         del ready[bases[0]]
         ready[fleet.conductor("--drain-delay-s", "1.5")] = False  # the replacement
-        time.sleep(2)
+        served_before = len(results)
+        eventually(lambda: len(results) >= served_before + 10, 60, "no load after it")
     finally:
         done.set()
         for t in threads:
