@@ -147,12 +147,6 @@ async def _admit(
     if max_len is None:
         account.refuse("no_capacity")
         raise ServiceUnavailable("No node serving this model is ready yet.", retry_after_s=2.0)
-    if not state.fleet.ready():  # e.g. every decode node down: no capacity to wait for
-        account.refuse("no_capacity")
-        raise ServiceUnavailable(
-            "No usable prefill-capable and decode-capable nodes serve this model now.",
-            retry_after_s=2.0,
-        )
     if not prompt_ids:
         account.close("client_error")
         raise InvalidRequest("The prompt is empty.", param=prompt_param)

@@ -100,7 +100,8 @@ class Refusal:
     """The request is refused before any work (429, or 503 when nothing is usable).
 
     ``exhausted``: every node that could take it refused an attempt (``last_failure``
-    says how the last one failed); ``unavailable``: no usable node at all.
+    says how the last one failed); ``unavailable``: no usable prefill-capable or no
+    usable decode-capable node at all.
     """
 
     reason: RefusalReason
@@ -279,7 +280,8 @@ class RequestPlacement:
                 "exhausted", decision.retry_after_s, decision.ttft_s, decision.tbt_s,
                 self._last_failure,
             )  # fmt: skip
-        if capacity and not any(n.healthy for n in states):
+        usable = any(n.can_prefill for n in states) and any(n.can_decode for n in states)
+        if capacity and not usable:  # no node of a role at all: nothing to wait for
             self._stop_waiting()
             return Refusal("unavailable", decision.retry_after_s, decision.ttft_s, decision.tbt_s)
         if self._may_wait(decision, req):

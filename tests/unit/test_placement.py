@@ -81,6 +81,18 @@ def test_no_usable_node_is_unavailable() -> None:
     assert refusal.reason == "unavailable"
 
 
+def test_a_role_with_no_usable_node_is_unavailable_not_a_wait() -> None:
+    """Prefill nodes up, every decode node down: there is no capacity to wait for."""
+    for fleet in (
+        [node("p1"), node("d1", "decode", healthy=False)],
+        [node("p1", healthy=False), node("d1", "decode")],
+    ):
+        rp = loop().begin(request(), KEYS, NOW)
+        refusal = rp.decide(fleet, NOW)  # type: ignore[arg-type]
+        assert isinstance(refusal, Refusal)
+        assert refusal.reason == "unavailable"
+
+
 def _busy_decode(lp: PlacementLoop, count: int, ends_after_s: float) -> None:
     """``count`` decodes on d1 running now that stop ``ends_after_s`` from now."""
     for i in range(count):
