@@ -18,6 +18,7 @@ re-decoding only a small window per token.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -278,7 +279,6 @@ class ChatTokenizer:
             if added.special
         )
         self._model_max_length = model_max_length
-        self._chars_per_token = _chars_per_token_bound(tokenizer)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ChatTokenizer:
@@ -373,12 +373,19 @@ class ChatTokenizer:
 
     # -- encode / decode ----------------------------------------------------
 
+    @functools.cached_property
+    def _chars_per_token(self) -> int | None:
+        # On first use only: it reads the whole tokenizer.json (megabytes for a large
+        # vocabulary), which agents and other users that never bound a prompt skip.
+        return _chars_per_token_bound(self._tokenizer)
+
     def min_tokens(self, text: str) -> int:
         """A lower bound on the tokens ``text`` encodes into, from its length alone
         (0 when the tokenizer's normalizer allows no bound)."""
-        if self._chars_per_token is None:
+        bound = self._chars_per_token
+        if bound is None:
             return 0
-        return -(-len(text) // self._chars_per_token)
+        return -(-len(text) // bound)
 
     def encode(
         self, text: str, *, add_special_tokens: bool = False, limit: int | None = None
