@@ -19,11 +19,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.blocks.events import EventLog
 from node_agent.blocks.pool import BlockPool
-from node_agent.blocks.types import AllBlocksCleared, BlockRemoved, BlockStored
+from node_agent.blocks.tiers import LowerTiers
+from node_agent.blocks.types import (
+    AllBlocksCleared,
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    KvMedium,
+)
 from node_agent.engines.base import CacheCleared, CacheStored, EngineAdapter, EngineCacheEvent
 from node_agent.metrics import AgentMetrics
 
@@ -86,6 +94,9 @@ class EventPublisher:
                 self._append(
                     pb.Event(removed=pb.BlockRemoved(block_keys=list(ev.keys))), origin_time_s
                 )
+            elif isinstance(ev, BlockMoved):
+                moved = pb.BlockMoved(block_keys=list(ev.keys), medium=MEDIUM_TO_PB[ev.medium])
+                self._append(pb.Event(moved=moved), origin_time_s)
             elif isinstance(ev, AllBlocksCleared):
                 self._append(pb.Event(cleared=pb.AllBlocksCleared()), origin_time_s)
 
@@ -159,6 +170,7 @@ class EventPublisher:
             last_prefill_s=last.seconds,
             last_prefill_tokens=last.computed_tokens,
             last_prefill_cached_tokens=last.cached_tokens,
+            tiers=tiers_to_pb(self._pool.lower, digits=2),
         )
 
     # ------------------------------------------------------------------ reading
@@ -172,6 +184,8 @@ class EventPublisher:
             seq=self._log.last_seq,
             cached_keys=list(self._pool.cached_keys()),
             load=self.load_update(),
+            host_keys=self._pool.tier_keys(KvMedium.HOST),
+            disk_keys=self._pool.tier_keys(KvMedium.DISK),
         )
 
     async def watch(self, epoch: str, from_seq: int) -> AsyncIterator[pb.EventBatch]:
@@ -200,3 +214,32 @@ class EventPublisher:
                         await asyncio.wait_for(self._new_events.wait(), timeout=_WATCH_POLL_S)
         finally:
             self._metrics.watch_subscribers.dec()
+
+
+MEDIUM_TO_PB: Final[dict[KvMedium, pb.KvMedium.ValueType]] = {
+    KvMedium.DEVICE: pb.KV_MEDIUM_DEVICE,
+    KvMedium.HOST: pb.KV_MEDIUM_HOST,
+    KvMedium.DISK: pb.KV_MEDIUM_DISK,
+}
+
+
+def tiers_to_pb(lower: LowerTiers | None, digits: int | None = None) -> list[pb.KvTier]:
+    """The enabled lower tiers as ``KvTier`` messages; ``digits``: round the bandwidths
+    to that many significant digits (load updates, so a moving mean is not news)."""
+    if lower is None:
+        return []
+
+    def rate(value: float) -> float:
+        return value if digits is None or value <= 0 else float(f"{value:.{digits}g}")
+
+    return [
+        pb.KvTier(
+            medium=MEDIUM_TO_PB[t.medium],
+            capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes,
+            read_bytes_per_s=rate(t.read_bytes_per_s),
+            write_bytes_per_s=rate(t.write_bytes_per_s),
+        )
+        for t in lower.stats()
+        if t.capacity_bytes > 0
+    ]

@@ -80,3 +80,11 @@ class KvCodec(Protocol):
     def from_bytes(
         self, layout: KvLayout, data: bytes | bytearray | memoryview, num_tokens: int
     ) -> KvContent: ...
+
+    def to_host(self, content: KvContent) -> KvContent:
+        """A copy of ``content`` in host memory (the agent's L2 tier)."""
+        ...
+
+    def to_device(self, content: KvContent) -> KvContent:
+        """``content`` on the engine's device (itself when already there)."""
+        ...

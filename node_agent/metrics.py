@@ -66,7 +66,8 @@ BLOCK_STATES = ("free", "cached", "allocated")
 TRANSFER_DIRECTIONS = ("sent", "received")
 TRANSFER_KINDS = ("handoff", "migration")  # prefill → decode; prefix pulled between nodes
 TOKEN_SOURCES = ("computed", "cached")
-EVENT_KINDS = ("stored", "removed", "cleared", "load")
+EVENT_KINDS = ("stored", "removed", "moved", "cleared", "load")
+TIER_MEDIA = ("host", "disk")  # the lower KV tiers (L2, L3); the pool itself is "device"
 
 MAX_CONNECTIONS = 16  # concurrent scrapes of /metrics; more get a 503
 _START_TIMEOUT_S = 10.0
@@ -167,6 +168,42 @@ class AgentMetrics:
             buckets=_PREFILL_BUCKETS_S,
             registry=r,
         )
+        self.tier_blocks = Gauge(
+            "node_agent_tier_blocks",
+            "KV blocks held in a lower tier (host memory L2, disk L3) below the pool.",
+            ("medium",),
+            registry=r,
+        )
+        self.tier_used_bytes = Gauge(
+            "node_agent_tier_used_bytes",
+            "Bytes of KV held in a lower tier.",
+            ("medium",),
+            registry=r,
+        )
+        self.tier_capacity_bytes = Gauge(
+            "node_agent_tier_capacity_bytes",
+            "A lower tier's budget in bytes (0: tier off).",
+            ("medium",),
+            registry=r,
+        )
+        self.tier_read_bandwidth = Gauge(
+            "node_agent_tier_read_bandwidth_bytes",
+            "Measured promotion bandwidth, bytes per second, out of a lower tier onto the "
+            "engine's device "
+            "(moving mean; what a hit there costs).",
+            ("medium",),
+            registry=r,
+        )
+        self.tier_promoted_blocks = Counter(
+            "node_agent_tier_promoted_blocks_total",
+            "Blocks brought back from host memory or disk into the pool by a hit.",
+            registry=r,
+        )
+        self.tier_torn_files = Counter(
+            "node_agent_tier_torn_files_total",
+            "Disk-tier files found damaged (short, long, bad checksum) and treated as misses.",
+            registry=r,
+        )
         self.prefill_tokens = Counter(
             "node_agent_prefill_tokens_total",
             "Prompt tokens of prefills by source: computed here or reused from cached blocks.",
@@ -218,7 +255,14 @@ class AgentMetrics:
             self.events.labels(kind)
         for state in BLOCK_STATES:
             self.blocks.labels(state)
+        for medium in TIER_MEDIA:
+            self.tier_blocks.labels(medium)
+            self.tier_used_bytes.labels(medium)
+            self.tier_capacity_bytes.labels(medium)
+            self.tier_read_bandwidth.labels(medium)
         self._leases_expired_seen = 0
+        self._promoted_seen = 0
+        self._torn_seen = 0
 
     def set_info(self, *, role: str, engine: str, model: str) -> None:
         """Configured values only: role, engine adapter name, served model name."""
@@ -249,10 +293,28 @@ class AgentMetrics:
         if expired > self._leases_expired_seen:
             self.lease_expiries.inc(expired - self._leases_expired_seen)
             self._leases_expired_seen = expired
+        self._refresh_tiers(pool)
         self.running_requests.set(load.running_requests)
         self.queued_requests.set(load.waiting_requests)
         self.queued_prefill_tokens.set(load.queued_prefill_tokens)
         self.staged_bytes.set(staged_bytes)
+
+    def _refresh_tiers(self, pool: BlockPool) -> None:
+        lower = pool.lower
+        if lower is None:
+            return
+        for tier in lower.stats():
+            medium = tier.medium.name.lower()
+            self.tier_blocks.labels(medium).set(tier.blocks)
+            self.tier_used_bytes.labels(medium).set(tier.used_bytes)
+            self.tier_capacity_bytes.labels(medium).set(tier.capacity_bytes)
+            self.tier_read_bandwidth.labels(medium).set(tier.read_bytes_per_s)
+        if pool.promoted_blocks > self._promoted_seen:
+            self.tier_promoted_blocks.inc(pool.promoted_blocks - self._promoted_seen)
+            self._promoted_seen = pool.promoted_blocks
+        if lower.torn_files > self._torn_seen:
+            self.tier_torn_files.inc(lower.torn_files - self._torn_seen)
+            self._torn_seen = lower.torn_files
 
     def exposition(self, accept: str = "") -> tuple[bytes, str]:
         """(body, content type) in the format the scraper asked for (``Accept``)."""

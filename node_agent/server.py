@@ -51,6 +51,7 @@ from kvc.wire import MAX_MESSAGE_BYTES, ROLE_TO_PB, SERVICE_NAME
 from node_agent.agent_state import AgentState
 from node_agent.auth import authorized
 from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.tiers import LowerTiers
 from node_agent.blocks.types import (
     AllocateParams,
     AllocateResult,
@@ -61,7 +62,7 @@ from node_agent.blocks.types import (
 from node_agent.calibration import Calibration, calibrate_before_serving
 from node_agent.engines.base import CacheMirroringEngine, EngineAdapter
 from node_agent.errors import Draining
-from node_agent.event_stream import EventPublisher
+from node_agent.event_stream import EventPublisher, tiers_to_pb
 from node_agent.generation import Generation
 from node_agent.metrics import AgentMetrics, MetricsServer
 from node_agent.rpc_errors import AGENT_ERRORS, Context, maps_errors
@@ -92,6 +93,21 @@ def calibration_to_pb(cal: Calibration) -> pb.EngineCalibration:
     )
 
 
+def _lower_tiers(settings: AgentSettings, engine: EngineAdapter) -> LowerTiers | None:
+    """The L2/L3 tiers the settings ask for (None: none)."""
+    if not (settings.host_tier_bytes or settings.disk_tier_bytes):
+        return None
+    codec = engine.kv_codec
+    if codec is None:  # settings refuse this combination; an engine may still lack one
+        raise ValueError(f"the {engine.info.engine} engine cannot move KV to host memory or disk")
+    return LowerTiers(
+        codec,
+        host_bytes=settings.host_tier_bytes,
+        disk_dir=settings.disk_tier_dir,
+        disk_bytes=settings.disk_tier_bytes,
+    )
+
+
 class NodeAgentService(pb_grpc.NodeAgentServicer):
     """Implements kvc.v1.NodeAgent over a ``BlockPool`` and an ``EngineAdapter``."""
 
@@ -110,6 +126,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             clock=clock,
             max_lease_s=settings.max_lease_s,
             max_tenant_locked_blocks=settings.tenant_max_locked_blocks(),
+            lower=_lower_tiers(settings, engine),
         )
         self.events = EventPublisher(
             self.pool, engine, self.metrics, max_buffered=settings.event_buffer
@@ -158,6 +175,13 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             max_running_requests=s.resolved_max_running(),
             fused_tx=True,
         )
+        lower = self.pool.lower
+        if lower is not None:  # bandwidth of each tier, before any traffic
+            layout = info.kv_layout
+            codec = self.state.codec()
+            zeros = bytes(layout.bytes_per_token * s.block_size)
+            lower.measure(codec.from_bytes(layout, zeros, s.block_size))
+            self.node_info.tiers.extend(tiers_to_pb(lower))
         self.metrics.set_info(role=s.role, engine=info.engine, model=info.model)
 
     async def calibrate(self, budget_s: float) -> Calibration | None:

@@ -152,6 +152,31 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         description="KV bytes staged for decode nodes to fetch",
         json_schema_extra=_BLOCKS,
     )
+    host_tier_bytes: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Host-memory (L2) budget for KV blocks evicted from the engine's pool: they are "
+            "demoted there and promoted back on a hit instead of recomputed; 0: off "
+            "(embedded engine; vLLM offloads with its own flags, docs/engines.md)"
+        ),
+        json_schema_extra=_BLOCKS,
+    )
+    disk_tier_dir: Path | None = Field(
+        None,
+        description=(
+            "Local directory for the disk (L3) tier: blocks pushed out of host memory "
+            "(or of the pool, without L2) are written there, one file each; the agent "
+            "deletes its own *.kvblock files there at start"
+        ),
+        json_schema_extra=_BLOCKS,
+    )
+    disk_tier_bytes: int = Field(
+        0,
+        ge=0,
+        description="Disk (L3) budget in bytes (needs disk_tier_dir); 0: off",
+        json_schema_extra=_BLOCKS,
+    )
     stage_ttl_s: float = Field(
         30.0, gt=0, description="Staged KV expires unfetched after this", json_schema_extra=_BLOCKS
     )
@@ -221,6 +246,13 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
             raise ValueError(f"model folder {self.model} does not exist")
         if self.engine == "vllm":
             self._check_vllm()
+        if self.disk_tier_bytes > 0 and self.disk_tier_dir is None:
+            raise ValueError("disk_tier_bytes needs disk_tier_dir (the directory to write to)")
+        if self.engine != "embedded" and (self.host_tier_bytes or self.disk_tier_bytes):
+            raise ValueError(
+                f"host/disk KV tiers need the embedded engine; {self.engine} keeps its KV "
+                "in its own process (vLLM: its own CPU offloading, see docs/engines.md)"
+            )
         return self
 
     def _check_vllm(self) -> None:

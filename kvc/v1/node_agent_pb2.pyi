@@ -78,6 +78,30 @@ TX_MODE_LOCK_ONLY: TxMode.ValueType  # 2
 """source side of a copy: lock cached prefix only"""
 Global___TxMode: _TypeAlias = TxMode  # noqa: Y015
 
+class _KvMedium:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _KvMediumEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvMedium.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    KV_MEDIUM_DEVICE: _KvMedium.ValueType  # 0
+    """the engine's memory: reusable with no load"""
+    KV_MEDIUM_HOST: _KvMedium.ValueType  # 1
+    """host DRAM (L2): loaded onto the device when reused"""
+    KV_MEDIUM_DISK: _KvMedium.ValueType  # 2
+    """a local file (L3): read and loaded when reused"""
+
+class KvMedium(_KvMedium, metaclass=_KvMediumEnumTypeWrapper):
+    """Where a block's KV lives on its node."""
+
+KV_MEDIUM_DEVICE: KvMedium.ValueType  # 0
+"""the engine's memory: reusable with no load"""
+KV_MEDIUM_HOST: KvMedium.ValueType  # 1
+"""host DRAM (L2): loaded onto the device when reused"""
+KV_MEDIUM_DISK: KvMedium.ValueType  # 2
+"""a local file (L3): read and loaded when reused"""
+Global___KvMedium: _TypeAlias = KvMedium  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -165,6 +189,7 @@ class NodeInfo(_message.Message):
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
     CALIBRATION_FIELD_NUMBER: _builtins.int
     FUSED_TX_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -202,6 +227,12 @@ class NodeInfo(_message.Message):
         failed); conductors then use their configured priors.
         """
 
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvTier]:
+        """The node's lower KV tiers (host memory, local disk), with their bandwidth as
+        measured at agent start. Absent: evicted blocks are dropped (one tier).
+        """
+
     def __init__(
         self,
         *,
@@ -220,10 +251,11 @@ class NodeInfo(_message.Message):
         max_running_requests: _builtins.int = ...,
         calibration: Global___EngineCalibration | None = ...,
         fused_tx: _builtins.bool = ...,
+        tiers: _abc.Iterable[Global___KvTier] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -492,6 +524,7 @@ class LoadUpdate(_message.Message):
     LAST_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
     LAST_PREFILL_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     ALLOCATABLE_BLOCKS_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
     queued_prefill_tokens: _builtins.int
     running_requests: _builtins.int
     waiting_requests: _builtins.int
@@ -512,6 +545,12 @@ class LoadUpdate(_message.Message):
     evicting them loses only cache), bounded by the engine's own view where it
     reports one (vLLM's KV usage). What admission should compare a request with.
     """
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvTier]:
+        """The lower tiers' current bandwidth (two significant digits, so a moving mean
+        does not make every update new) and fill.
+        """
+
     def __init__(
         self,
         *,
@@ -524,14 +563,52 @@ class LoadUpdate(_message.Message):
         last_prefill_tokens: _builtins.int = ...,
         last_prefill_cached_tokens: _builtins.int = ...,
         allocatable_blocks: _builtins.int = ...,
+        tiers: _abc.Iterable[Global___KvTier] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable_blocks", b"allocatable_blocks", "free_blocks", b"free_blocks", "kv_usage_ratio", b"kv_usage_ratio", "last_prefill_cached_tokens", b"last_prefill_cached_tokens", "last_prefill_s", b"last_prefill_s", "last_prefill_tokens", b"last_prefill_tokens", "queued_prefill_tokens", b"queued_prefill_tokens", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable_blocks", b"allocatable_blocks", "free_blocks", b"free_blocks", "kv_usage_ratio", b"kv_usage_ratio", "last_prefill_cached_tokens", b"last_prefill_cached_tokens", "last_prefill_s", b"last_prefill_s", "last_prefill_tokens", b"last_prefill_tokens", "queued_prefill_tokens", b"queued_prefill_tokens", "running_requests", b"running_requests", "tiers", b"tiers", "waiting_requests", b"waiting_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadUpdate: _TypeAlias = LoadUpdate  # noqa: Y015
+
+@_typing.final
+class KvTier(_message.Message):
+    """A lower KV tier of a node and what loading from it costs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEDIUM_FIELD_NUMBER: _builtins.int
+    CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    READ_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    WRITE_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    medium: Global___KvMedium.ValueType
+    capacity_bytes: _builtins.int
+    used_bytes: _builtins.int
+    read_bytes_per_s: _builtins.float
+    """Promotion out of this tier onto the engine's device (what a hit costs), and
+    demotion into it; measured at start, then a moving mean of real transfers.
+    0: not measured yet.
+    """
+    write_bytes_per_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        medium: Global___KvMedium.ValueType = ...,
+        capacity_bytes: _builtins.int = ...,
+        used_bytes: _builtins.int = ...,
+        read_bytes_per_s: _builtins.float = ...,
+        write_bytes_per_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "medium", b"medium", "read_bytes_per_s", b"read_bytes_per_s", "used_bytes", b"used_bytes", "write_bytes_per_s", b"write_bytes_per_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvTier: _TypeAlias = KvTier  # noqa: Y015
 
 @_typing.final
 class BlockStored(_message.Message):
@@ -567,7 +644,9 @@ class BlockRemoved(_message.Message):
 
     BLOCK_KEYS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """gone from the node (every tier)"""
+
     def __init__(
         self,
         *,
@@ -580,6 +659,33 @@ class BlockRemoved(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BlockRemoved: _TypeAlias = BlockRemoved  # noqa: Y015
+
+@_typing.final
+class BlockMoved(_message.Message):
+    """Keys the node already holds now live in `medium`: demoted out of the engine's
+    memory to host memory or disk, or promoted back (DEVICE). In no particular order.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_KEYS_FIELD_NUMBER: _builtins.int
+    MEDIUM_FIELD_NUMBER: _builtins.int
+    medium: Global___KvMedium.ValueType
+    @_builtins.property
+    def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        block_keys: _abc.Iterable[_builtins.int] | None = ...,
+        medium: Global___KvMedium.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "medium", b"medium"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockMoved: _TypeAlias = BlockMoved  # noqa: Y015
 
 @_typing.final
 class AllBlocksCleared(_message.Message):
@@ -606,6 +712,7 @@ class Event(_message.Message):
     REMOVED_FIELD_NUMBER: _builtins.int
     CLEARED_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    MOVED_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """per node and epoch, strictly increasing from 1"""
     time_s: _builtins.float
@@ -618,6 +725,8 @@ class Event(_message.Message):
     def cleared(self) -> Global___AllBlocksCleared: ...
     @_builtins.property
     def load(self) -> Global___LoadUpdate: ...
+    @_builtins.property
+    def moved(self) -> Global___BlockMoved: ...
     def __init__(
         self,
         *,
@@ -627,12 +736,13 @@ class Event(_message.Message):
         removed: Global___BlockRemoved | None = ...,
         cleared: Global___AllBlocksCleared | None = ...,
         load: Global___LoadUpdate | None = ...,
+        moved: Global___BlockMoved | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "kind", b"kind", "load", b"load", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "kind", b"kind", "load", b"load", "moved", b"moved", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "kind", b"kind", "load", b"load", "removed", b"removed", "seq", b"seq", "stored", b"stored", "time_s", b"time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "kind", b"kind", "load", b"load", "moved", b"moved", "removed", b"removed", "seq", b"seq", "stored", b"stored", "time_s", b"time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["stored", "removed", "cleared", "load"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["stored", "removed", "cleared", "load", "moved"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -662,15 +772,27 @@ class SnapshotResponse(_message.Message):
     SEQ_FIELD_NUMBER: _builtins.int
     CACHED_KEYS_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    HOST_KEYS_FIELD_NUMBER: _builtins.int
+    DISK_KEYS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.str
     seq: _builtins.int
     """the state below includes every event up to seq"""
     @_builtins.property
     def node(self) -> Global___NodeInfo: ...
     @_builtins.property
-    def cached_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def cached_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """in the engine's memory"""
+
     @_builtins.property
     def load(self) -> Global___LoadUpdate: ...
+    @_builtins.property
+    def host_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """demoted to host memory (L2)"""
+
+    @_builtins.property
+    def disk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """demoted to disk (L3)"""
+
     def __init__(
         self,
         *,
@@ -679,10 +801,12 @@ class SnapshotResponse(_message.Message):
         seq: _builtins.int = ...,
         cached_keys: _abc.Iterable[_builtins.int] | None = ...,
         load: Global___LoadUpdate | None = ...,
+        host_keys: _abc.Iterable[_builtins.int] | None = ...,
+        disk_keys: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "node", b"node"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_keys", b"cached_keys", "epoch", b"epoch", "load", b"load", "node", b"node", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_keys", b"cached_keys", "disk_keys", b"disk_keys", "epoch", b"epoch", "host_keys", b"host_keys", "load", b"load", "node", b"node", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -72,6 +72,18 @@ Mirroring an engine-owned cache (vLLM)
     block from under a lock. A later ``mirror_stored`` of a marked key unmarks it.
     ``mirror_clear`` is ``mirror_removed`` of every key. All three queue the usual events.
 
+Lower tiers (``lower``: ``node_agent.blocks.tiers.LowerTiers``, optional)
+    An LRU victim that holds content is *demoted* (L2 host memory, then L3 disk) instead
+    of dropped, queued as ``BlockMoved(keys, HOST|DISK)``; what falls off L3 is
+    ``BlockRemoved``. ``tx_allocate`` *promotes* a demoted key of the reused prefix back
+    into a fresh block of the pool (it needs room like any new block; content read
+    before anything changes, so ``CapacityExhausted`` still leaves everything as it
+    was): the block is CACHED at once, counted in ``reused_blocks`` and
+    ``promoted_blocks``, queued as ``BlockMoved(keys, DEVICE)``. A demoted key past the
+    reused prefix is discarded (the tx recomputes it; ``BlockRemoved``), as is one whose
+    file proves damaged (a miss, never loaded). Tenants hold across tiers. LOCK_ONLY
+    (the source of a pull) locks the pool's prefix only: it promotes nothing.
+
 Events
     Queued, never sent: ``take_events()`` drains ``BlockStored`` (on commit, newly cached
     keys as contiguous runs in prefix order, with the parent key), ``BlockRemoved`` (on
@@ -98,6 +110,7 @@ Invariants (checked by ``check_invariants``)
     I6  every key marked removed-by-the-engine belongs to a locked (or ALLOCATED) block.
     I7  each tenant's lock count is the number of its blocks with a lock, and the
         blocks of one open tx are its tenant's or nobody's; free blocks have no tenant.
+    I8  a key is in the pool or in one lower tier, never both.
 """
 
 from __future__ import annotations
@@ -110,18 +123,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvc.block_keys import KEY_BITS, BlockKey
+from node_agent.blocks.tiers import LowerTiers, TierMove
 from node_agent.blocks.types import (
     AbortResult,
     AllBlocksCleared,
     AllocateParams,
     AllocateResult,
     BlockEvent,
+    BlockMoved,
     BlockRemoved,
     BlockState,
     BlockStored,
     CapacityExhausted,
     CommitResult,
     InvalidArgument,
+    KvMedium,
     PoolStats,
     TenantMismatch,
     TenantQuotaExceeded,
@@ -130,6 +146,7 @@ from node_agent.blocks.types import (
     TxMode,
     TxNotFound,
 )
+from node_agent.kv import KvContent
 
 __all__ = ["BlockPool"]
 
@@ -204,6 +221,7 @@ class BlockPool:
         max_finished_keys: int = 262_144,
         max_tx_id_len: int = 256,
         max_tenant_locked_blocks: int | None = None,
+        lower: LowerTiers | None = None,
     ) -> None:
         if isinstance(capacity_blocks, bool) or capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be > 0, got {capacity_blocks!r}")
@@ -236,6 +254,9 @@ class BlockPool:
         # Keys the engine evicted while a tx held them: freed on their last unlock (I6).
         self._engine_dropped: set[BlockKey] = set()
         self.leases_expired = 0  # txs aborted by lease expiry so far (a metric)
+        # L2/L3 below this pool (None or disabled: an evicted block is gone).
+        self.lower = lower if lower is not None and lower.enabled else None
+        self.promoted_blocks = 0  # lower-tier hits brought back into the pool (a metric)
 
     # ------------------------------------------------------------------ transactions
 
@@ -373,6 +394,8 @@ class BlockPool:
         for block in self._blocks:
             if block.state is BlockState.CACHED:
                 self._drop_cached(block)
+        if self.lower is not None:
+            self.lower.clear()
         self._deadlines.clear()
         self._events.append(AllBlocksCleared())
         return aborted
@@ -466,7 +489,11 @@ class BlockPool:
         victim = next(iter(self._lru), None)
         if victim is None or self._blocks[victim].key in protected:
             return None
-        evicted.append(self._drop_cached(self._blocks[victim]))
+        for move in self._evict_block(self._blocks[victim]):
+            if move.medium is None:
+                evicted.append(move.key)
+            else:
+                self._queue_moves([move])
         return self._free.pop()
 
     # ------------------------------------------------------------------ payloads
@@ -522,6 +549,10 @@ class BlockPool:
     def cached_keys(self) -> list[BlockKey]:
         """Every CACHED key (locked or not), in handle order: the snapshot payload."""
         return [b.key for b in self._blocks if b.state is BlockState.CACHED and b.key is not None]
+
+    def tier_keys(self, medium: KvMedium) -> list[BlockKey]:
+        """The keys demoted to a lower tier (HOST or DISK), oldest first."""
+        return [] if self.lower is None else self.lower.keys(medium)
 
     def take_events(self) -> list[BlockEvent]:
         """Drain the queued block events, oldest first."""
@@ -621,6 +652,10 @@ class BlockPool:
             self._finished_keys == sum(f.retained_keys for f in self._finished.values()),
             "finished key counter",
         )
+        if self.lower is not None:
+            for medium in (KvMedium.HOST, KvMedium.DISK):
+                for key in self.lower.keys(medium):
+                    _require(key not in self._by_key, f"I8: key {key:#x} in the pool and L2/L3")
         by_tenant: dict[str, int] = {}
         for block in self._blocks:
             if block.tenant is not None and block.lock_count:
@@ -634,12 +669,17 @@ class BlockPool:
     # ------------------------------------------------------------------ internals
 
     def _check_tenant(self, tenant: str, keys: tuple[BlockKey, ...]) -> None:
+        lower = self.lower
         for key in keys:
             h = self._by_key.get(key)
             if h is not None:
                 owner = self._blocks[h].tenant
-                if owner is not None and owner != tenant:
-                    raise TenantMismatch(f"key {key:#x} belongs to another tenant")
+            elif lower is not None:
+                owner = lower.tenant_of(key)
+            else:
+                continue
+            if owner is not None and owner != tenant:
+                raise TenantMismatch(f"key {key:#x} belongs to another tenant")
 
     def _others_hold_locks(self, tenant: str) -> bool:
         """Whether another tenant holds locks now: only then is the pool shared and a
@@ -670,17 +710,28 @@ class BlockPool:
         self, tx_id: str, tenant: str, keys: tuple[BlockKey, ...], deadline: float
     ) -> AllocateResult:
         blocks = self._blocks
+        lower = self.lower
         plan: list[int | None] = []  # existing handle per key, None = needs a fresh block
+        promoted: dict[int, KvContent] = {}  # key index -> content read from L2/L3
+        superseded: list[BlockKey] = []  # in L2/L3 but past the reused prefix: recomputed
+        lost: list[BlockKey] = []  # in L2/L3 but unreadable (a damaged file): gone
         reused_prefix = 0
         in_prefix = True
         needed = 0
         unlocked_reuse = 0  # cached blocks now in the LRU that this tx will lock
         shared = 0
-        for key in keys:
+        for i, key in enumerate(keys):
             h = self._by_key.get(key)
             plan.append(h)
             if h is None:
                 needed += 1
+                if lower is not None and lower.medium_of(key) is not None:
+                    content = lower.load(key) if in_prefix else None
+                    if content is not None:
+                        promoted[i] = content
+                        reused_prefix += 1
+                        continue
+                    (lost if in_prefix else superseded).append(key)
                 in_prefix = False
                 continue
             block = blocks[h]
@@ -690,11 +741,21 @@ class BlockPool:
             else:
                 shared += 1
                 in_prefix = False
+        if lost:  # already gone from the lower tier, whatever happens next
+            self._events.append(BlockRemoved(tuple(lost)))
         obtainable = len(self._free) + len(self._lru) - unlocked_reuse
         if needed > obtainable:
             raise CapacityExhausted(needed, obtainable)
 
-        # From here on nothing can fail: lock what exists, then evict, then allocate.
+        # From here on nothing can fail: take promoted/superseded keys out of the lower
+        # tiers (a key lives in one place), lock what exists, evict, then allocate.
+        if lower is not None:
+            for i in promoted:
+                lower.discard(keys[i])
+            for key in superseded:
+                lower.discard(key)
+            if superseded:
+                self._events.append(BlockRemoved(tuple(superseded)))
         for h in plan:
             if h is not None:
                 block = blocks[h]
@@ -703,34 +764,74 @@ class BlockPool:
                 self._lock(block)
         shortfall = needed - len(self._free)
         if shortfall > 0:
-            evicted: list[BlockKey] = []
-            for _ in range(shortfall):
-                victim, _none = self._lru.popitem(last=False)
-                evicted.append(self._drop_cached(blocks[victim], in_lru=False))
-            self._events.append(BlockRemoved(tuple(evicted)))
+            self._evict(shortfall)
         handles: list[int] = []
-        for key, maybe_h in zip(keys, plan, strict=True):
-            if maybe_h is None:
-                h = self._free.pop()
-                block = blocks[h]
-                block.state = BlockState.ALLOCATED
-                block.key = key
-                block.tenant = tenant
-                block.owners.add(tx_id)
-                self._by_key[key] = h
-                self._n_allocated += 1
-                self._lock(block)
-                handles.append(h)
-            else:
+        now = self._clock()
+        for i, (key, maybe_h) in enumerate(zip(keys, plan, strict=True)):
+            if maybe_h is not None:
                 handles.append(maybe_h)
+                continue
+            h = self._free.pop()
+            block = blocks[h]
+            block.key = key
+            block.tenant = tenant
+            self._by_key[key] = h
+            self._lock(block)  # while not CACHED: the block is in no LRU yet
+            content = promoted.get(i)
+            if content is None:
+                block.state = BlockState.ALLOCATED
+                block.owners.add(tx_id)
+                self._n_allocated += 1
+            else:
+                block.state = BlockState.CACHED
+                block.payload = content
+                block.last_used_s = now
+                self._n_cached += 1
+            handles.append(h)
+        if promoted:
+            self.promoted_blocks += len(promoted)
+            self._events.append(BlockMoved(tuple(keys[i] for i in promoted), KvMedium.DEVICE))
         return AllocateResult(
             tx_id=tx_id,
             handles=tuple(handles),
             reused_blocks=reused_prefix,
-            new_blocks=needed,
+            new_blocks=needed - len(promoted),
             lease_deadline=deadline,
             shared_blocks=shared,
+            promoted_blocks=len(promoted),
         )
+
+    def _evict(self, count: int) -> None:
+        """Evict ``count`` LRU victims: demoted to the lower tiers when they hold content
+        and a tier takes them, else dropped. Queues the events in the order things moved."""
+        moves: list[TierMove] = []
+        for _ in range(count):
+            moves.extend(self._evict_block(self._blocks[next(iter(self._lru))]))
+        self._queue_moves(moves)
+
+    def _evict_block(self, block: _Block) -> list[TierMove]:
+        """An unlocked CACHED block out of the pool: into L2/L3 when it can be, else gone."""
+        payload, tenant = block.payload, block.tenant
+        key = self._drop_cached(block)
+        if self.lower is not None and isinstance(payload, KvContent):
+            return self.lower.put(key, tenant, payload)
+        return [TierMove(key, None)]
+
+    def _queue_moves(self, moves: Sequence[TierMove]) -> None:
+        """Events for ``moves``, consecutive moves to one place coalesced (a key can move
+        twice in one call: demoted to L2, then pushed on to L3 by a later victim)."""
+        run: list[BlockKey] = []
+        where: KvMedium | None = None
+        for move in [*moves, None]:
+            if move is not None and run and move.medium == where:
+                run.append(move.key)
+                continue
+            if run:
+                self._events.append(
+                    BlockRemoved(tuple(run)) if where is None else BlockMoved(tuple(run), where)
+                )
+            if move is not None:
+                run, where = [move.key], move.medium
 
     def _abort(self, tx: _Tx, *, expired: bool) -> AbortResult:
         self._release_locks(tx.handles)

@@ -17,6 +17,7 @@ __all__ = [
     "AllocateParams",
     "AllocateResult",
     "BlockEvent",
+    "BlockMoved",
     "BlockPoolError",
     "BlockRemoved",
     "BlockState",
@@ -24,6 +25,7 @@ __all__ = [
     "CapacityExhausted",
     "CommitResult",
     "InvalidArgument",
+    "KvMedium",
     "PoolStats",
     "TenantMismatch",
     "TenantQuotaExceeded",
@@ -104,6 +106,14 @@ class BlockState(enum.Enum):
     CACHED = "cached"
 
 
+class KvMedium(enum.IntEnum):
+    """Where a block's KV lives on its node (values as in the protocol's ``KvMedium``)."""
+
+    DEVICE = 0  # the engine's memory (L1, the pool itself): no load needed
+    HOST = 1  # host DRAM (L2)
+    DISK = 2  # a local file (L3)
+
+
 class TxMode(enum.Enum):
     ALLOCATE = "allocate"  # reuse the cached prefix, allocate the rest, lock all
     LOCK_ONLY = "lock_only"  # source side of a copy: lock the cached prefix only
@@ -128,6 +138,7 @@ class AllocateResult:
     new_blocks: int  # freshly allocated by this tx
     lease_deadline: float  # clock time at which the tx expires
     shared_blocks: int = 0  # in-flight blocks of other open txs joined (content not valid yet)
+    promoted_blocks: int = 0  # of reused_blocks, those brought back from host memory or disk
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +179,17 @@ class BlockRemoved:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockMoved:
+    """Keys the node still holds now live in ``medium`` (demoted out of, or promoted
+    back into, the engine's memory); keys in no particular order."""
+
+    keys: tuple[BlockKey, ...]
+    medium: KvMedium
+
+
+@dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
     pass
 
 
-BlockEvent = BlockStored | BlockRemoved | AllBlocksCleared
+BlockEvent = BlockStored | BlockRemoved | BlockMoved | AllBlocksCleared

@@ -55,6 +55,7 @@ ALLOWED_LABELS: dict[str, tuple[str, ...] | None] = {
     "code": cm.GRPC_CODES,
     "op": am.TX_OPS,
     "state": am.BLOCK_STATES,
+    "medium": am.TIER_MEDIA,
     "direction": am.TRANSFER_DIRECTIONS,
     "kind": (*am.TRANSFER_KINDS, *am.EVENT_KINDS),
     "agent": None,  # configured or registry-discovered agent addresses

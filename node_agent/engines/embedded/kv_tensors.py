@@ -211,6 +211,14 @@ class TensorKvCodec:
     ) -> KvCache:
         return KvCache.from_bytes(layout, data, num_tokens, self.device)
 
+    def to_host(self, content: KvContent) -> KvCache:
+        """The content in host memory: a device-to-host copy, or the same (immutable)
+        tensors when the engine runs on the CPU (L1 and L2 are then one memory)."""
+        return tensor_kv(content).to("cpu")
+
+    def to_device(self, content: KvContent) -> KvCache:
+        return tensor_kv(content).to(self.device)
+
 
 def tensor_kv(content: KvContent) -> KvCache:
     """``content`` as the tensors it is; content of another engine is a programming error."""

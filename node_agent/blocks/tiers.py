@@ -1,0 +1,386 @@
+"""The agent's lower KV tiers: host DRAM (L2) and a local disk directory (L3).
+
+The block pool (``node_agent.blocks.pool``) is L1: blocks in the engine's own memory.
+When the pool evicts a cached block that holds content, it *demotes* it here instead of
+dropping it: L1 -> L2 (the content copied to host memory), L2's own LRU victims -> L3
+(one file per block), L3's victims -> dropped. A later transaction that names a demoted
+key *promotes* it back into L1 (``load`` then ``discard``): the prefill reuses it as a
+cached block and never recomputes it. A key lives in exactly one place on a node: L1,
+L2 or L3 (the pool checks it).
+
+Budgets are bytes (``host_bytes``, ``disk_bytes``; 0 switches a tier off). A block larger
+than a tier's whole budget skips it. Each tier is an LRU, refreshed when a key enters it.
+
+Crash safety (L3)
+    A file is written under a temporary name and renamed into place, and carries a
+    header (magic, version, key, layout, token count, payload length, CRC-32 of the
+    payload). A file that is short, long, of another key or layout, or whose CRC does not
+    match is a *miss*: it is deleted and ``load`` answers None — never loaded, never a
+    crash. Files are this process's alone: at start the directory's ``*.kvblock`` files
+    (a previous process's, listed by no snapshot) are deleted; nothing else is touched.
+
+Bandwidth
+    Every demotion and promotion is timed; each tier keeps an exponentially weighted
+    mean of bytes per second for writes (demotion into it) and reads (promotion out of it
+    onto the engine's device, which is what a hit costs). ``measure`` times one sample
+    block through each tier at agent start so a node reports figures before any traffic.
+    The agent publishes them in ``NodeInfo``/``LoadUpdate``; conductors charge a hit in a
+    lower tier ``bytes / read bandwidth``.
+
+Not thread-safe: the pool's owner (the agent's event loop) calls it. Disk I/O happens on
+that thread, block by block (a block of a real model is a few MiB: about a millisecond
+on an NVMe drive); see docs/engines.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from kvc.block_keys import BlockKey
+from node_agent.blocks.types import KvMedium
+from node_agent.kv import KV_DTYPE_BYTES, KvCodec, KvContent, KvLayout
+
+__all__ = ["KvMedium", "LowerTiers", "TierMove", "TierStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierMove:
+    """A demoted key went to ``medium``; None: it left the node (dropped)."""
+
+    key: BlockKey
+    medium: KvMedium | None
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    medium: KvMedium
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    read_bytes_per_s: float  # promotion out of this tier onto the device (0: not measured)
+    write_bytes_per_s: float  # demotion into this tier (0: not measured)
+    torn_files: int = 0  # L3 files found damaged and treated as misses
+
+
+_SUFFIX: Final = ".kvblock"
+_MAGIC: Final = b"KVCB"
+_VERSION: Final = 1
+_HEADER: Final = struct.Struct("<4sHHQIIIIQI")  # magic ver dtype key L H D tokens len crc
+_DTYPES: Final = tuple(sorted(KV_DTYPE_BYTES))
+_EWMA: Final = 0.2  # weight of the newest measurement
+
+
+class _Rate:
+    """Bytes per second, an exponentially weighted mean of timed transfers."""
+
+    __slots__ = ("bytes_per_s",)
+
+    def __init__(self) -> None:
+        self.bytes_per_s = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0:
+            return
+        rate = nbytes / max(seconds, 1e-7)
+        self.bytes_per_s = (
+            rate if self.bytes_per_s == 0.0 else ((1 - _EWMA) * self.bytes_per_s + _EWMA * rate)
+        )
+
+
+@dataclass(slots=True)
+class _Entry:
+    tenant: str | None
+    nbytes: int
+    content: KvContent | None  # L2: the host copy; L3: None (on disk)
+    layout: KvLayout
+    num_tokens: int
+
+
+class _Tier:
+    def __init__(self, medium: KvMedium, capacity_bytes: int) -> None:
+        self.medium = medium
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.entries: OrderedDict[BlockKey, _Entry] = OrderedDict()  # oldest first
+        self.reads = _Rate()
+        self.writes = _Rate()
+
+    def fits(self, nbytes: int) -> bool:
+        return 0 < nbytes <= self.capacity_bytes
+
+    def add(self, key: BlockKey, entry: _Entry) -> None:
+        self.entries[key] = entry
+        self.used_bytes += entry.nbytes
+
+    def pop(self, key: BlockKey) -> _Entry:
+        entry = self.entries.pop(key)
+        self.used_bytes -= entry.nbytes
+        return entry
+
+    def pop_oldest(self) -> tuple[BlockKey, _Entry]:
+        key, entry = self.entries.popitem(last=False)
+        self.used_bytes -= entry.nbytes
+        return key, entry
+
+    def stats(self, torn: int = 0) -> TierStats:
+        return TierStats(
+            medium=self.medium,
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self.used_bytes,
+            blocks=len(self.entries),
+            read_bytes_per_s=self.reads.bytes_per_s,
+            write_bytes_per_s=self.writes.bytes_per_s,
+            torn_files=torn,
+        )
+
+
+class LowerTiers:
+    """L2 (host DRAM) and L3 (disk files) below the pool; see the module docstring."""
+
+    def __init__(
+        self,
+        codec: KvCodec,
+        *,
+        host_bytes: int,
+        disk_dir: Path | None = None,
+        disk_bytes: int = 0,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if host_bytes < 0 or disk_bytes < 0:
+            raise ValueError("tier budgets must be >= 0 bytes")
+        if disk_bytes > 0 and disk_dir is None:
+            raise ValueError("a disk tier budget needs a directory")
+        self._codec = codec
+        self._timer = timer
+        self._host = _Tier(KvMedium.HOST, host_bytes)
+        self._disk = _Tier(KvMedium.DISK, disk_bytes if disk_dir is not None else 0)
+        self._dir = disk_dir
+        self.torn_files = 0
+        if disk_dir is not None and disk_bytes > 0:
+            disk_dir.mkdir(parents=True, exist_ok=True)
+            for stale in disk_dir.glob(f"*{_SUFFIX}*"):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
+
+    @property
+    def enabled(self) -> bool:
+        return self._host.capacity_bytes > 0 or self._disk.capacity_bytes > 0
+
+    # ------------------------------------------------------------------ queries
+    def medium_of(self, key: BlockKey) -> KvMedium | None:
+        if key in self._host.entries:
+            return KvMedium.HOST
+        if key in self._disk.entries:
+            return KvMedium.DISK
+        return None
+
+    def tenant_of(self, key: BlockKey) -> str | None:
+        entry = self._host.entries.get(key) or self._disk.entries.get(key)
+        return None if entry is None else entry.tenant
+
+    def keys(self, medium: KvMedium) -> list[BlockKey]:
+        tier = self._tier(medium)
+        return list(tier.entries)
+
+    def stats(self) -> tuple[TierStats, TierStats]:
+        return self._host.stats(), self._disk.stats(self.torn_files)
+
+    def __len__(self) -> int:
+        return len(self._host.entries) + len(self._disk.entries)
+
+    # ------------------------------------------------------------------ demotion
+    def put(self, key: BlockKey, tenant: str | None, content: KvContent) -> list[TierMove]:
+        """Demote an L1 block's content. Returns where it and any key it displaced went,
+        in order (the key itself first: HOST, DISK, or None when no tier takes it)."""
+        if self.medium_of(key) is not None:
+            raise ValueError(f"key {key:#x} is already in a lower tier")
+        nbytes = content.nbytes
+        entry = _Entry(tenant, nbytes, None, content.layout, content.num_tokens)
+        if self._host.fits(nbytes):
+            moves = [TierMove(key, KvMedium.HOST)]
+            displaced = self._make_room(self._host, nbytes)
+            started = self._timer()
+            entry.content = self._codec.to_host(content)
+            self._host.writes.add(nbytes, self._timer() - started)
+            self._host.add(key, entry)
+            for old_key, old in displaced:
+                moves.extend(self._to_disk(old_key, old))
+            return moves
+        return self._to_disk(key, entry, content)
+
+    def _make_room(self, tier: _Tier, nbytes: int) -> list[tuple[BlockKey, _Entry]]:
+        out = []
+        while tier.used_bytes + nbytes > tier.capacity_bytes and tier.entries:
+            out.append(tier.pop_oldest())
+        return out
+
+    def _to_disk(
+        self, key: BlockKey, entry: _Entry, content: KvContent | None = None
+    ) -> list[TierMove]:
+        data = content if content is not None else entry.content
+        entry.content = None
+        if data is None or not self._disk.fits(entry.nbytes) or self._dir is None:
+            return [TierMove(key, None)]
+        moves = [TierMove(key, KvMedium.DISK)]
+        for old_key, _old in self._make_room(self._disk, entry.nbytes):
+            self._unlink(old_key)
+            moves.append(TierMove(old_key, None))
+        started = self._timer()
+        try:
+            self._write_file(key, data)
+        except OSError:
+            self._unlink(key)
+            return [*moves[1:], TierMove(key, None)]
+        self._disk.writes.add(entry.nbytes, self._timer() - started)
+        self._disk.add(key, entry)
+        return moves
+
+    # ------------------------------------------------------------------ promotion
+    def load(self, key: BlockKey) -> KvContent | None:
+        """The key's content on the engine's device, the key staying here until
+        ``discard``. None: not here, or its file was damaged (then it is gone: the
+        caller reports it removed)."""
+        entry = self._host.entries.get(key)
+        if entry is not None:
+            assert entry.content is not None
+            started = self._timer()
+            content = self._codec.to_device(entry.content)
+            self._host.reads.add(entry.nbytes, self._timer() - started)
+            return content
+        entry = self._disk.entries.get(key)
+        if entry is None:
+            return None
+        started = self._timer()
+        data = self._read_file(key, entry)
+        if data is None:
+            self.torn_files += 1
+            self._disk.pop(key)
+            self._unlink(key)
+            return None
+        content = self._codec.from_bytes(entry.layout, data, entry.num_tokens)
+        self._disk.reads.add(entry.nbytes, self._timer() - started)
+        return content
+
+    def discard(self, key: BlockKey) -> None:
+        """Forget the key (promoted into L1, or superseded there): no event of its own."""
+        if key in self._host.entries:
+            self._host.pop(key)
+        elif key in self._disk.entries:
+            self._disk.pop(key)
+            self._unlink(key)
+
+    def clear(self) -> list[BlockKey]:
+        """Drop everything (an engine reset); returns the keys dropped."""
+        dropped = list(self._host.entries) + list(self._disk.entries)
+        self._host.entries.clear()
+        self._host.used_bytes = 0
+        for key in list(self._disk.entries):
+            self._unlink(key)
+        self._disk.entries.clear()
+        self._disk.used_bytes = 0
+        return dropped
+
+    # ------------------------------------------------------------------ measuring
+    def measure(self, sample: KvContent, rounds: int = 3) -> None:
+        """Time ``sample`` through each enabled tier and back (nothing is kept)."""
+        for _ in range(rounds):
+            if self._host.capacity_bytes > 0:
+                started = self._timer()
+                host = self._codec.to_host(sample)
+                self._host.writes.add(sample.nbytes, self._timer() - started)
+                started = self._timer()
+                self._codec.to_device(host)
+                self._host.reads.add(sample.nbytes, self._timer() - started)
+            if self._disk.capacity_bytes > 0 and self._dir is not None:
+                probe = Path(self._dir) / f"probe-{os.getpid()}{_SUFFIX}.tmp"
+                try:
+                    started = self._timer()
+                    _write_atomic(probe, _encode(BlockKey(0), sample))
+                    self._disk.writes.add(sample.nbytes, self._timer() - started)
+                    started = self._timer()
+                    data = _decode(
+                        BlockKey(0), sample.layout, sample.num_tokens, probe.read_bytes()
+                    )
+                    if data is not None:
+                        self._codec.from_bytes(sample.layout, data, sample.num_tokens)
+                        self._disk.reads.add(sample.nbytes, self._timer() - started)
+                finally:
+                    with contextlib.suppress(OSError):
+                        probe.unlink()
+
+    # ------------------------------------------------------------------ files
+    def _path(self, key: BlockKey) -> Path:
+        assert self._dir is not None
+        return self._dir / f"{key:016x}{_SUFFIX}"
+
+    def _write_file(self, key: BlockKey, content: KvContent) -> None:
+        _write_atomic(self._path(key), _encode(key, content))
+
+    def _read_file(self, key: BlockKey, entry: _Entry) -> bytes | None:
+        try:
+            raw = self._path(key).read_bytes()
+        except OSError:
+            return None
+        return _decode(key, entry.layout, entry.num_tokens, raw)
+
+    def _unlink(self, key: BlockKey) -> None:
+        if self._dir is not None:
+            with contextlib.suppress(OSError):
+                self._path(key).unlink()
+
+    def _tier(self, medium: KvMedium) -> _Tier:
+        if medium is KvMedium.HOST:
+            return self._host
+        if medium is KvMedium.DISK:
+            return self._disk
+        raise ValueError("the device tier is the block pool itself")
+
+
+def _encode(key: BlockKey, content: KvContent) -> bytes:
+    payload = content.to_bytes()
+    layout = content.layout
+    header = _HEADER.pack(
+        _MAGIC,
+        _VERSION,
+        _DTYPES.index(layout.dtype),
+        key,
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        content.num_tokens,
+        len(payload),
+        zlib.crc32(payload),
+    )
+    return header + payload
+
+
+def _decode(key: BlockKey, layout: KvLayout, num_tokens: int, raw: bytes) -> bytes | None:
+    """The payload of a block file, or None when the file is not exactly what was written."""
+    if len(raw) < _HEADER.size:
+        return None
+    magic, version, dtype, file_key, layers, heads, dim, tokens, length, crc = _HEADER.unpack_from(
+        raw
+    )
+    expected = (_MAGIC, _VERSION, _DTYPES.index(layout.dtype), key)
+    shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim, num_tokens)
+    if (magic, version, dtype, file_key) != expected or (layers, heads, dim, tokens) != shape:
+        return None
+    payload = raw[_HEADER.size :]
+    if len(payload) != length or zlib.crc32(payload) != crc:
+        return None
+    return payload
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)

@@ -1,0 +1,271 @@
+"""The block pool over lower KV tiers (host memory L2, disk files L3): demotion on
+eviction, promotion in the Tx, damaged files as misses, tenants across tiers, and the
+pool's invariants under random traffic (hypothesis). Real tensors, real files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvc.block_keys import BlockKey
+from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.tiers import LowerTiers
+from node_agent.blocks.types import (
+    AllocateParams,
+    BlockEvent,
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    CapacityExhausted,
+    KvMedium,
+    TenantMismatch,
+)
+from node_agent.engines.embedded.kv_tensors import KvCache, TensorKvCodec
+
+BLOCK_TOKENS = 2
+
+
+def content_of(key: int) -> KvCache:
+    """A block's KV as a function of its key, so any copy can be checked."""
+    base = torch.arange(BLOCK_TOKENS * 4, dtype=torch.float32).reshape(1, 1, BLOCK_TOKENS, 4)
+    return KvCache([(base + key, base - key), (base * 2 + key, base * 3 - key)])
+
+
+BLOCK_BYTES = content_of(0).nbytes
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def make_pool(
+    tmp_path: Path | None, *, l1: int = 2, l2: int = 2, l3: int = 2
+) -> tuple[BlockPool, LowerTiers]:
+    lower = LowerTiers(
+        TensorKvCodec("cpu"),
+        host_bytes=l2 * BLOCK_BYTES,
+        disk_dir=None if tmp_path is None else tmp_path / "l3",
+        disk_bytes=0 if tmp_path is None else l3 * BLOCK_BYTES,
+    )
+    return BlockPool(l1, Clock(), lower=lower), lower
+
+
+def store(pool: BlockPool, tx_id: str, keys: list[int], tenant: str = "t") -> None:
+    """Allocate, fill the new blocks with their content, commit."""
+    result = pool.tx_allocate(AllocateParams(tx_id, tenant, [BlockKey(k) for k in keys], 30.0))
+    for key, handle in zip(keys, result.handles, strict=True):
+        pool.set_payload(handle, content_of(key))
+    pool.tx_commit(tx_id)
+
+
+def moved(events: list[BlockEvent]) -> list[tuple[str, tuple[int, ...]]]:
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for ev in events:
+        if isinstance(ev, BlockMoved):
+            out.append((ev.medium.name, ev.keys))
+        elif isinstance(ev, BlockRemoved):
+            out.append(("removed", ev.keys))
+        elif isinstance(ev, BlockStored):
+            out.append(("stored", ev.keys))
+    return out
+
+
+def same(a: object, b: KvCache) -> bool:
+    assert isinstance(a, KvCache)
+    return all(
+        torch.equal(x, y) for pa, pb in zip(a.layers, b.layers, strict=True) for x, y in zip(pa, pb)
+    )
+
+
+def test_eviction_demotes_l1_to_l2_to_l3_then_drops(tmp_path: Path) -> None:
+    pool, lower = make_pool(tmp_path)
+    for i, key in enumerate((1, 2, 3, 4, 5, 6, 7)):
+        store(pool, f"tx{i}", [key])
+        pool.check_invariants()
+    events = moved(pool.take_events())
+    # key 1 went to L2 when 3 arrived, on to L3 when 5 arrived, off the node when 7 did.
+    assert ("HOST", (1,)) in events and ("DISK", (1,)) in events and ("removed", (1,)) in events
+    assert sorted(pool.cached_keys()) == [6, 7]
+    assert pool.tier_keys(KvMedium.HOST) == [4, 5]
+    assert pool.tier_keys(KvMedium.DISK) == [2, 3]
+    assert sorted(p.name for p in (tmp_path / "l3").iterdir()) == [
+        f"{2:016x}.kvblock",
+        f"{3:016x}.kvblock",
+    ]
+    host, disk = lower.stats()
+    assert (host.blocks, host.used_bytes, disk.blocks, disk.used_bytes) == (
+        2,
+        2 * BLOCK_BYTES,
+        2,
+        2 * BLOCK_BYTES,
+    )
+    assert host.write_bytes_per_s > 0 and disk.write_bytes_per_s > 0
+
+
+@pytest.mark.parametrize("key", [4, 2], ids=["from_host", "from_disk"])
+def test_a_demoted_prefix_is_promoted_in_the_tx_with_its_content(tmp_path: Path, key: int) -> None:
+    pool, lower = make_pool(tmp_path)
+    for i, k in enumerate((1, 2, 3, 4, 5, 6)):
+        store(pool, f"tx{i}", [k])
+    pool.take_events()
+    result = pool.tx_allocate(AllocateParams("again", "t", [BlockKey(key), BlockKey(99)], 30.0))
+    assert (result.reused_blocks, result.promoted_blocks, result.new_blocks) == (1, 1, 1)
+    assert same(pool.get_payload(result.handles[0]), content_of(key))
+    assert lower.medium_of(BlockKey(key)) is None
+    events = moved(pool.take_events())
+    assert ("DEVICE", (key,)) in events
+    pool.tx_commit("again")
+    pool.check_invariants()
+    assert pool.promoted_blocks == 1
+    host, disk = lower.stats()
+    assert (host if key == 4 else disk).read_bytes_per_s > 0
+
+
+def test_a_damaged_file_is_a_miss_not_a_crash(tmp_path: Path) -> None:
+    pool, lower = make_pool(tmp_path)
+    for i, k in enumerate((1, 2, 3, 4, 5, 6)):
+        store(pool, f"tx{i}", [k])
+    pool.take_events()
+    path = tmp_path / "l3" / f"{2:016x}.kvblock"
+    path.write_bytes(path.read_bytes()[:-3])  # torn: the tail never reached the disk
+    result = pool.tx_allocate(AllocateParams("again", "t", [BlockKey(2), BlockKey(3)], 30.0))
+    assert (result.reused_blocks, result.promoted_blocks, result.new_blocks) == (0, 0, 2)
+    assert ("removed", (2,)) in moved(pool.take_events())
+    assert not path.exists() and lower.torn_files == 1
+    # key 3 sat past the miss: the tx recomputes it, so its L3 copy is discarded.
+    assert lower.medium_of(BlockKey(3)) is None
+    pool.tx_abort("again")
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda raw: raw[:10],
+        lambda raw: raw + b"x",
+        lambda raw: raw[:-1] + bytes([raw[-1] ^ 1]),
+        lambda raw: b"XXXX" + raw[4:],
+    ],
+    ids=["short_header", "long", "flipped_bit", "bad_magic"],
+)
+def test_every_kind_of_damage_is_detected(tmp_path: Path, damage: object) -> None:
+    pool, lower = make_pool(tmp_path, l2=0)
+    store(pool, "a", [1])
+    store(pool, "b", [2])
+    store(pool, "c", [3])  # evicts 1 straight to disk (no L2)
+    path = tmp_path / "l3" / f"{1:016x}.kvblock"
+    assert callable(damage)
+    path.write_bytes(damage(path.read_bytes()))
+    assert lower.load(BlockKey(1)) is None
+    assert lower.torn_files == 1
+
+
+def test_an_intact_file_round_trips_exactly(tmp_path: Path) -> None:
+    pool, lower = make_pool(tmp_path, l2=0)
+    for i, k in enumerate((7, 8, 9)):
+        store(pool, f"tx{i}", [k])
+    assert same(lower.load(BlockKey(7)), content_of(7))
+
+
+def test_capacity_refusal_leaves_the_lower_tiers_as_they_were(tmp_path: Path) -> None:
+    pool, lower = make_pool(tmp_path)
+    for i, k in enumerate((1, 2, 3, 4)):
+        store(pool, f"tx{i}", [k])
+    pool.tx_allocate(AllocateParams("hold", "t", [BlockKey(3), BlockKey(4)], 30.0))
+    before = (pool.tier_keys(KvMedium.HOST), pool.tier_keys(KvMedium.DISK))
+    with pytest.raises(CapacityExhausted):
+        pool.tx_allocate(AllocateParams("x", "t", [BlockKey(1)], 30.0))
+    assert (pool.tier_keys(KvMedium.HOST), pool.tier_keys(KvMedium.DISK)) == before
+    pool.check_invariants()
+
+
+def test_tenants_hold_across_tiers(tmp_path: Path) -> None:
+    pool, _ = make_pool(tmp_path)
+    for i, k in enumerate((1, 2, 3)):
+        store(pool, f"tx{i}", [k], tenant="alice")
+    with pytest.raises(TenantMismatch):
+        pool.tx_allocate(AllocateParams("mallory", "bob", [BlockKey(1)], 30.0))
+    pool.check_invariants()
+
+
+def test_clear_empties_every_tier(tmp_path: Path) -> None:
+    pool, lower = make_pool(tmp_path)
+    for i, k in enumerate((1, 2, 3, 4, 5, 6)):
+        store(pool, f"tx{i}", [k])
+    pool.clear()
+    assert len(lower) == 0 and not list((tmp_path / "l3").glob("*.kvblock"))
+    pool.check_invariants()
+
+
+def test_a_previous_process_files_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    folder = tmp_path / "l3"
+    folder.mkdir()
+    (folder / f"{5:016x}.kvblock").write_bytes(b"old")
+    (folder / "notes.txt").write_text("mine")
+    make_pool(tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+
+def test_budgets_are_checked() -> None:
+    with pytest.raises(ValueError, match="directory"):
+        LowerTiers(TensorKvCodec("cpu"), host_bytes=0, disk_bytes=10)
+    with pytest.raises(ValueError):
+        LowerTiers(TensorKvCodec("cpu"), host_bytes=-1)
+    pool = BlockPool(2, Clock(), lower=LowerTiers(TensorKvCodec("cpu"), host_bytes=0))
+    assert pool.lower is None  # both tiers off: evicted blocks are simply gone
+
+
+def test_measure_reports_bandwidth_and_leaves_nothing(tmp_path: Path) -> None:
+    _, lower = make_pool(tmp_path)
+    lower.measure(content_of(3))
+    host, disk = lower.stats()
+    assert host.read_bytes_per_s > 0 and disk.read_bytes_per_s > 0
+    assert (host.blocks, disk.blocks) == (0, 0)
+    assert not list((tmp_path / "l3").iterdir())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["store", "reuse", "abort"]),
+            st.lists(st.integers(1, 12), min_size=1, max_size=3, unique=True),
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_invariants_and_contents_under_random_traffic(
+    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, list[int]]]
+) -> None:
+    pool, lower = make_pool(tmp_path_factory.mktemp("l3"), l1=3, l2=2, l3=3)
+    for n, (op, keys) in enumerate(ops):
+        try:
+            result = pool.tx_allocate(
+                AllocateParams(f"tx{n}", "t", [BlockKey(k) for k in keys], 30.0)
+            )
+        except CapacityExhausted:
+            pool.check_invariants()
+            continue
+        for key, handle in zip(keys, result.handles, strict=True):
+            payload = pool.get_payload(handle)
+            if payload is not None:  # cached here or promoted: must be the key's own KV
+                assert same(payload, content_of(key))
+            elif op != "abort":
+                pool.set_payload(handle, content_of(key))
+        if op == "abort":
+            pool.tx_abort(f"tx{n}")
+        else:
+            pool.tx_commit(f"tx{n}")
+        pool.check_invariants()
+        for medium in (KvMedium.HOST, KvMedium.DISK):
+            for key in pool.tier_keys(medium):
+                assert same(lower.load(key), content_of(key))
