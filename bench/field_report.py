@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.field_targets import FieldOptions
 from bench.report import markdown_table
-from kvc_sim.replay import machine
+from kvc.machine import machine
 from node_agent.engines.vllm.http_parsing import metric_values
 
 

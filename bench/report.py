@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from kvc_sim.replay import machine
+from kvc.machine import machine
 
 
 def percentile(values: Sequence[float], q: float) -> float:

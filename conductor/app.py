@@ -36,6 +36,7 @@ from conductor.api.tool_calls import ParserName
 from conductor.api.tool_calls import detect as detect_tool_parser
 from conductor.core.prefix_index import PrefixIndex
 from conductor.core.scheduler import Scheduler
+from conductor.core.tier_index import LowerTierIndex
 from conductor.dispatch import Dispatcher
 from conductor.errors import (
     ConductorError,
@@ -240,6 +241,7 @@ def create_app(
             )
             limiter = RateLimiter(redis, on_redis_state=lambda up: metrics.redis_up.set(int(up)))
             index = PrefixIndex()
+            lower_tiers = LowerTierIndex(index.max_keys_per_node)
             dispatcher = Dispatcher(
                 fleet,
                 index,
@@ -250,6 +252,7 @@ def create_app(
                 request_timeout_s=settings.request_timeout_s,
                 max_waiting=settings.max_waiting_requests,
                 telemetry=metrics,
+                lower_tiers=lower_tiers,
             )
             stack.push_async_callback(dispatcher.drain)
             state = AppState(
@@ -286,7 +289,9 @@ def create_app(
                     )
                 )
             if follow_events:
-                shadow = ShadowSync(fleet, index, on_lag=metrics.event_lag.observe)
+                shadow = ShadowSync(
+                    fleet, index, on_lag=metrics.event_lag.observe, lower=lower_tiers
+                )
                 tasks.append(asyncio.create_task(shadow.run(stop)))
 
             async def stop_background() -> None:

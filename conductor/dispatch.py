@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import grpc
@@ -51,6 +51,7 @@ from conductor.core.scheduler import (
     Scheduler,
     ScheduleRequest,
 )
+from conductor.core.tier_index import LowerTierIndex
 from conductor.errors import (
     ConductorError,
     RateLimited,
@@ -149,9 +150,11 @@ class Dispatcher:
         max_waiting: int = 0,
         clock: Callable[[], float] = time.monotonic,
         telemetry: DispatchTelemetry | None = None,
+        lower_tiers: LowerTierIndex | None = None,
     ) -> None:
         self._fleet = fleet
         self._index = index
+        self._lower = lower_tiers if lower_tiers is not None else LowerTierIndex()
         self.scheduler = scheduler
         self.loop = PlacementLoop(scheduler, max_waiting=max_waiting)
         self._model = model
@@ -246,6 +249,7 @@ class Dispatcher:
                     queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
                     running_requests=max(agent.inflight, load.running_requests if load else 0),
                     max_running_requests=info.max_running_requests,
+                    tier_read_bytes_per_s=_tier_bandwidth(load.tiers if load else info.tiers),
                 )
             )
         return states
@@ -263,10 +267,12 @@ class Dispatcher:
         keys = compute_block_keys(
             req.prompt_ids[:-1], tenant=req.tenant, model=self._model, block_size=block_size
         )
+        prefix_blocks = self._index.match(keys)
         sreq = ScheduleRequest(
             request_id=req.request_id,
             prompt_tokens=len(req.prompt_ids),
-            prefix_blocks=self._index.match(keys),
+            prefix_blocks=prefix_blocks,
+            tier_blocks=self._lower.hits(keys, prefix_blocks),
             max_new_tokens=req.sampling.max_tokens,
             slo=req.slo,
             length_key=(self._model, req.tenant),
@@ -546,3 +552,15 @@ class Dispatcher:
         for stream in streams:
             stream.interrupt(error)
         return len(streams)
+
+
+def _tier_bandwidth(tiers: Sequence[pb.KvTier]) -> tuple[float, float]:
+    """(host, disk) read bandwidth a node reports; 0 for a tier it lacks or has not
+    measured (the cost model then charges its default)."""
+    host = disk = 0.0
+    for tier in tiers:
+        if tier.medium == pb.KV_MEDIUM_HOST:
+            host = tier.read_bytes_per_s
+        elif tier.medium == pb.KV_MEDIUM_DISK:
+            disk = tier.read_bytes_per_s
+    return host, disk

@@ -26,8 +26,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvc.machine import machine
 from kvc_sim.cluster import simulate
 from kvc_sim.metrics import SimResult, summarize
 from kvc_sim.plots import PlotRun, SweepPoint, write_plots
@@ -42,18 +41,6 @@ from kvc_sim.scenario import RunSpec, Scenario
 from kvc_sim.trace import TraceRequest, trace_stats
 
 __all__ = ["ProgressLine", "ReplayOptions", "finite_or_null", "machine", "run_scenario"]
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 class ProgressLine:

@@ -197,6 +197,7 @@ class AgentMetrics:
         self.tier_promoted_blocks = Counter(
             "node_agent_tier_promoted_blocks_total",
             "Blocks brought back from host memory or disk into the pool by a hit.",
+            ("medium",),
             registry=r,
         )
         self.tier_torn_files = Counter(
@@ -260,8 +261,9 @@ class AgentMetrics:
             self.tier_used_bytes.labels(medium)
             self.tier_capacity_bytes.labels(medium)
             self.tier_read_bandwidth.labels(medium)
+            self.tier_promoted_blocks.labels(medium)
         self._leases_expired_seen = 0
-        self._promoted_seen = 0
+        self._promoted_seen: dict[str, int] = dict.fromkeys(TIER_MEDIA, 0)
         self._torn_seen = 0
 
     def set_info(self, *, role: str, engine: str, model: str) -> None:
@@ -309,9 +311,11 @@ class AgentMetrics:
             self.tier_used_bytes.labels(medium).set(tier.used_bytes)
             self.tier_capacity_bytes.labels(medium).set(tier.capacity_bytes)
             self.tier_read_bandwidth.labels(medium).set(tier.read_bytes_per_s)
-        if pool.promoted_blocks > self._promoted_seen:
-            self.tier_promoted_blocks.inc(pool.promoted_blocks - self._promoted_seen)
-            self._promoted_seen = pool.promoted_blocks
+        for tier_medium, count in pool.promoted_blocks.items():
+            medium = tier_medium.name.lower()
+            if count > self._promoted_seen[medium]:
+                self.tier_promoted_blocks.labels(medium).inc(count - self._promoted_seen[medium])
+                self._promoted_seen[medium] = count
         if lower.torn_files > self._torn_seen:
             self.tier_torn_files.inc(lower.torn_files - self._torn_seen)
             self._torn_seen = lower.torn_files

@@ -30,6 +30,7 @@ from tenacity import (
 
 from conductor.adapters.agents import AgentFleet, AgentHandle
 from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
+from conductor.core.tier_index import LowerTierIndex, Medium
 from kvc.block_keys import BlockKey
 from kvc.v1 import node_agent_pb2 as pb
 
@@ -60,9 +61,11 @@ class ShadowSync:
         index: PrefixIndex,
         *,
         on_lag: LagObserver | None = None,
+        lower: LowerTierIndex | None = None,
     ) -> None:
         self._fleet = fleet
         self._index = index
+        self._lower = lower if lower is not None else LowerTierIndex(index.max_keys_per_node)
         self._on_lag = on_lag
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -74,6 +77,7 @@ class ShadowSync:
                 for address in set(followers) - set(current):
                     followers.pop(address).cancel()
                     self._index.remove_node(NodeId(address))
+                    self._lower.remove_node(NodeId(address))
                 for address, agent in current.items():
                     if address not in followers or followers[address].done():
                         followers[address] = asyncio.create_task(self._follow(agent, stop))
@@ -112,11 +116,21 @@ class ShadowSync:
         if isinstance(exc, grpc.aio.AioRpcError) and exc.code() != grpc.StatusCode.CANCELLED:
             log.debug("shadow of %s: %s", agent.address, exc.details())
         self._index.remove_node(node)
+        self._lower.remove_node(node)
 
     async def _sync_once(self, agent: AgentHandle, node: NodeId, stop: asyncio.Event) -> None:
         snap = await agent.stub.Snapshot(pb.SnapshotRequest(), timeout=self._fleet.rpc_timeout_s)
         # The repeated fixed64 fields go straight in (the index copies them into arrays).
-        self._index.reset_node(node, snap.epoch, snap.seq, _as_block_keys(snap.cached_keys))
+        host_keys = _as_block_keys(snap.host_keys)
+        disk_keys = _as_block_keys(snap.disk_keys)
+        held = _as_block_keys(snap.cached_keys)
+        if host_keys or disk_keys:  # the node holds them too, one load away
+            held = [*held, *host_keys, *disk_keys]
+        self._index.reset_node(node, snap.epoch, snap.seq, held)
+        if snap.node.tiers:
+            self._lower.reset_node(node, snap.epoch, snap.seq, host_keys, disk_keys)
+        else:
+            self._lower.remove_node(node)
         agent.load = snap.load
         call = agent.stub.WatchEvents(
             pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
@@ -142,20 +156,33 @@ class ShadowSync:
 
     def _apply(self, agent: AgentHandle, node: NodeId, batch: pb.EventBatch) -> bool:
         now = time.time()
+        lower = self._lower if self._lower.tracks(node) else None
         for ev in batch.events:
             kind = ev.WhichOneof("kind")
+            epoch, seq = batch.epoch, ev.seq
+            stored: Sequence[BlockKey] = ()
+            removed: Sequence[BlockKey] = ()
+            moved: tuple[Medium, Sequence[BlockKey]] | None = None
+            cleared = False
             if kind == "stored":
-                keys = _as_block_keys(ev.stored.block_keys)
-                outcome = self._index.apply(node, batch.epoch, ev.seq, stored=keys)
+                stored = _as_block_keys(ev.stored.block_keys)
             elif kind == "removed":
-                keys = _as_block_keys(ev.removed.block_keys)
-                outcome = self._index.apply(node, batch.epoch, ev.seq, removed=keys)
+                removed = _as_block_keys(ev.removed.block_keys)
+            elif kind == "moved":  # still held, in another tier
+                moved = (Medium(ev.moved.medium), _as_block_keys(ev.moved.block_keys))
+                stored = moved[1]
             elif kind == "cleared":
-                outcome = self._index.apply(node, batch.epoch, ev.seq, cleared=True)
-            else:
-                outcome = self._index.apply(node, batch.epoch, ev.seq)
-                if kind == "load":
-                    agent.load = ev.load
+                cleared = True
+            elif kind == "load":
+                agent.load = ev.load
+            outcome = self._index.apply(
+                node, epoch, seq, stored=stored, removed=removed, cleared=cleared
+            )
+            if lower is not None and outcome is ApplyOutcome.APPLIED:
+                outcome = lower.apply(
+                    node, epoch, seq, removed=removed, moved=moved, cleared=cleared,
+                    stored=() if moved is not None else stored,
+                )  # fmt: skip
             if outcome is ApplyOutcome.RESYNC:
                 return False
             if self._on_lag is not None and ev.time_s:

@@ -107,11 +107,13 @@ class PrefillCandidate:
     migration: Migration | None
     queue_s: float
     prefill_s: float
+    load_s: float = 0.0  # loading its lower-tier prefix blocks (host memory, disk) back
 
     @property
     def base_ttft_s(self) -> float:
-        """TTFT before the P→D hand-off: queue, prefill and any prefix pull."""
-        return self.queue_s + self.prefill_s + (self.migration.transfer_s if self.migration else 0)
+        """TTFT before the P→D hand-off: queue, tier loads, prefill and any prefix pull."""
+        pull_s = self.migration.transfer_s if self.migration else 0.0
+        return self.queue_s + self.load_s + self.prefill_s + pull_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +147,8 @@ class Estimates(Protocol):
     def queue_s(self, node: NodeState) -> float: ...
 
     def prefill_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float: ...
+
+    def load_s(self, node: NodeState, req: ScheduleRequest) -> float: ...
 
     def decode_slots_free(self, node: NodeState) -> bool: ...
 
@@ -184,7 +188,8 @@ class LocalPrefix:
         for node in nodes:
             local = req.prefix_blocks.get(node.node_id, 0)
             prefill_s = est.prefill_s(node, req.prompt_tokens, local)
-            out.append(PrefillCandidate(node, local, None, est.queue_s(node), prefill_s))
+            load_s = est.load_s(node, req)
+            out.append(PrefillCandidate(node, local, None, est.queue_s(node), prefill_s, load_s))
         return out
 
 
@@ -232,9 +237,16 @@ def _pull_candidates(
 ) -> list[PrefillCandidate]:
     """Candidates that may pull the longest prefix; ``threshold`` None: break-even rule."""
     break_even = threshold is None
-    # FindBestPrefixMatch: the longest holder; ties go to the smallest node id.
-    holder = min(nodes, key=lambda n: (-req.prefix_blocks.get(n.node_id, 0), n.node_id))
-    best_len = req.prefix_blocks.get(holder.node_id, 0)
+    # FindBestPrefixMatch: the longest holder; ties go to the smallest node id. A holder
+    # lends only the leading blocks in its engine memory (a pull source promotes nothing).
+    tiers = req.tier_blocks
+
+    def lendable(n: NodeState) -> int:
+        hits = tiers.get(n.node_id)
+        return hits.device_prefix if hits is not None else req.prefix_blocks.get(n.node_id, 0)
+
+    holder = min(nodes, key=lambda n: (-lendable(n), n.node_id))
+    best_len = lendable(holder)
     out = []
     for node in nodes:
         local = req.prefix_blocks.get(node.node_id, 0)
@@ -257,7 +269,8 @@ def _pull_candidates(
                 migration = Migration(source=holder.node_id, blocks=best_len, transfer_s=transfer_s)
                 prefix = best_len
                 prefill_s = pulled_s
-        out.append(PrefillCandidate(node, prefix, migration, est.queue_s(node), prefill_s))
+        load_s = est.load_s(node, req)
+        out.append(PrefillCandidate(node, prefix, migration, est.queue_s(node), prefill_s, load_s))
     return out
 
 

@@ -89,7 +89,7 @@ from __future__ import annotations
 import enum
 import heapq
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NewType
 
@@ -670,6 +670,33 @@ class PrefixIndex:
             result[node] = n_keys
             alive ^= low
         return result
+
+    def held_within(
+        self, keys: Sequence[BlockKey], upto: Mapping[NodeId, int]
+    ) -> dict[NodeId, tuple[int, int]]:
+        """For each node of ``upto`` holding some of ``keys[:upto[node]]``: ``(how many
+        of them, the position of the first)``. One vectorised lookup of the longest
+        range, then a membership test per node: O(max(upto) + nodes x that range)."""
+        asked = [
+            (node, depth, state.bit)
+            for node, depth in upto.items()
+            if depth > 0 and (state := self._nodes.get(node)) is not None and state.count
+        ]
+        if not asked:
+            return {}
+        longest = max(depth for _, depth, _ in asked)
+        ids = self._table.set_ids_of(_as_keys(keys[:longest]))
+        present = [i for i in np.unique(ids).tolist() if i >= _FIRST_SET]
+        out: dict[NodeId, tuple[int, int]] = {}
+        for node, depth, bit in asked:
+            mine = [i for i in present if self._masks[i] & bit]
+            if not mine:
+                continue
+            member = np.isin(ids[:depth], mine)
+            count = int(member.sum())
+            if count:
+                out[node] = (count, int(np.argmax(member)))
+        return out
 
     def best_match(self, keys: Sequence[BlockKey]) -> tuple[int, NodeId | None]:
         """``(longest prefix in blocks, its holder)``; ties -> smallest node id; ``(0, None)``."""

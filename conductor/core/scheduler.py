@@ -84,6 +84,7 @@ from conductor.core.policies import (
     SchedulingPolicy,
 )
 from conductor.core.prefix_index import NodeId
+from conductor.core.tier_index import TierHits, tier_load_s
 from conductor.core.transfer_model import TransferModel
 from kvc.priors import DecodePrior, PrefillPrior
 from kvc.roles import NodeRole
@@ -142,6 +143,9 @@ class NodeState:
     # the reporter does not tell them apart (``free_blocks`` is then the allocatable count).
     allocatable_blocks: int | None = None
     max_running_requests: int = 0  # generations the node runs at once (0 = no limit)
+    # Measured read bandwidth of the node's lower KV tiers (host memory, disk), bytes/s;
+    # 0: no such tier or not measured (``tier_index.DEFAULT_READ_BYTES_PER_S``).
+    tier_read_bytes_per_s: tuple[float, float] = (0.0, 0.0)
 
     @property
     def room_blocks(self) -> int:
@@ -168,6 +172,9 @@ class ScheduleRequest:
     # computing (allocated, not committed yet): cached by the time a prefill placed
     # behind them starts. Only ``kv_adaptive`` reads it; callers may leave it empty.
     pending_blocks: Mapping[NodeId, int] = field(default_factory=dict)
+    # Per node, the blocks of its prefix that sit in host memory or on disk (loaded back
+    # before the prefill); nodes without lower-tier hits are absent.
+    tier_blocks: Mapping[NodeId, TierHits] = field(default_factory=dict)
     # Whose output lengths this request's decode is predicted from: (model, tenant).
     length_key: tuple[str, str] = ("", "")
 
@@ -311,6 +318,13 @@ class Scheduler:
         extra_context_tokens = req.prompt_tokens
         return self.decode_model(node.node_id).estimate(
             load.requests + 1, load.context_tokens + extra_context_tokens
+        )
+
+    def load_s(self, node: NodeState, req: ScheduleRequest) -> float:
+        """Time to load the node's lower-tier blocks of this prompt back onto its device."""
+        hits = req.tier_blocks.get(node.node_id)
+        return tier_load_s(
+            hits, node.block_size * node.kv_bytes_per_token, node.tier_read_bytes_per_s
         )
 
     def prefill_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float:

@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from kvc.machine import machine
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.tokenization import ChatTokenizer
 from kvc_sim.live.client import CompletionTarget, PromptFormat, completions_url, send_completion
@@ -43,7 +44,7 @@ from kvc_sim.live.records import LiveResult, live_figures, to_record
 from kvc_sim.live.schedule import Arrival, Clock, MonotonicClock, arrivals, dispatch
 from kvc_sim.metrics import RequestRecord, SimResult, summarize
 from kvc_sim.plots import PlotRun, write_plots
-from kvc_sim.replay import ProgressLine, finite_or_null, machine
+from kvc_sim.replay import ProgressLine, finite_or_null
 from kvc_sim.scenario import SloSpec
 from kvc_sim.trace import TraceRequest, trace_stats
 

@@ -256,7 +256,8 @@ class BlockPool:
         self.leases_expired = 0  # txs aborted by lease expiry so far (a metric)
         # L2/L3 below this pool (None or disabled: an evicted block is gone).
         self.lower = lower if lower is not None and lower.enabled else None
-        self.promoted_blocks = 0  # lower-tier hits brought back into the pool (a metric)
+        # Lower-tier hits brought back into the pool, by the tier they came from (a metric).
+        self.promoted_blocks: dict[KvMedium, int] = {KvMedium.HOST: 0, KvMedium.DISK: 0}
 
     # ------------------------------------------------------------------ transactions
 
@@ -713,6 +714,7 @@ class BlockPool:
         lower = self.lower
         plan: list[int | None] = []  # existing handle per key, None = needs a fresh block
         promoted: dict[int, KvContent] = {}  # key index -> content read from L2/L3
+        promoted_from: list[KvMedium] = []  # the tier each came from
         superseded: list[BlockKey] = []  # in L2/L3 but past the reused prefix: recomputed
         lost: list[BlockKey] = []  # in L2/L3 but unreadable (a damaged file): gone
         reused_prefix = 0
@@ -725,10 +727,12 @@ class BlockPool:
             plan.append(h)
             if h is None:
                 needed += 1
-                if lower is not None and lower.medium_of(key) is not None:
+                medium = None if lower is None else lower.medium_of(key)
+                if lower is not None and medium is not None:
                     content = lower.load(key) if in_prefix else None
                     if content is not None:
                         promoted[i] = content
+                        promoted_from.append(medium)
                         reused_prefix += 1
                         continue
                     (lost if in_prefix else superseded).append(key)
@@ -749,6 +753,8 @@ class BlockPool:
 
         # From here on nothing can fail: take promoted/superseded keys out of the lower
         # tiers (a key lives in one place), lock what exists, evict, then allocate.
+        for medium in promoted_from:
+            self.promoted_blocks[medium] += 1
         if lower is not None:
             for i in promoted:
                 lower.discard(keys[i])
@@ -789,7 +795,6 @@ class BlockPool:
                 self._n_cached += 1
             handles.append(h)
         if promoted:
-            self.promoted_blocks += len(promoted)
             self._events.append(BlockMoved(tuple(keys[i] for i in promoted), KvMedium.DEVICE))
         return AllocateResult(
             tx_id=tx_id,

@@ -200,6 +200,10 @@ def test_sampling(model: EmbeddedModel, prompt: list[int]) -> None:
     logits, _ = model.forward(prompt[:20])
     greedy_sampler = Sampler(Sampling(temperature=0.0))
     assert greedy_sampler.sample(logits) == int(torch.argmax(logits).item())
+    # The smallest normal float overflowed logits / temperature to inf (a NaN softmax,
+    # a 502 found by the API fuzzer): below vLLM's epsilon it is greedy, as there.
+    tiny = Sampler(Sampling(temperature=1.175494351e-38, seed=1))
+    assert tiny.sample(logits) == int(torch.argmax(logits).item())
 
     def draws(seed: int) -> list[int]:
         sampler = Sampler(Sampling(temperature=1.5, top_p=0.95, seed=seed))

@@ -8,7 +8,11 @@ import torch
 
 from kvc.sampling import Sampling
 
-__all__ = ["Sampler"]
+__all__ = ["GREEDY_BELOW", "Sampler"]
+
+# Temperatures under this are greedy, as in vLLM (its _SAMPLING_EPS): dividing logits by
+# a temperature near the smallest float overflows them to inf and the softmax to NaN.
+GREEDY_BELOW = 1e-5
 
 
 class Sampler:
@@ -41,7 +45,7 @@ class Sampler:
             self._generator.seed()
 
     def sample(self, logits: torch.Tensor, ban: frozenset[int] = frozenset()) -> int:
-        """Greedy when temperature is 0, else temperature + top-k + nucleus (top-p) +
+        """Greedy when temperature is 0 (below ``GREEDY_BELOW``), else temperature + top-k + nucleus (top-p) +
         min-p sampling; never a token in ``ban`` (``min_tokens``: EOS and stop ids).
 
         Raises ``ValueError`` when a biased token id is outside the logits."""
@@ -68,7 +72,7 @@ class Sampler:
         return scores
 
     def _pick(self, scores: torch.Tensor) -> int:
-        if self.params.temperature == 0.0:
+        if self.params.temperature < GREEDY_BELOW:
             return int(torch.argmax(scores).item())
         k = self.params.top_k
         if 0 < k < scores.numel():

@@ -1,0 +1,151 @@
+"""Which of a node's cached blocks sit in a lower tier (host memory, disk) and what
+reusing them costs.
+
+The shadow ``PrefixIndex`` answers "does node n hold key k" whatever the medium: a
+block an agent demoted to host memory or disk is still a hit, it just has to be loaded
+back first. ``LowerTierIndex`` keeps, beside it, the keys each *tiered* node holds in
+L2 (host) and L3 (disk) — two more ``PrefixIndex`` tables fed from the same event
+stream (``BlockMoved``, ``BlockRemoved``, snapshots' ``host_keys``/``disk_keys``), so
+they share its sequence checks: a node is registered here only when it reports lower
+tiers, and every event of such a node is applied to both tables (those that do not
+concern them still advance their sequence numbers).
+
+``hits`` gives, per node and prompt, the lower-tier blocks inside the prefix the node
+holds (``TierHits``); the placement loop charges them ``bytes / the node's measured
+read bandwidth`` (``tier_load_s``) instead of zero, and pulls from a holder only the
+leading blocks in its engine memory (a locked pull source promotes nothing).
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
+from kvc.block_keys import BlockKey
+
+__all__ = ["DEFAULT_READ_BYTES_PER_S", "LowerTierIndex", "Medium", "TierHits", "tier_load_s"]
+
+# Charged when a node reports a tier without a measured bandwidth (it measures at start,
+# so only an agent whose measurement failed): PCIe-class host copies, a SATA-class disk.
+DEFAULT_READ_BYTES_PER_S: Final = (8e9, 5e8)
+
+
+class Medium(enum.IntEnum):
+    """As the protocol's ``KvMedium``."""
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+
+
+@dataclass(frozen=True, slots=True)
+class TierHits:
+    """A node's lower-tier blocks among the prefix of a prompt it holds."""
+
+    host_blocks: int
+    disk_blocks: int
+    device_prefix: int  # leading blocks of that prefix in the engine's memory
+
+
+def tier_load_s(
+    hits: TierHits | None, block_bytes: int, read_bytes_per_s: tuple[float, float]
+) -> float:
+    """Seconds to load ``hits`` back onto the device at the node's read bandwidths
+    (host, disk); 0 bandwidth: ``DEFAULT_READ_BYTES_PER_S``."""
+    if hits is None:
+        return 0.0
+    host_bw = read_bytes_per_s[0] or DEFAULT_READ_BYTES_PER_S[0]
+    disk_bw = read_bytes_per_s[1] or DEFAULT_READ_BYTES_PER_S[1]
+    return block_bytes * (hits.host_blocks / host_bw + hits.disk_blocks / disk_bw)
+
+
+class LowerTierIndex:
+    """The host and disk keys of every tiered node (see the module docstring)."""
+
+    __slots__ = ("_disk", "_host")
+
+    def __init__(self, max_keys_per_node: int = 2_000_000) -> None:
+        self._host = PrefixIndex(max_keys_per_node)
+        self._disk = PrefixIndex(max_keys_per_node)
+
+    @property
+    def empty(self) -> bool:
+        """No node reports lower tiers: ``hits`` is always empty."""
+        return not self._host.nodes()
+
+    def tracks(self, node: NodeId) -> bool:
+        return self._host.position(node) is not None
+
+    def reset_node(
+        self,
+        node: NodeId,
+        epoch: str,
+        seq: int,
+        host_keys: Iterable[BlockKey],
+        disk_keys: Iterable[BlockKey],
+    ) -> None:
+        self._host.reset_node(node, epoch, seq, host_keys)
+        self._disk.reset_node(node, epoch, seq, disk_keys)
+
+    def remove_node(self, node: NodeId) -> None:
+        self._host.remove_node(node)
+        self._disk.remove_node(node)
+
+    def apply(
+        self,
+        node: NodeId,
+        epoch: str,
+        seq: int,
+        *,
+        stored: Sequence[BlockKey] = (),
+        removed: Sequence[BlockKey] = (),
+        moved: tuple[Medium, Sequence[BlockKey]] | None = None,
+        cleared: bool = False,
+    ) -> ApplyOutcome:
+        """One event of a tracked node. ``stored`` (newly cached in engine memory) and
+        ``removed`` (gone from the node) leave no lower-tier copy; ``moved`` puts keys in
+        one medium and takes them out of the other."""
+        gone_host: list[BlockKey] = [*stored, *removed]
+        gone_disk: list[BlockKey] = list(gone_host)
+        into_host: Sequence[BlockKey] = ()
+        into_disk: Sequence[BlockKey] = ()
+        if moved is not None:
+            medium, keys = moved
+            if medium is Medium.HOST:
+                into_host = keys
+                gone_disk.extend(keys)
+            elif medium is Medium.DISK:
+                into_disk = keys
+                gone_host.extend(keys)
+            else:
+                gone_host.extend(keys)
+                gone_disk.extend(keys)
+        host = self._host.apply(
+            node, epoch, seq, stored=into_host, removed=gone_host, cleared=cleared
+        )
+        disk = self._disk.apply(
+            node, epoch, seq, stored=into_disk, removed=gone_disk, cleared=cleared
+        )
+        if ApplyOutcome.RESYNC in (host, disk):
+            return ApplyOutcome.RESYNC
+        return host
+
+    def hits(
+        self, keys: Sequence[BlockKey], prefix_blocks: Mapping[NodeId, int]
+    ) -> dict[NodeId, TierHits]:
+        """Per node with lower-tier blocks in the prefix it holds (``prefix_blocks``)."""
+        if self.empty:
+            return {}
+        host = self._host.held_within(keys, prefix_blocks)
+        disk = self._disk.held_within(keys, prefix_blocks)
+        out: dict[NodeId, TierHits] = {}
+        for node in host.keys() | disk.keys():
+            h_count, h_first = host.get(node, (0, prefix_blocks[node]))
+            d_count, d_first = disk.get(node, (0, prefix_blocks[node]))
+            out[node] = TierHits(h_count, d_count, min(h_first, d_first))
+        return out
