@@ -304,12 +304,11 @@ class LowerTiers:
                 probe = Path(self._dir) / f"probe-{os.getpid()}{_SUFFIX}.tmp"
                 try:
                     started = self._timer()
-                    _write_atomic(probe, _encode(BlockKey(0), sample))
+                    _write_atomic(probe, *_encode(BlockKey(0), sample))
                     self._disk.writes.add(sample.nbytes, self._timer() - started)
                     started = self._timer()
-                    data = _decode(
-                        BlockKey(0), sample.layout, sample.num_tokens, probe.read_bytes()
-                    )
+                    raw = _read_all(probe)
+                    data = _decode(BlockKey(0), sample.layout, sample.num_tokens, raw)
                     if data is not None:
                         self._codec.from_bytes(sample.layout, data, sample.num_tokens)
                         self._disk.reads.add(sample.nbytes, self._timer() - started)
@@ -323,11 +322,11 @@ class LowerTiers:
         return self._dir / f"{key:016x}{_SUFFIX}"
 
     def _write_file(self, key: BlockKey, content: KvContent) -> None:
-        _write_atomic(self._path(key), _encode(key, content))
+        _write_atomic(self._path(key), *_encode(key, content))
 
-    def _read_file(self, key: BlockKey, entry: _Entry) -> bytes | None:
+    def _read_file(self, key: BlockKey, entry: _Entry) -> memoryview | None:
         try:
-            raw = self._path(key).read_bytes()
+            raw = _read_all(self._path(key))
         except OSError:
             return None
         return _decode(key, entry.layout, entry.num_tokens, raw)
@@ -345,7 +344,8 @@ class LowerTiers:
         raise ValueError("the device tier is the block pool itself")
 
 
-def _encode(key: BlockKey, content: KvContent) -> bytes:
+def _encode(key: BlockKey, content: KvContent) -> tuple[bytes, bytes]:
+    """(header, payload) of a block file."""
     payload = content.to_bytes()
     layout = content.layout
     header = _HEADER.pack(
@@ -360,11 +360,12 @@ def _encode(key: BlockKey, content: KvContent) -> bytes:
         len(payload),
         zlib.crc32(payload),
     )
-    return header + payload
+    return header, payload
 
 
-def _decode(key: BlockKey, layout: KvLayout, num_tokens: int, raw: bytes) -> bytes | None:
-    """The payload of a block file, or None when the file is not exactly what was written."""
+def _decode(key: BlockKey, layout: KvLayout, num_tokens: int, raw: bytearray) -> memoryview | None:
+    """The payload of a block file (a view into ``raw``, which the caller hands over), or
+    None when the file is not exactly what was written."""
     if len(raw) < _HEADER.size:
         return None
     magic, version, dtype, file_key, layers, heads, dim, tokens, length, crc = _HEADER.unpack_from(
@@ -374,13 +375,25 @@ def _decode(key: BlockKey, layout: KvLayout, num_tokens: int, raw: bytes) -> byt
     shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim, num_tokens)
     if (magic, version, dtype, file_key) != expected or (layers, heads, dim, tokens) != shape:
         return None
-    payload = raw[_HEADER.size :]
+    payload = memoryview(raw)[_HEADER.size :]
     if len(payload) != length or zlib.crc32(payload) != crc:
         return None
     return payload
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _read_all(path: Path) -> bytearray:
+    """A file's bytes in a fresh, writable buffer (decoded in place, no second copy)."""
+    with path.open("rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        buffer = bytearray(size)
+        if handle.readinto(buffer) != size:
+            raise OSError(f"{path} changed size while being read")
+    return buffer
+
+
+def _write_atomic(path: Path, *parts: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
+    with tmp.open("wb") as handle:
+        for part in parts:
+            handle.write(part)
     tmp.replace(path)

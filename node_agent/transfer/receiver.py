@@ -140,5 +140,6 @@ class KvReceiver:
             raise TransferError("KV transfer ended early")
         kv = None
         if codec is not None:
-            kv = await asyncio.to_thread(codec.from_bytes, own, bytes(buffer), expected_tokens)
+            # The buffer is handed over: decoded in place, not copied once more.
+            kv = await asyncio.to_thread(codec.from_bytes, own, buffer, expected_tokens)
         return kv, time.perf_counter() - started, len(buffer)

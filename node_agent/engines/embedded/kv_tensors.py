@@ -40,9 +40,14 @@ class KvCache:
     storage of the larger cache it was cut from.
     """
 
-    __slots__ = ("_layers",)
+    __slots__ = ("_flat", "_layers")
 
-    def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        flat: torch.Tensor | None = None,
+    ) -> None:
         if not layers:
             raise ValueError("a KV cache needs at least one layer")
         first_key = layers[0][0]
@@ -61,6 +66,9 @@ class KvCache:
         self._layers: tuple[tuple[torch.Tensor, torch.Tensor], ...] = tuple(
             (key, value) for key, value in layers
         )
+        # One contiguous uint8 buffer every tensor above is a view of (wire layout), when
+        # the cache was built from one (``from_flat``): moved between devices in one copy.
+        self._flat = flat
 
     @property
     def layers(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
@@ -131,13 +139,39 @@ class KvCache:
             return self
         return KvCache([(key.to(target), value.to(target)) for key, value in self._layers])
 
+    def flat_bytes(self) -> torch.Tensor:
+        """The wire format as one contiguous uint8 tensor on this cache's device (no copy
+        when the cache was built from one)."""
+        if self._flat is not None:
+            return self._flat
+        return torch.cat([t.reshape(-1) for pair in self._layers for t in pair]).view(torch.uint8)
+
     def to_bytes(self) -> bytes:
         """Layer-major, key then value, each ``[kv_heads, seq, head_dim]`` C-order, native dtype."""
         if self.num_tokens == 0:
             return b""
-        flat = [t.reshape(-1) for pair in self._layers for t in pair]
-        joined = torch.cat(flat).cpu()
-        return bytes(joined.view(torch.uint8).numpy().tobytes())
+        data: bytes = self.flat_bytes().cpu().numpy().tobytes()
+        return data
+
+    @staticmethod
+    def from_flat(flat: torch.Tensor, layout: KvLayout, num_tokens: int) -> KvCache:
+        """Views of ``flat`` (uint8, the wire layout of ``num_tokens`` tokens), no copy."""
+        if num_tokens <= 0 or flat.numel() != layout.bytes_per_token * num_tokens:
+            raise ValueError(
+                f"a flat KV buffer of {flat.numel()} bytes does not hold {num_tokens} tokens "
+                f"of {layout}"
+            )
+        typed = flat.view(TORCH_DTYPES[layout.dtype])
+        shape = (1, layout.num_kv_heads, num_tokens, layout.head_dim)
+        per_tensor = layout.num_kv_heads * num_tokens * layout.head_dim
+        layers = [
+            (
+                typed[2 * layer * per_tensor : (2 * layer + 1) * per_tensor].view(shape),
+                typed[(2 * layer + 1) * per_tensor : (2 * layer + 2) * per_tensor].view(shape),
+            )
+            for layer in range(layout.num_layers)
+        ]
+        return KvCache(layers, flat=flat)
 
     @staticmethod
     def from_bytes(
@@ -161,16 +195,13 @@ class KvCache:
         if num_tokens == 0:
             empty = torch.empty(shape, dtype=TORCH_DTYPES[layout.dtype], device=target)
             return KvCache([(empty, empty.clone()) for _ in range(layout.num_layers)])
-        # bytearray: a private, writable copy (torch warns on read-only buffers).
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(TORCH_DTYPES[layout.dtype])
-        per_tensor = layout.num_kv_heads * num_tokens * layout.head_dim
-        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in range(layout.num_layers):
-            base = 2 * layer * per_tensor
-            key = flat[base : base + per_tensor].view(shape)
-            value = flat[base + per_tensor : base + 2 * per_tensor].view(shape)
-            layers.append((key.to(target), value.to(target)))
-        return KvCache(layers)
+        # A bytearray (or a writable view of one) is used in place: the caller hands it
+        # over. Anything else is copied into a private, writable one (torch warns on
+        # read-only buffers). Then one copy onto the target device, not one per tensor.
+        view = memoryview(data)
+        buffer = data if not view.readonly and view.contiguous else bytearray(data)
+        flat = torch.frombuffer(buffer, dtype=torch.uint8)
+        return KvCache.from_flat(flat.to(target), layout, num_tokens)
 
     def to_dynamic_cache(self, config: Any = None) -> DynamicCache:
         """A transformers ``DynamicCache`` holding a copy of this KV.
@@ -201,7 +232,10 @@ class TensorKvCodec:
     """The ``KvCodec`` of the embedded engine: tensors on the engine's ``device``."""
 
     def __init__(self, device: str | torch.device) -> None:
-        self.device = torch.device(device)
+        target = torch.device(device)
+        if target.type == "cuda" and target.index is None:  # compare equal to tensors' devices
+            target = torch.device("cuda", torch.cuda.current_device())
+        self.device = target
 
     def concat(self, parts: Sequence[KvContent]) -> KvCache:
         return KvCache.concat([tensor_kv(part) for part in parts])
@@ -212,12 +246,23 @@ class TensorKvCodec:
         return KvCache.from_bytes(layout, data, num_tokens, self.device)
 
     def to_host(self, content: KvContent) -> KvCache:
-        """The content in host memory: a device-to-host copy, or the same (immutable)
-        tensors when the engine runs on the CPU (L1 and L2 are then one memory)."""
-        return tensor_kv(content).to("cpu")
+        """The content in host memory: one device-to-host copy into a pinned buffer (so the
+        copy back is one DMA transfer), or the same (immutable) tensors when the engine
+        runs on the CPU (L1 and L2 are then one memory)."""
+        kv = tensor_kv(content)
+        if kv.device.type == "cpu":
+            return kv
+        source = kv.flat_bytes()
+        host = torch.empty(source.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(source)
+        return KvCache.from_flat(host, kv.layout, kv.num_tokens)
 
     def to_device(self, content: KvContent) -> KvCache:
-        return tensor_kv(content).to(self.device)
+        """``content`` on the engine's device: one host-to-device copy of its buffer."""
+        kv = tensor_kv(content)
+        if kv.device == self.device:
+            return kv
+        return KvCache.from_flat(kv.flat_bytes().to(self.device), kv.layout, kv.num_tokens)
 
 
 def tensor_kv(content: KvContent) -> KvCache:

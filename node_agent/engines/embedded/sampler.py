@@ -45,8 +45,9 @@ class Sampler:
             self._generator.seed()
 
     def sample(self, logits: torch.Tensor, ban: frozenset[int] = frozenset()) -> int:
-        """Greedy when temperature is 0 (below ``GREEDY_BELOW``), else temperature + top-k + nucleus (top-p) +
-        min-p sampling; never a token in ``ban`` (``min_tokens``: EOS and stop ids).
+        """Greedy when temperature is 0 (below ``GREEDY_BELOW``), else temperature + top-k +
+        nucleus (top-p) + min-p sampling; never a token in ``ban`` (``min_tokens``: EOS and
+        stop ids).
 
         Raises ``ValueError`` when a biased token id is outside the logits."""
         scores = self._adjusted(logits)
