@@ -64,6 +64,7 @@ from conductor.core.scheduler import (
     ScheduleRequest,
     Slo,
 )
+from conductor.core.tier_index import LowerTierIndex, apply_node_event
 from kvc.block_keys import BlockKey
 from kvc_sim.cluster_config import ClusterConfig
 from kvc_sim.engine import EventLoop
@@ -80,7 +81,7 @@ from kvc_sim.instances import (
 from kvc_sim.metrics import LoadSample, RequestOutcome, RequestRecord, SimResult, top_decile_mean
 from kvc_sim.profile import Profile
 from kvc_sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, cached_tokens
-from node_agent.blocks.types import AllocateParams, CapacityExhausted, TxMode
+from node_agent.blocks.types import AllocateParams, CapacityExhausted, KvMedium, TxMode
 
 __all__ = ["MODEL", "TENANT", "Cluster", "simulate"]
 
@@ -108,17 +109,25 @@ class Cluster:
         self.scheduler = Scheduler(scheduler_config)
         self.placer = PlacementLoop(self.scheduler, max_waiting=config.max_waiting)
         self.index = PrefixIndex()
+        # The agent's lower tiers (tiered clusters): what the shadow knows of them.
+        self.lower = LowerTierIndex() if config.tiered else None
         self._sub = TRACE_BLOCK_TOKENS // config.block_tokens
         capacity_blocks = self._capacity_blocks(requests)
         self.prefill: dict[NodeId, PrefillInstance] = {}
         for i in range(config.prefill_instances):
             node = NodeId(f"prefill-{i:02d}")
+            tiers = (
+                (config.host_tier_tokens or 0, config.disk_tier_tokens or 0)
+                if config.tiered else None
+            )  # fmt: skip
             inst = PrefillInstance(
                 node, profile, capacity_blocks, config.block_tokens, self.loop.clock,
-                max_lease_s=config.lease_s, noise=self._noise(i),
+                max_lease_s=config.lease_s, noise=self._noise(i), tiers=tiers,
             )  # fmt: skip
             self.prefill[node] = inst
             self.index.reset_node(node, inst.epoch, 0, ())
+            if self.lower is not None:
+                self.lower.reset_node(node, inst.epoch, 0, (), ())
         self.decode: dict[NodeId, DecodeInstance] = {}
         for i in range(config.decode_instances):
             node = NodeId(f"decode-{i:02d}")
@@ -211,6 +220,8 @@ class Cluster:
         """What the agents would report now (the scheduler's only view of the fleet)."""
         bt = self.config.block_tokens
         kvb = self.profile.kv_bytes_per_token
+        spec = self.profile.prefill
+        tier_bw = (spec.h2d_bytes_per_s, spec.disk_read_bytes_per_s) if self.lower else (0.0, 0.0)
         states = []
         for node, p in self.prefill.items():
             if node in excluded:
@@ -229,6 +240,7 @@ class Cluster:
                     kv_migration=self.config.kv_migration,
                     queued_prefill_tokens=p.queued_tokens,
                     running_requests=len(p.queue) + (p.running is not None),
+                    tier_read_bytes_per_s=tier_bw,
                 )
             )
         for node, d in self.decode.items():
@@ -261,17 +273,21 @@ class Cluster:
 
     def _apply(self, inst: PrefillInstance, events: list[IndexEvent]) -> None:
         for ev in events:
-            outcome = self.index.apply(
-                inst.node_id, inst.epoch, ev.seq,
-                stored=ev.stored, removed=ev.removed, cleared=ev.cleared,
+            outcome = apply_node_event(
+                self.index, self.lower, inst.node_id, inst.epoch, ev.seq,
+                stored=ev.stored, removed=ev.removed, moved=ev.moved, cleared=ev.cleared,
             )  # fmt: skip
             if outcome is ApplyOutcome.RESYNC:
                 # Snapshot as the live shadow would; later events of this batch are then
                 # duplicates (seq <= snapshot's) and are ignored.
                 self._resyncs += 1
+                pool = inst.pool
+                host, disk = pool.tier_keys(KvMedium.HOST), pool.tier_keys(KvMedium.DISK)
                 self.index.reset_node(
-                    inst.node_id, inst.epoch, inst.last_seq, inst.pool.cached_keys()
+                    inst.node_id, inst.epoch, inst.last_seq, [*pool.cached_keys(), *host, *disk]
                 )
+                if self.lower is not None:
+                    self.lower.reset_node(inst.node_id, inst.epoch, inst.last_seq, host, disk)
                 return
 
     # ------------------------------------------------------------------ arrival
@@ -282,10 +298,12 @@ class Cluster:
         out = min(cap, self.config.output_tokens or req.output_tokens)
         flight = Flight(req, self.keys_of(req), max(1, out))
         flight.arrival_s = self.loop.now_s
+        prefix_blocks = self.index.match(flight.keys)
         sreq = ScheduleRequest(
             request_id=req.request_id,
             prompt_tokens=req.input_tokens,
-            prefix_blocks=self.index.match(flight.keys),
+            prefix_blocks=prefix_blocks,
+            tier_blocks=self.lower.hits(flight.keys, prefix_blocks) if self.lower else {},
             max_new_tokens=cap,  # the client's cap: the true length is not known ahead
             slo=self.slo,
             length_key=(MODEL, TENANT),
@@ -314,6 +332,7 @@ class Cluster:
                 return
             inst = self.prefill[step.prefill]
             tx_id = f"{flight.req.request_id}:{len(loop.excluded) + 1}"
+            before = inst.promoted_counts()
             try:
                 alloc = inst.pool.tx_allocate(
                     AllocateParams(tx_id, TENANT, flight.keys, self.config.lease_s)
@@ -321,6 +340,8 @@ class Cluster:
             except CapacityExhausted:
                 loop.failed(step.prefill, FailureKind.CAPACITY)
                 continue
+            after = inst.promoted_counts()
+            load_s = inst.allocated(alloc.handles, (after[0] - before[0], after[1] - before[1]))
             self._publish(inst)
             loop.allocated()
             flight.placement = step
@@ -334,6 +355,7 @@ class Cluster:
                 input_tokens=flight.req.input_tokens,
                 on_start=lambda cached, duration: self._prefill_started(flight, cached, duration),
                 on_done=lambda: self._prefill_done(flight),
+                load_s=load_s,
             )
             flight.job = job
             inst.enqueue(job)
@@ -445,7 +467,8 @@ class Cluster:
         loop = flight.loop
         assert loop is not None
         loop.committed()
-        loop.prefill_done(job.input_tokens, flight.cached_tokens, flight.prefill_s)
+        # The engine's time, as an agent reports it (tier loads precede it, in the Tx).
+        loop.prefill_done(job.input_tokens, flight.cached_tokens, flight.prefill_s - job.load_s)
         if flight.output_tokens <= 1:  # the prefill produced the only token
             now = self.loop.now_s
             flight.ttft_s = now - flight.arrival_s

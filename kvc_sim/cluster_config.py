@@ -14,6 +14,15 @@ from their profile (``timing_noise_sigma``: log-normal noise on every duration;
 prefills; ``seed``), ``lease_s``, ``load_sample_s``, ``kv_migration`` (False: prefill
 nodes can neither lend nor receive prefix blocks, as engines that own their KV — vLLM
 nodes — report to the live conductor; the live-parity scenario uses it).
+
+KV tiers as the agent keeps them (``host_tier_tokens``, ``disk_tier_tokens``; either set,
+0 switches that tier off): ``cache_tokens`` is then the engine-memory pool (L1) alone,
+evicted blocks are demoted to host memory (L2) and disk (L3) by the agent's own
+``LowerTiers``, a hit there is promoted back in the transaction and costs its load time
+(``h2d_bytes_per_s``, ``disk_read_bytes_per_s`` of the profile) before the prefill, and
+the conductor's shadow follows the moves and charges them. Both unset: the profile's
+older model (``hbm_cache_tokens`` of a ``cache_tokens`` pool in HBM, the rest in DRAM,
+loads overlapped with compute), which the paper's scenarios use.
 """
 
 from __future__ import annotations
@@ -49,6 +58,13 @@ class ClusterConfig:
     lease_s: float = 86_400.0
     load_sample_s: float = 5.0
     kv_migration: bool = True
+    host_tier_tokens: int | None = None
+    disk_tier_tokens: int | None = None
+
+    @property
+    def tiered(self) -> bool:
+        """The agent's tier model (L1 pool + LowerTiers) instead of the HBM/DRAM split."""
+        return self.host_tier_tokens is not None or self.disk_tier_tokens is not None
 
     def __post_init__(self) -> None:
         if self.prefill_instances <= 0 or self.decode_instances <= 0:
@@ -65,5 +81,7 @@ class ClusterConfig:
             raise ValueError("max_tokens must be >= 1 and max_waiting >= 0")
         if self.timing_noise_sigma < 0 or self.cold_start_s < 0:
             raise ValueError("timing_noise_sigma and cold_start_s must be >= 0")
+        if (self.host_tier_tokens or 0) < 0 or (self.disk_tier_tokens or 0) < 0:
+            raise ValueError("host_tier_tokens and disk_tier_tokens must be >= 0")
         if self.cold_start_prefills < 0:
             raise ValueError("cold_start_prefills must be >= 0")

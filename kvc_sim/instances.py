@@ -39,14 +39,24 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from conductor.core.prefix_index import NodeId
+from conductor.core.tier_index import Medium
 from kvc.block_keys import BlockKey
 from kvc_sim.profile import Profile
 from node_agent.blocks.pool import BlockPool
-from node_agent.blocks.types import AllBlocksCleared, BlockRemoved, BlockState, BlockStored
+from node_agent.blocks.tiers import LowerTiers, MemoryStore
+from node_agent.blocks.types import (
+    AllBlocksCleared,
+    BlockMoved,
+    BlockRemoved,
+    BlockState,
+    BlockStored,
+    KvMedium,
+)
+from node_agent.kv import KvContent, KvLayout
 
 __all__ = [
     "DecodeInstance",
@@ -119,6 +129,7 @@ class IndexEvent:
     stored: tuple[BlockKey, ...] = ()
     removed: tuple[BlockKey, ...] = ()
     cleared: bool = False
+    moved: tuple[Medium, tuple[BlockKey, ...]] | None = None  # still held, another tier
 
 
 @dataclass(slots=True)
@@ -134,6 +145,57 @@ class QueuedPrefill:
     on_done: Callable[[], None]  # it finished
     migrating: bool = False  # a prefix pull is in flight; the job may not start
     migrated_blocks: int = 0  # leading blocks whose KV arrived from another node
+    load_s: float = 0.0  # promoting its blocks from host memory / disk (tiered clusters)
+
+
+class SimBlockKv:
+    """A pool block's content in the simulator: its size and nothing else (the agent's
+    tiers move it by reference; only capacities and bandwidths are modelled)."""
+
+    __slots__ = ("_layout", "_tokens")
+
+    def __init__(self, block_tokens: int, kv_bytes_per_token: int) -> None:
+        # One layer, one head, float16: ``bytes_per_token == kv_bytes_per_token``.
+        if kv_bytes_per_token % 4:
+            raise ValueError("kv_bytes_per_token must be a multiple of 4")
+        self._layout = KvLayout(1, 1, kv_bytes_per_token // 4, "float16")
+        self._tokens = block_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    @property
+    def layout(self) -> KvLayout:
+        return self._layout
+
+    @property
+    def nbytes(self) -> int:
+        return self._tokens * self._layout.bytes_per_token
+
+    def slice(self, start: int, end: int) -> SimBlockKv:
+        raise NotImplementedError("the simulator never cuts a block's content")
+
+    def to_bytes(self) -> bytes:
+        raise NotImplementedError("the simulator's blocks have a size, not bytes")
+
+
+class SimKvCodec:
+    """Moves ``SimBlockKv`` between tiers by reference."""
+
+    def concat(self, parts: Sequence[KvContent]) -> KvContent:
+        raise NotImplementedError("the simulator never joins blocks' content")
+
+    def from_bytes(
+        self, layout: KvLayout, data: bytes | bytearray | memoryview, num_tokens: int
+    ) -> KvContent:
+        raise NotImplementedError("the simulator's disk tier keeps objects, not bytes")
+
+    def to_host(self, content: KvContent) -> KvContent:
+        return content
+
+    def to_device(self, content: KvContent) -> KvContent:
+        return content
 
 
 class PrefillInstance:
@@ -148,21 +210,38 @@ class PrefillInstance:
         clock: Callable[[], float],
         max_lease_s: float,
         noise: TimingNoise | None = None,
+        tiers: tuple[int, int] | None = None,
     ) -> None:
+        """``tiers``: (host, disk) tokens of the agent's lower tiers below a pool of
+        ``capacity_blocks`` (L1); None: the profile's HBM share of that pool instead."""
         self.node_id = node_id
         self.noise = noise or TimingNoise()
         self.epoch = f"sim-{node_id}"
         self.profile = profile
         self.block_tokens = block_tokens
+        self.block_kv = SimBlockKv(block_tokens, profile.kv_bytes_per_token)
+        self.tiered = tiers is not None
+        lower = None
+        if tiers is not None:
+            block_bytes = self.block_kv.nbytes
+            lower = LowerTiers(
+                SimKvCodec(),
+                host_bytes=tiers[0] // block_tokens * block_bytes,
+                disk_bytes=tiers[1] // block_tokens * block_bytes,
+                disk_store=MemoryStore(),
+            )
         self.pool = BlockPool(
             capacity_blocks,
             clock,
             max_lease_s=max_lease_s,
             max_finished_txs=1024,
             max_finished_keys=65_536,
+            lower=lower,
         )
-        self.hbm_capacity_blocks = min(
-            profile.prefill.hbm_cache_tokens // block_tokens, capacity_blocks
+        self.hbm_capacity_blocks = (
+            0
+            if self.tiered
+            else min(profile.prefill.hbm_cache_tokens // block_tokens, capacity_blocks)
         )
         self._hbm: OrderedDict[BlockKey, None] = OrderedDict()
         self.queue: deque[QueuedPrefill] = deque()
@@ -184,6 +263,8 @@ class PrefillInstance:
             elif isinstance(event, BlockRemoved):
                 self.evicted_blocks += len(event.keys)
                 out.append(IndexEvent(self._seq, removed=event.keys))
+            elif isinstance(event, BlockMoved):
+                out.append(IndexEvent(self._seq, moved=(Medium(event.medium), event.keys)))
             else:
                 assert isinstance(event, AllBlocksCleared)
                 out.append(IndexEvent(self._seq, cleared=True))
@@ -227,10 +308,30 @@ class PrefillInstance:
             n += 1
         return n
 
+    def allocated(self, job_handles: Sequence[int], promoted: tuple[int, int]) -> float:
+        """After a tx allocated ``job_handles``: give its new blocks their content (what
+        the agent's prefill does) and return the load time of the ``promoted`` (host,
+        disk) blocks it brought back from the lower tiers."""
+        pool = self.pool
+        for h in job_handles:
+            if pool.block_state(h) is BlockState.ALLOCATED and pool.get_payload(h) is None:
+                pool.set_payload(h, self.block_kv)
+        bt = self.block_tokens
+        return self.profile.tier_load_s(promoted[0] * bt, promoted[1] * bt)
+
+    def promoted_counts(self) -> tuple[int, int]:
+        """Blocks promoted so far from (host, disk): deltas give one tx's."""
+        counts = self.pool.promoted_blocks
+        return counts[KvMedium.HOST], counts[KvMedium.DISK]
+
     def prefill_duration_s(
         self, job: QueuedPrefill, cached_blocks: int, cached_tokens: int
     ) -> float:
-        """Truth: compute, overlapped with loading reused DRAM blocks; refreshes the HBM LRU."""
+        """Truth. Tiered: the promotions' load, then the compute. Else: compute, overlapped
+        with loading reused DRAM blocks; refreshes the HBM LRU."""
+        if self.tiered:
+            compute = self.profile.prefill_compute_s(job.input_tokens, cached_tokens)
+            return self.noise.prefill(compute) + job.load_s
         hbm = self._hbm
         dram_blocks = 0
         for key in job.keys[:cached_blocks]:

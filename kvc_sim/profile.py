@@ -99,6 +99,9 @@ class PrefillSpec:
     h2d_bytes_per_s: float  # DRAM -> HBM for reused cached blocks
     hbm_cache_tokens: int  # share of the prefix cache kept in HBM (no load needed)
     cache_tokens: int  # prefix cache per instance, HBM + DRAM (Mooncake: ~3M, §7.3.1)
+    # Reading a block back from local disk (the agent's L3 tier, tiered clusters only):
+    # a few NVMe drives per instance.
+    disk_read_bytes_per_s: float = 4e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +143,7 @@ class Profile:
             (p.peak_flops > 0 and 0 < p.mfu <= 1, "prefill peak_flops > 0 and mfu in (0, 1]"),
             (p.chunk_tokens > 0 and p.chunk_overhead_s >= 0, "chunk_tokens > 0"),
             (p.h2d_bytes_per_s > 0, "h2d_bytes_per_s must be > 0"),
+            (p.disk_read_bytes_per_s > 0, "disk_read_bytes_per_s must be > 0"),
             (p.hbm_cache_tokens >= 0 and p.cache_tokens > 0, "cache sizes must be >= 0"),
             (min(d.fixed_s, d.per_request_s, d.per_context_token_s) >= 0, "decode coef >= 0"),
             (d.hbm_kv_tokens > 0 and d.max_batch_requests > 0, "decode capacity must be > 0"),
@@ -170,6 +174,12 @@ class Profile:
 
     def h2d_load_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / self.prefill.h2d_bytes_per_s
+
+    def tier_load_s(self, host_tokens: int, disk_tokens: int) -> float:
+        """Promoting blocks from the agent's host-memory and disk tiers (not overlapped:
+        the agent loads them in the transaction, before the prefill runs)."""
+        kvb = self.kv_bytes_per_token
+        return self.h2d_load_s(host_tokens) + disk_tokens * kvb / self.prefill.disk_read_bytes_per_s
 
     def tbt_s(self, batch_requests: int, context_tokens: int) -> float:
         d = self.decode

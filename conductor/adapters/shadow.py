@@ -30,7 +30,7 @@ from tenacity import (
 
 from conductor.adapters.agents import AgentFleet, AgentHandle
 from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
-from conductor.core.tier_index import LowerTierIndex, Medium
+from conductor.core.tier_index import LowerTierIndex, Medium, apply_node_event
 from kvc.block_keys import BlockKey
 from kvc.v1 import node_agent_pb2 as pb
 
@@ -170,19 +170,14 @@ class ShadowSync:
                 removed = _as_block_keys(ev.removed.block_keys)
             elif kind == "moved":  # still held, in another tier
                 moved = (Medium(ev.moved.medium), _as_block_keys(ev.moved.block_keys))
-                stored = moved[1]
             elif kind == "cleared":
                 cleared = True
             elif kind == "load":
                 agent.load = ev.load
-            outcome = self._index.apply(
-                node, epoch, seq, stored=stored, removed=removed, cleared=cleared
-            )
-            if lower is not None and outcome is ApplyOutcome.APPLIED:
-                outcome = lower.apply(
-                    node, epoch, seq, removed=removed, moved=moved, cleared=cleared,
-                    stored=() if moved is not None else stored,
-                )  # fmt: skip
+            outcome = apply_node_event(
+                self._index, lower, node, epoch, seq,
+                stored=stored, removed=removed, moved=moved, cleared=cleared,
+            )  # fmt: skip
             if outcome is ApplyOutcome.RESYNC:
                 return False
             if self._on_lag is not None and ev.time_s:

@@ -28,7 +28,14 @@ from typing import Final
 from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
 from kvc.block_keys import BlockKey
 
-__all__ = ["DEFAULT_READ_BYTES_PER_S", "LowerTierIndex", "Medium", "TierHits", "tier_load_s"]
+__all__ = [
+    "DEFAULT_READ_BYTES_PER_S",
+    "LowerTierIndex",
+    "Medium",
+    "TierHits",
+    "apply_node_event",
+    "tier_load_s",
+]
 
 # Charged when a node reports a tier without a measured bandwidth (it measures at start,
 # so only an agent whose measurement failed): PCIe-class host copies, a SATA-class disk.
@@ -149,3 +156,27 @@ class LowerTierIndex:
             d_count, d_first = disk.get(node, (0, prefix_blocks[node]))
             out[node] = TierHits(h_count, d_count, min(h_first, d_first))
         return out
+
+
+def apply_node_event(
+    index: PrefixIndex,
+    lower: LowerTierIndex | None,
+    node: NodeId,
+    epoch: str,
+    seq: int,
+    *,
+    stored: Sequence[BlockKey] = (),
+    removed: Sequence[BlockKey] = (),
+    moved: tuple[Medium, Sequence[BlockKey]] | None = None,
+    cleared: bool = False,
+) -> ApplyOutcome:
+    """One event of a node's stream into the shadow (``index``: what the node holds in
+    any tier) and, for a tracked node (``lower`` given), its lower-tier tables. The one
+    copy of these rules: the live shadow sync and the simulator both call it."""
+    held = moved[1] if moved is not None else stored  # a move keeps the key on the node
+    outcome = index.apply(node, epoch, seq, stored=held, removed=removed, cleared=cleared)
+    if lower is not None and outcome is ApplyOutcome.APPLIED:
+        outcome = lower.apply(
+            node, epoch, seq, stored=stored, removed=removed, moved=moved, cleared=cleared
+        )
+    return outcome

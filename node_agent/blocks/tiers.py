@@ -43,13 +43,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
 from kvc.block_keys import BlockKey
 from node_agent.blocks.types import KvMedium
 from node_agent.kv import KV_DTYPE_BYTES, KvCodec, KvContent, KvLayout
 
-__all__ = ["KvMedium", "LowerTiers", "TierMove", "TierStats"]
+__all__ = ["DiskStore", "FileStore", "LowerTiers", "MemoryStore", "TierMove", "TierStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +77,7 @@ _VERSION: Final = 1
 _HEADER: Final = struct.Struct("<4sHHQIIIIQI")  # magic ver dtype key L H D tokens len crc
 _DTYPES: Final = tuple(sorted(KV_DTYPE_BYTES))
 _EWMA: Final = 0.2  # weight of the newest measurement
+_PROBE_KEY: Final = BlockKey(0)  # ``measure``'s sample (skipped if a real block has it)
 
 
 class _Rate:
@@ -153,23 +154,23 @@ class LowerTiers:
         host_bytes: int,
         disk_dir: Path | None = None,
         disk_bytes: int = 0,
+        disk_store: DiskStore | None = None,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``disk_dir``: L3 as files there (``FileStore``); ``disk_store``: any other
+        ``DiskStore`` (the simulator's ``MemoryStore``)."""
         if host_bytes < 0 or disk_bytes < 0:
             raise ValueError("tier budgets must be >= 0 bytes")
-        if disk_bytes > 0 and disk_dir is None:
+        if disk_bytes > 0 and disk_dir is None and disk_store is None:
             raise ValueError("a disk tier budget needs a directory")
         self._codec = codec
         self._timer = timer
         self._host = _Tier(KvMedium.HOST, host_bytes)
-        self._disk = _Tier(KvMedium.DISK, disk_bytes if disk_dir is not None else 0)
-        self._dir = disk_dir
+        if disk_store is None and disk_dir is not None and disk_bytes > 0:
+            disk_store = FileStore(disk_dir, codec)
+        self._store = disk_store if disk_bytes > 0 else None
+        self._disk = _Tier(KvMedium.DISK, disk_bytes if self._store is not None else 0)
         self.torn_files = 0
-        if disk_dir is not None and disk_bytes > 0:
-            disk_dir.mkdir(parents=True, exist_ok=True)
-            for stale in disk_dir.glob(f"*{_SUFFIX}*"):
-                with contextlib.suppress(OSError):
-                    stale.unlink()
 
     @property
     def enabled(self) -> bool:
@@ -228,17 +229,18 @@ class LowerTiers:
     ) -> list[TierMove]:
         data = content if content is not None else entry.content
         entry.content = None
-        if data is None or not self._disk.fits(entry.nbytes) or self._dir is None:
+        store = self._store
+        if data is None or store is None or not self._disk.fits(entry.nbytes):
             return [TierMove(key, None)]
         moves = [TierMove(key, KvMedium.DISK)]
         for old_key, _old in self._make_room(self._disk, entry.nbytes):
-            self._unlink(old_key)
+            store.remove(old_key)
             moves.append(TierMove(old_key, None))
         started = self._timer()
         try:
-            self._write_file(key, data)
+            store.write(key, data)
         except OSError:
-            self._unlink(key)
+            store.remove(key)
             return [*moves[1:], TierMove(key, None)]
         self._disk.writes.add(entry.nbytes, self._timer() - started)
         self._disk.add(key, entry)
@@ -257,34 +259,34 @@ class LowerTiers:
             self._host.reads.add(entry.nbytes, self._timer() - started)
             return content
         entry = self._disk.entries.get(key)
-        if entry is None:
+        if entry is None or self._store is None:
             return None
         started = self._timer()
-        data = self._read_file(key, entry)
-        if data is None:
+        loaded = self._store.read(key, entry.layout, entry.num_tokens)
+        if loaded is None:
             self.torn_files += 1
             self._disk.pop(key)
-            self._unlink(key)
+            self._store.remove(key)
             return None
-        content = self._codec.from_bytes(entry.layout, data, entry.num_tokens)
         self._disk.reads.add(entry.nbytes, self._timer() - started)
-        return content
+        return loaded
 
     def discard(self, key: BlockKey) -> None:
         """Forget the key (promoted into L1, or superseded there): no event of its own."""
         if key in self._host.entries:
             self._host.pop(key)
-        elif key in self._disk.entries:
+        elif key in self._disk.entries and self._store is not None:
             self._disk.pop(key)
-            self._unlink(key)
+            self._store.remove(key)
 
     def clear(self) -> list[BlockKey]:
         """Drop everything (an engine reset); returns the keys dropped."""
         dropped = list(self._host.entries) + list(self._disk.entries)
         self._host.entries.clear()
         self._host.used_bytes = 0
-        for key in list(self._disk.entries):
-            self._unlink(key)
+        if self._store is not None:
+            for key in self._disk.entries:
+                self._store.remove(key)
         self._disk.entries.clear()
         self._disk.used_bytes = 0
         return dropped
@@ -300,41 +302,17 @@ class LowerTiers:
                 started = self._timer()
                 self._codec.to_device(host)
                 self._host.reads.add(sample.nbytes, self._timer() - started)
-            if self._disk.capacity_bytes > 0 and self._dir is not None:
-                probe = Path(self._dir) / f"probe-{os.getpid()}{_SUFFIX}.tmp"
+            store = self._store
+            if store is not None and _PROBE_KEY not in self._disk.entries:
                 try:
                     started = self._timer()
-                    _write_atomic(probe, *_encode(BlockKey(0), sample))
+                    store.write(_PROBE_KEY, sample)
                     self._disk.writes.add(sample.nbytes, self._timer() - started)
                     started = self._timer()
-                    raw = _read_all(probe)
-                    data = _decode(BlockKey(0), sample.layout, sample.num_tokens, raw)
-                    if data is not None:
-                        self._codec.from_bytes(sample.layout, data, sample.num_tokens)
+                    if store.read(_PROBE_KEY, sample.layout, sample.num_tokens) is not None:
                         self._disk.reads.add(sample.nbytes, self._timer() - started)
                 finally:
-                    with contextlib.suppress(OSError):
-                        probe.unlink()
-
-    # ------------------------------------------------------------------ files
-    def _path(self, key: BlockKey) -> Path:
-        assert self._dir is not None
-        return self._dir / f"{key:016x}{_SUFFIX}"
-
-    def _write_file(self, key: BlockKey, content: KvContent) -> None:
-        _write_atomic(self._path(key), *_encode(key, content))
-
-    def _read_file(self, key: BlockKey, entry: _Entry) -> memoryview | None:
-        try:
-            raw = _read_all(self._path(key))
-        except OSError:
-            return None
-        return _decode(key, entry.layout, entry.num_tokens, raw)
-
-    def _unlink(self, key: BlockKey) -> None:
-        if self._dir is not None:
-            with contextlib.suppress(OSError):
-                self._path(key).unlink()
+                    store.remove(_PROBE_KEY)
 
     def _tier(self, medium: KvMedium) -> _Tier:
         if medium is KvMedium.HOST:
@@ -342,6 +320,65 @@ class LowerTiers:
         if medium is KvMedium.DISK:
             return self._disk
         raise ValueError("the device tier is the block pool itself")
+
+
+class DiskStore(Protocol):
+    """Where L3 blocks go: ``write`` (raises ``OSError`` when it cannot), ``read`` (None:
+    missing or damaged), ``remove`` (absent is fine)."""
+
+    def write(self, key: BlockKey, content: KvContent) -> None: ...
+
+    def read(self, key: BlockKey, layout: KvLayout, num_tokens: int) -> KvContent | None: ...
+
+    def remove(self, key: BlockKey) -> None: ...
+
+
+class FileStore:
+    """One ``<key>.kvblock`` file per block in ``directory`` (see the module docstring:
+    atomic rename, header, CRC-32); deletes the directory's ``*.kvblock`` files at start."""
+
+    def __init__(self, directory: Path, codec: KvCodec) -> None:
+        self._dir = directory
+        self._codec = codec
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob(f"*{_SUFFIX}*"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+
+    def path(self, key: BlockKey) -> Path:
+        return self._dir / f"{key:016x}{_SUFFIX}"
+
+    def write(self, key: BlockKey, content: KvContent) -> None:
+        _write_atomic(self.path(key), *_encode(key, content))
+
+    def read(self, key: BlockKey, layout: KvLayout, num_tokens: int) -> KvContent | None:
+        try:
+            raw = _read_all(self.path(key))
+        except OSError:
+            return None
+        data = _decode(key, layout, num_tokens, raw)
+        return None if data is None else self._codec.from_bytes(layout, data, num_tokens)
+
+    def remove(self, key: BlockKey) -> None:
+        with contextlib.suppress(OSError):
+            self.path(key).unlink()
+
+
+class MemoryStore:
+    """A disk that keeps what it was given, in memory: for the simulator, which models
+    L3's capacity and bandwidth, not its bytes."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[BlockKey, KvContent] = {}
+
+    def write(self, key: BlockKey, content: KvContent) -> None:
+        self._blocks[key] = content
+
+    def read(self, key: BlockKey, layout: KvLayout, num_tokens: int) -> KvContent | None:
+        return self._blocks.get(key)
+
+    def remove(self, key: BlockKey) -> None:
+        self._blocks.pop(key, None)
 
 
 def _encode(key: BlockKey, content: KvContent) -> tuple[bytes, bytes]:

@@ -15,6 +15,7 @@ from kvc_sim.metrics import summarize
 from kvc_sim.profile import Profile, load_profile
 from kvc_sim.trace import TraceRequest
 from kvc_sim.workload import SyntheticSpec, generate
+from node_agent.blocks.types import KvMedium
 
 SLO = Slo(ttft_s=30.0, tbt_s=0.1)
 
@@ -195,3 +196,49 @@ def test_block_tokens_must_divide_the_trace_block() -> None:
     keys = cluster.keys_of(TraceRequest("k", 0.0, 600, 1, (7, 9)))
     assert keys == (28, 29, 30, 31, 36)  # 4 sub-blocks of id 7, then ceil(88/128) of id 9
     assert not math.isnan(float(len(keys)))
+
+
+def test_tiered_nodes_keep_evicted_prefixes_and_the_shadow_follows_every_tier() -> None:
+    """The agent's tier model in the simulator: a pool too small for the workload keeps
+    what it evicts in host memory and on disk (the agent's own ``LowerTiers``); hits
+    there are reused and pay their load; the shadow (any tier + the per-tier tables)
+    equals what the pools and tiers hold."""
+    p = profile()
+    reqs = workload(n=300, rate=3.0)
+
+    def run(host: int, disk: int) -> tuple[Cluster, float]:
+        config = ClusterConfig(
+            prefill_instances=2, decode_instances=1, cache_tokens=100_000,
+            output_tokens=1, host_tier_tokens=host, disk_tier_tokens=disk,
+        )  # fmt: skip
+        cluster = Cluster(p, config, sched(p), SLO, reqs)
+        result = cluster.run(reqs, speed=3.0)
+        assert len(result.records) == len(reqs)
+        hit = sum(r.cached_tokens for r in result.records) / sum(
+            r.input_tokens for r in result.records
+        )
+        return cluster, hit
+
+    l1_only, hit_l1 = run(0, 0)
+    tiered, hit_tiers = run(200_000, 2_000_000)
+    assert hit_tiers > hit_l1  # the same L1, more kept
+    promoted = [inst.promoted_counts() for inst in tiered.prefill.values()]
+    assert sum(h for h, _ in promoted) > 0
+    assert sum(d for _, d in promoted) > 0
+    assert sum(sum(inst.promoted_counts()) for inst in l1_only.prefill.values()) == 0
+    lower = tiered.lower
+    assert lower is not None
+    for node, inst in tiered.prefill.items():
+        pool = inst.pool
+        pool.check_invariants()
+        assert pool.stats().open_txs == 0
+        host = pool.tier_keys(KvMedium.HOST)
+        disk = pool.tier_keys(KvMedium.DISK)
+        assert host
+        assert disk
+        assert tiered.index.node_keys(node) == frozenset([*pool.cached_keys(), *host, *disk])
+        prompt = [*host, *disk]
+        hits = lower.hits(prompt, {node: len(prompt)})
+        assert hits[node].host_blocks == len(host)
+        assert hits[node].disk_blocks == len(disk)
+    tiered.index.check_invariants()
