@@ -67,6 +67,7 @@ from node_agent.generation import Generation
 from node_agent.metrics import AgentMetrics, MetricsServer
 from node_agent.rpc_errors import AGENT_ERRORS, Context, maps_errors
 from node_agent.settings import AgentSettings
+from node_agent.tier_runner import ThreadRunner, prefetch
 from node_agent.transfer.receiver import KvReceiver
 from node_agent.transfer.sender import KvSender
 from node_agent.transfer.staging import ReadGrants, StagingArea
@@ -281,14 +282,22 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         if self.draining and mode is TxMode.ALLOCATE:  # a source may still lend its blocks
             self.metrics.tx.labels(op, "draining").inc()
             raise Draining("this node is draining and takes no new work")
+        keys = tuple(BlockKey(k) for k in request.block_keys)
         params = AllocateParams(
             tx_id=request.tx_id,
             tenant=request.tenant,
-            keys=tuple(BlockKey(k) for k in request.block_keys),
+            keys=keys,
             lease_s=request.lease_s,
             mode=mode,
         )
-        return await self._tx(op, lambda: self.pool.tx_allocate(params))
+        lower = self.pool.lower
+        if lower is None or mode is TxMode.LOCK_ONLY:
+            return await self._tx(op, lambda: self.pool.tx_allocate(params))
+        await prefetch(lower, keys)  # copies and reads on the I/O thread, not here
+        try:
+            return await self._tx(op, lambda: self.pool.tx_allocate(params))
+        finally:
+            lower.unstage(keys)
 
     @maps_errors
     @authorized("conductor")
@@ -461,12 +470,17 @@ class AgentServer:
         self._registration: asyncio.Task[None] | None = None
         self.port = 0
         self.metrics_server: MetricsServer | None = None
+        self._tier_runner: ThreadRunner | None = None
 
     @property
     def address(self) -> str:
         return self.service.node_info.advertise_address
 
     async def start(self) -> int:
+        lower = self.service.pool.lower
+        if lower is not None:  # tier copies and disk I/O off the event loop from now on
+            self._tier_runner = ThreadRunner(asyncio.get_running_loop())
+            lower.set_runner(self._tier_runner)
         pb_grpc.add_NodeAgentServicer_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = self._bind()
@@ -565,6 +579,9 @@ class AgentServer:
                 await task
         self._tasks.clear()
         await self._server.stop(grace_s)
+        if self._tier_runner is not None:  # let pending tier writes finish
+            await asyncio.to_thread(self._tier_runner.close)
+            self._tier_runner = None
         await self.engine.aclose()
 
 

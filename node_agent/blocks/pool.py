@@ -557,6 +557,7 @@ class BlockPool:
 
     def take_events(self) -> list[BlockEvent]:
         """Drain the queued block events, oldest first."""
+        self._drain_lost()
         events, self._events = self._events, []
         return events
 
@@ -822,6 +823,14 @@ class BlockPool:
             return self.lower.put(key, tenant, payload)
         return [TierMove(key, None)]
 
+    def _drain_lost(self) -> None:
+        """Report removed what a lower tier lost after reporting it held (a failed
+        write, a damaged file found by a prefetch)."""
+        if self.lower is not None:
+            lost = self.lower.take_lost()
+            if lost:
+                self._events.append(BlockRemoved(tuple(lost)))
+
     def _queue_moves(self, moves: Sequence[TierMove]) -> None:
         """Events for ``moves``, consecutive moves to one place coalesced (a key can move
         twice in one call: demoted to L2, then pushed on to L3 by a later victim)."""
@@ -837,6 +846,7 @@ class BlockPool:
                 )
             if move is not None:
                 run, where = [move.key], move.medium
+        self._drain_lost()
 
     def _abort(self, tx: _Tx, *, expired: bool) -> AbortResult:
         self._release_locks(tx.handles)
@@ -855,6 +865,7 @@ class BlockPool:
         return result
 
     def _expire_due(self) -> list[str]:
+        self._drain_lost()
         now = self._clock()
         expired: list[str] = []
         heap = self._deadlines

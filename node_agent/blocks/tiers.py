@@ -27,9 +27,17 @@ Bandwidth
     The agent publishes them in ``NodeInfo``/``LoadUpdate``; conductors charge a hit in a
     lower tier ``bytes / read bandwidth``.
 
-Not thread-safe: the pool's owner (the agent's event loop) calls it. Disk I/O happens on
-that thread, block by block (a block of a real model is a few MiB: about a millisecond
-on an NVMe drive); see docs/engines.md.
+Threads
+    Not thread-safe: the pool's owner (the agent's event loop) calls it, and all its
+    state changes happen there. The copies and the disk I/O do not: each is handed to a
+    ``Runner`` (the agent's: one I/O thread, ``node_agent/tier_runner.py``; tests and
+    the simulator: ``InlineRunner``, at once). A demoted entry keeps its content until
+    its host copy or file write completes, so it stays readable meanwhile; a write that
+    fails makes the key *lost* (``take_lost``: the pool reports it removed). File
+    writes, reads and removals run in submission order on that one thread, so they
+    never overlap for a key. ``prefetch`` loads a transaction's lower-tier blocks onto
+    the device there before the transaction promotes them (``load`` then finds them
+    staged); what it did not stage, ``load`` copies on the caller's thread.
 """
 
 from __future__ import annotations
@@ -40,16 +48,27 @@ import struct
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 from kvc.block_keys import BlockKey
 from node_agent.blocks.types import KvMedium
 from node_agent.kv import KV_DTYPE_BYTES, KvCodec, KvContent, KvLayout
 
-__all__ = ["DiskStore", "FileStore", "LowerTiers", "MemoryStore", "TierMove", "TierStats"]
+__all__ = [
+    "DiskStore",
+    "FileStore",
+    "InlineRunner",
+    "LowerTiers",
+    "MemoryStore",
+    "Runner",
+    "TierMove",
+    "TierStats",
+]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +120,9 @@ class _Rate:
 class _Entry:
     tenant: str | None
     nbytes: int
-    content: KvContent | None  # L2: the host copy; L3: None (on disk)
+    # L2: the host copy (the device one until the copy completes); L3: None once the file
+    # is written (the content until then).
+    content: KvContent | None
     layout: KvLayout
     num_tokens: int
 
@@ -144,6 +165,30 @@ class _Tier:
         )
 
 
+class Runner(Protocol):
+    """Runs ``work`` (a copy or disk I/O) somewhere, then ``done(result, error)`` on the
+    tiers' owner thread, in submission order. ``InlineRunner``: at once, on the caller's
+    thread (tests, the simulator); the agent's runs work on one I/O thread."""
+
+    def submit(
+        self, work: Callable[[], T], done: Callable[[T | None, BaseException | None], None]
+    ) -> None: ...
+
+
+class InlineRunner:
+    """Work runs at once on the caller's thread."""
+
+    def submit(
+        self, work: Callable[[], T], done: Callable[[T | None, BaseException | None], None]
+    ) -> None:
+        try:
+            result = work()
+        except Exception as exc:  # handed to done, which decides
+            done(None, exc)
+            return
+        done(result, None)
+
+
 class LowerTiers:
     """L2 (host DRAM) and L3 (disk files) below the pool; see the module docstring."""
 
@@ -155,26 +200,38 @@ class LowerTiers:
         disk_dir: Path | None = None,
         disk_bytes: int = 0,
         disk_store: DiskStore | None = None,
+        stage_bytes: int = 1 << 30,
+        runner: Runner | None = None,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``disk_dir``: L3 as files there (``FileStore``); ``disk_store``: any other
-        ``DiskStore`` (the simulator's ``MemoryStore``)."""
-        if host_bytes < 0 or disk_bytes < 0:
+        ``DiskStore`` (the simulator's ``MemoryStore``). ``stage_bytes`` bounds what
+        ``prefetch`` holds on the device for transactions about to promote it."""
+        if host_bytes < 0 or disk_bytes < 0 or stage_bytes < 0:
             raise ValueError("tier budgets must be >= 0 bytes")
         if disk_bytes > 0 and disk_dir is None and disk_store is None:
             raise ValueError("a disk tier budget needs a directory")
         self._codec = codec
         self._timer = timer
+        self._runner: Runner = runner if runner is not None else InlineRunner()
         self._host = _Tier(KvMedium.HOST, host_bytes)
         if disk_store is None and disk_dir is not None and disk_bytes > 0:
             disk_store = FileStore(disk_dir, codec)
         self._store = disk_store if disk_bytes > 0 else None
         self._disk = _Tier(KvMedium.DISK, disk_bytes if self._store is not None else 0)
+        self._stage_bytes = stage_bytes
+        self._staged: dict[BlockKey, tuple[_Entry, KvContent]] = {}
+        self._staged_used = 0
+        self._lost: list[BlockKey] = []
         self.torn_files = 0
 
     @property
     def enabled(self) -> bool:
         return self._host.capacity_bytes > 0 or self._disk.capacity_bytes > 0
+
+    def set_runner(self, runner: Runner) -> None:
+        """Where copies and disk I/O run from now on (the agent's I/O thread)."""
+        self._runner = runner
 
     # ------------------------------------------------------------------ queries
     def medium_of(self, key: BlockKey) -> KvMedium | None:
@@ -198,102 +255,232 @@ class LowerTiers:
     def __len__(self) -> int:
         return len(self._host.entries) + len(self._disk.entries)
 
+    def take_lost(self) -> list[BlockKey]:
+        """Keys a tier lost after it reported them held (a disk write that failed, a
+        file found damaged by a prefetch): the pool reports them removed."""
+        lost, self._lost = self._lost, []
+        return lost
+
     # ------------------------------------------------------------------ demotion
     def put(self, key: BlockKey, tenant: str | None, content: KvContent) -> list[TierMove]:
         """Demote an L1 block's content. Returns where it and any key it displaced went,
-        in order (the key itself first: HOST, DISK, or None when no tier takes it)."""
+        in order (the key itself first: HOST, DISK, or None when no tier takes it).
+
+        The bookkeeping is done now; the copy to host memory or the file write runs on
+        the runner, and until it completes the entry keeps ``content`` (still readable,
+        from where it was)."""
         if self.medium_of(key) is not None:
             raise ValueError(f"key {key:#x} is already in a lower tier")
         nbytes = content.nbytes
-        entry = _Entry(tenant, nbytes, None, content.layout, content.num_tokens)
-        if self._host.fits(nbytes):
-            moves = [TierMove(key, KvMedium.HOST)]
-            displaced = self._make_room(self._host, nbytes)
-            started = self._timer()
-            entry.content = self._codec.to_host(content)
-            self._host.writes.add(nbytes, self._timer() - started)
-            self._host.add(key, entry)
-            for old_key, old in displaced:
-                moves.extend(self._to_disk(old_key, old))
-            return moves
-        return self._to_disk(key, entry, content)
+        entry = _Entry(tenant, nbytes, content, content.layout, content.num_tokens)
+        if not self._host.fits(nbytes):
+            return self._to_disk(key, entry)
+        moves = [TierMove(key, KvMedium.HOST)]
+        displaced = self._make_room(self._host, nbytes)
+        self._host.add(key, entry)
+        self._copy_to_host(key, entry, content)
+        for old_key, old in displaced:
+            moves.extend(self._to_disk(old_key, old))
+        return moves
+
+    def _copy_to_host(self, key: BlockKey, entry: _Entry, content: KvContent) -> None:
+        codec, timer = self._codec, self._timer
+
+        def work() -> tuple[KvContent, float]:
+            started = timer()
+            return codec.to_host(content), timer() - started
+
+        def done(result: tuple[KvContent, float] | None, error: BaseException | None) -> None:
+            if result is None:  # the device copy stays readable: nothing is lost
+                return
+            host, seconds = result
+            if self._host.entries.get(key) is entry:
+                entry.content = host
+                self._host.writes.add(entry.nbytes, seconds)
+
+        self._runner.submit(work, done)
 
     def _make_room(self, tier: _Tier, nbytes: int) -> list[tuple[BlockKey, _Entry]]:
         out = []
         while tier.used_bytes + nbytes > tier.capacity_bytes and tier.entries:
-            out.append(tier.pop_oldest())
+            key, entry = tier.pop_oldest()
+            self._unstage(key)
+            out.append((key, entry))
         return out
 
-    def _to_disk(
-        self, key: BlockKey, entry: _Entry, content: KvContent | None = None
-    ) -> list[TierMove]:
-        data = content if content is not None else entry.content
-        entry.content = None
+    def _to_disk(self, key: BlockKey, entry: _Entry) -> list[TierMove]:
         store = self._store
+        data = entry.content
         if data is None or store is None or not self._disk.fits(entry.nbytes):
             return [TierMove(key, None)]
         moves = [TierMove(key, KvMedium.DISK)]
         for old_key, _old in self._make_room(self._disk, entry.nbytes):
-            store.remove(old_key)
+            self._remove_file(old_key)
             moves.append(TierMove(old_key, None))
-        started = self._timer()
-        try:
+        self._disk.add(key, entry)  # content kept (readable) until the file is written
+        timer = self._timer
+
+        def work() -> float:
+            started = timer()
             store.write(key, data)
-        except OSError:
-            store.remove(key)
-            return [*moves[1:], TierMove(key, None)]
-        self._disk.writes.add(entry.nbytes, self._timer() - started)
-        self._disk.add(key, entry)
+            return timer() - started
+
+        def done(seconds: float | None, error: BaseException | None) -> None:
+            current = self._disk.entries.get(key) is entry
+            if error is not None:
+                if not isinstance(error, OSError):
+                    raise error
+                if current:  # the write failed: the block is gone after all
+                    self._disk.pop(key)
+                    self._unstage(key)
+                    self._lost.append(key)
+                self._remove_file(key)
+            elif current and seconds is not None:
+                entry.content = None
+                self._disk.writes.add(entry.nbytes, seconds)
+
+        self._runner.submit(work, done)
         return moves
 
+    def _remove_file(self, key: BlockKey) -> None:
+        store = self._store
+        if store is not None:
+            self._runner.submit(lambda: store.remove(key), _ignore)
+
     # ------------------------------------------------------------------ promotion
+    def prefetch(self, keys: Sequence[BlockKey], done: Callable[[], None]) -> int:
+        """Bring the lower-tier blocks among ``keys`` onto the engine's device on the
+        runner (host copies, file reads), up to ``stage_bytes``, so the transaction that
+        follows promotes them without copying on the caller's thread. Calls ``done`` when
+        they are ready; returns how many it is loading (0: ``done`` is not called)."""
+        jobs: list[tuple[BlockKey, _Entry, KvMedium]] = []
+        budget = self._stage_bytes - self._staged_used
+        for key in keys:
+            if key in self._staged:
+                continue
+            medium = self.medium_of(key)
+            if medium is None:
+                continue
+            entry = self._tier(medium).entries[key]
+            if entry.nbytes > budget:
+                break
+            budget -= entry.nbytes
+            jobs.append((key, entry, medium))
+        if not jobs:
+            return 0
+        codec, store, timer = self._codec, self._store, self._timer
+
+        def fetch(entry: _Entry, key: BlockKey) -> KvContent | None:
+            content = entry.content  # in memory: host, or not yet written to disk
+            if content is not None:
+                return codec.to_device(content)
+            assert store is not None
+            return store.read(key, entry.layout, entry.num_tokens)
+
+        def work() -> list[tuple[KvContent | None, float]]:
+            out = []
+            for key, entry, _medium in jobs:
+                started = timer()
+                out.append((fetch(entry, key), timer() - started))
+            return out
+
+        def finish(
+            results: list[tuple[KvContent | None, float]] | None, error: BaseException | None
+        ) -> None:
+            try:
+                if results is not None:
+                    for (key, entry, medium), (content, seconds) in zip(jobs, results, strict=True):
+                        self._staged_result(key, entry, medium, content, seconds)
+            finally:
+                done()
+
+        self._runner.submit(work, finish)
+        return len(jobs)
+
+    def _staged_result(
+        self,
+        key: BlockKey,
+        entry: _Entry,
+        medium: KvMedium,
+        content: KvContent | None,
+        seconds: float,
+    ) -> None:
+        tier = self._tier(medium)
+        if tier.entries.get(key) is not entry:
+            return  # moved or gone meanwhile: the transaction looks it up afresh
+        if content is None:  # a damaged file: a miss, reported removed
+            self.torn_files += 1
+            tier.pop(key)
+            self._remove_file(key)
+            self._lost.append(key)
+            return
+        tier.reads.add(entry.nbytes, seconds)
+        self._staged[key] = (entry, content)
+        self._staged_used += entry.nbytes
+
+    def unstage(self, keys: Sequence[BlockKey]) -> None:
+        """Drop what ``prefetch`` staged for ``keys`` and nobody promoted."""
+        for key in keys:
+            self._unstage(key)
+
+    def _unstage(self, key: BlockKey) -> None:
+        staged = self._staged.pop(key, None)
+        if staged is not None:
+            self._staged_used -= staged[0].nbytes
+
     def load(self, key: BlockKey) -> KvContent | None:
         """The key's content on the engine's device, the key staying here until
-        ``discard``. None: not here, or its file was damaged (then it is gone: the
-        caller reports it removed)."""
-        entry = self._host.entries.get(key)
-        if entry is not None:
-            assert entry.content is not None
-            started = self._timer()
-            content = self._codec.to_device(entry.content)
-            self._host.reads.add(entry.nbytes, self._timer() - started)
-            return content
-        entry = self._disk.entries.get(key)
-        if entry is None or self._store is None:
+        ``discard``: what ``prefetch`` staged, else copied now on the caller's thread.
+        None: not here, or its file was damaged (then it is gone: the caller reports it
+        removed)."""
+        staged = self._staged.get(key)
+        medium = self.medium_of(key)
+        if medium is None:
             return None
+        tier = self._tier(medium)
+        entry = tier.entries[key]
+        if staged is not None and staged[0] is entry:
+            return staged[1]
         started = self._timer()
-        loaded = self._store.read(key, entry.layout, entry.num_tokens)
-        if loaded is None:
+        if entry.content is not None:
+            content: KvContent | None = self._codec.to_device(entry.content)
+        else:
+            assert self._store is not None
+            content = self._store.read(key, entry.layout, entry.num_tokens)
+        if content is None:
             self.torn_files += 1
-            self._disk.pop(key)
-            self._store.remove(key)
+            tier.pop(key)
+            self._remove_file(key)
             return None
-        self._disk.reads.add(entry.nbytes, self._timer() - started)
-        return loaded
+        tier.reads.add(entry.nbytes, self._timer() - started)
+        return content
 
     def discard(self, key: BlockKey) -> None:
         """Forget the key (promoted into L1, or superseded there): no event of its own."""
+        self._unstage(key)
         if key in self._host.entries:
             self._host.pop(key)
-        elif key in self._disk.entries and self._store is not None:
+        elif key in self._disk.entries:
             self._disk.pop(key)
-            self._store.remove(key)
+            self._remove_file(key)
 
     def clear(self) -> list[BlockKey]:
         """Drop everything (an engine reset); returns the keys dropped."""
         dropped = list(self._host.entries) + list(self._disk.entries)
         self._host.entries.clear()
         self._host.used_bytes = 0
-        if self._store is not None:
-            for key in self._disk.entries:
-                self._store.remove(key)
+        for key in self._disk.entries:
+            self._remove_file(key)
         self._disk.entries.clear()
         self._disk.used_bytes = 0
+        self._staged.clear()
+        self._staged_used = 0
         return dropped
 
     # ------------------------------------------------------------------ measuring
     def measure(self, sample: KvContent, rounds: int = 3) -> None:
-        """Time ``sample`` through each enabled tier and back (nothing is kept)."""
+        """Time ``sample`` through each enabled tier and back, on the caller's thread
+        (at agent start, before serving; nothing is kept)."""
         for _ in range(rounds):
             if self._host.capacity_bytes > 0:
                 started = self._timer()
@@ -320,6 +507,10 @@ class LowerTiers:
         if medium is KvMedium.DISK:
             return self._disk
         raise ValueError("the device tier is the block pool itself")
+
+
+def _ignore(_result: object, _error: BaseException | None) -> None:
+    """A removal's outcome: a file already gone is what was wanted."""
 
 
 class DiskStore(Protocol):

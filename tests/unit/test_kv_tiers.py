@@ -4,7 +4,10 @@ pool's invariants under random traffic (hypothesis). Real tensors, real files.""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvc.block_keys import BlockKey
 from node_agent.blocks.pool import BlockPool
-from node_agent.blocks.tiers import LowerTiers
+from node_agent.blocks.tiers import InlineRunner, LowerTiers
 from node_agent.blocks.types import (
     AllocateParams,
     BlockEvent,
@@ -25,6 +28,9 @@ from node_agent.blocks.types import (
     TenantMismatch,
 )
 from node_agent.engines.embedded.kv_tensors import KvCache, TensorKvCodec
+from node_agent.kv import KvContent
+
+T = TypeVar("T")
 
 BLOCK_TOKENS = 2
 
@@ -241,22 +247,31 @@ def test_measure_reports_bandwidth_and_leaves_nothing(tmp_path: Path) -> None:
     assert not list((tmp_path / "l3").iterdir())
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=int(os.environ.get("KVC_TIER_EXAMPLES", "60")), deadline=None)
 @given(
     ops=st.lists(
         st.tuples(
             st.sampled_from(["store", "reuse", "abort"]),
             st.lists(st.integers(1, 12), min_size=1, max_size=3, unique=True),
+            st.booleans(),  # deferred runner: let the I/O thread catch up after this op
         ),
         min_size=1,
         max_size=40,
-    )
+    ),
+    deferred=st.booleans(),
 )
 def test_invariants_and_contents_under_random_traffic(
-    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, list[int]]]
+    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, list[int], bool]], deferred: bool
 ) -> None:
-    pool, lower = make_pool(tmp_path_factory.mktemp("l3"), l1=3, l2=2, l3=3)
-    for n, (op, keys) in enumerate(ops):
+    """Random traffic, with copies and writes either done at once or held back and
+    completed at random points (the agent's I/O thread lagging): the pool's invariants
+    hold, and every block, wherever it is, reads back as its own KV."""
+    folder = tmp_path_factory.mktemp("l3")
+    pool, lower = make_pool(folder, l1=3, l2=2, l3=3)
+    runner = DeferredRunner()
+    if deferred:
+        lower.set_runner(runner)
+    for n, (op, keys, catch_up) in enumerate(ops):
         try:
             result = pool.tx_allocate(
                 AllocateParams(f"tx{n}", "t", [BlockKey(k) for k in keys], 30.0)
@@ -274,7 +289,114 @@ def test_invariants_and_contents_under_random_traffic(
             pool.tx_abort(f"tx{n}")
         else:
             pool.tx_commit(f"tx{n}")
+        if catch_up:
+            runner.run_all()
         pool.check_invariants()
         for medium in (KvMedium.HOST, KvMedium.DISK):
             for key in pool.tier_keys(medium):
                 assert same(lower.load(key), content_of(key))
+    runner.run_all()
+    on_disk = {int(p.name.split(".")[0], 16) for p in folder.glob("l3/*.kvblock")}
+    assert on_disk == set(pool.tier_keys(KvMedium.DISK))  # no file lost, none left over
+
+
+class DeferredRunner:
+    """Holds submitted work until ``run_all``: the agent's I/O thread, made visible."""
+
+    def __init__(self) -> None:
+        self.queue: list[
+            tuple[Callable[[], object], Callable[[object, BaseException | None], None]]
+        ] = []
+
+    def submit(
+        self, work: Callable[[], T], done: Callable[[T | None, BaseException | None], None]
+    ) -> None:
+        self.queue.append((work, done))  # type: ignore[arg-type]
+
+    def run_all(self) -> None:
+        while self.queue:
+            InlineRunner().submit(*self.queue.pop(0))
+
+
+def deferred_pool(tmp_path: Path, **sizes: int) -> tuple[BlockPool, LowerTiers, DeferredRunner]:
+    pool, lower = make_pool(tmp_path, **sizes)
+    runner = DeferredRunner()
+    lower.set_runner(runner)
+    return pool, lower, runner
+
+
+def test_demotion_copies_run_on_the_runner_and_the_block_stays_readable(tmp_path: Path) -> None:
+    pool, lower, runner = deferred_pool(tmp_path, l2=1)
+    for i, k in enumerate((1, 2, 3, 4)):
+        store(pool, f"tx{i}", [k])
+    # 1 went to host and on to disk, 2 to host: nothing copied or written yet.
+    assert pool.tier_keys(KvMedium.HOST) == [2]
+    assert pool.tier_keys(KvMedium.DISK) == [1]
+    assert runner.queue
+    assert not list((tmp_path / "l3").glob("*.kvblock"))
+    assert same(lower.load(BlockKey(1)), content_of(1))  # from memory, write pending
+    assert same(lower.load(BlockKey(2)), content_of(2))
+    runner.run_all()
+    assert [p.name for p in (tmp_path / "l3").glob("*.kvblock")] == [f"{1:016x}.kvblock"]
+    assert same(lower.load(BlockKey(1)), content_of(1))  # now from the file
+    pool.check_invariants()
+
+
+def test_a_failed_write_is_reported_removed(tmp_path: Path) -> None:
+    pool, _, runner = deferred_pool(tmp_path, l2=0)
+    for i, k in enumerate((1, 2, 3)):
+        store(pool, f"tx{i}", [k])
+    assert pool.tier_keys(KvMedium.DISK) == [1]
+    pool.take_events()
+    (tmp_path / "l3").rmdir()  # the directory vanished: the write fails
+    runner.run_all()
+    assert pool.tier_keys(KvMedium.DISK) == []
+    assert ("removed", (1,)) in moved(pool.take_events())
+    pool.check_invariants()
+
+
+def test_a_block_discarded_while_its_write_is_pending_leaves_no_file(tmp_path: Path) -> None:
+    pool, _, runner = deferred_pool(tmp_path, l2=0)
+    for i, k in enumerate((1, 2, 3)):
+        store(pool, f"tx{i}", [k])
+    result = pool.tx_allocate(AllocateParams("again", "t", [BlockKey(1)], 30.0))
+    assert result.promoted_blocks == 1  # promoted from memory: the write never mattered
+    runner.run_all()
+    names = sorted(p.name for p in (tmp_path / "l3").iterdir())
+    assert names == [f"{2:016x}.kvblock"]  # 2 was pushed out to make room: 1's file is gone
+    pool.tx_commit("again")
+    pool.check_invariants()
+
+
+class CountingCodec(TensorKvCodec):
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.to_device_calls = 0
+
+    def to_device(self, content: KvContent) -> KvCache:
+        self.to_device_calls += 1
+        return super().to_device(content)
+
+
+def test_prefetch_stages_on_the_runner_and_the_tx_promotes_what_it_staged(tmp_path: Path) -> None:
+    codec = CountingCodec()
+    lower = LowerTiers(codec, host_bytes=4 * BLOCK_BYTES)
+    pool = BlockPool(3, Clock(), lower=lower)
+    for i, k in enumerate((1, 2, 3, 4, 5)):
+        store(pool, f"tx{i}", [k])
+    runner = DeferredRunner()
+    lower.set_runner(runner)
+    ready: list[bool] = []
+    keys = [BlockKey(1), BlockKey(2), BlockKey(9)]
+    assert lower.prefetch(keys, lambda: ready.append(True)) == 2
+    assert not ready
+    runner.run_all()
+    assert ready == [True]
+    calls = codec.to_device_calls
+    result = pool.tx_allocate(AllocateParams("again", "t", keys, 30.0))
+    assert (result.reused_blocks, result.promoted_blocks) == (2, 2)
+    assert codec.to_device_calls == calls  # nothing copied on the caller's thread
+    assert same(pool.get_payload(result.handles[0]), content_of(1))
+    lower.unstage(keys)
+    pool.tx_abort("again")
+    pool.check_invariants()
