@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from kvc.block_keys import BlockKey
-from node_agent.blocks.tiers import LowerTiers
+from node_agent.blocks.tiers import InlineRunner, LowerTiers
 
 __all__ = ["ThreadRunner", "prefetch"]
 
@@ -34,10 +34,15 @@ class ThreadRunner:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers")
+        self._closed = False
 
     def submit(
         self, work: Callable[[], T], done: Callable[[T | None, BaseException | None], None]
     ) -> None:
+        if self._closed:  # after shutdown (a last clear): at once, on the caller's thread
+            InlineRunner().submit(work, done)
+            return
+
         def finished(future: Future[T]) -> None:
             error = future.exception()
             result = None if error is not None else future.result()
@@ -48,6 +53,7 @@ class ThreadRunner:
 
     def close(self) -> None:
         """Finish what was submitted (pending writes), then stop the thread."""
+        self._closed = True
         self._executor.shutdown(wait=True)
 
 
