@@ -69,6 +69,8 @@ class EventPublisher:
         self._last_load: pb.LoadUpdate | None = None
         self._closed = False
         self.last_prefill = LastPrefill()
+        # The engine's own host tier (vLLM's CPU offloading), when mirrored.
+        self.engine_host_tier: EngineHostTier | None = None
 
     @property
     def last_seq(self) -> int:
@@ -123,9 +125,14 @@ class EventPublisher:
         conductor's ``conductor_shadow_event_lag_seconds`` runs from the engine's event."""
         for ev in events:
             if isinstance(ev, CacheStored):
-                self._pool.mirror_stored(ev.keys, ev.parent_key)
+                if ev.host:
+                    self._pool.mirror_host_stored(ev.keys)
+                else:
+                    self._pool.mirror_stored(ev.keys, ev.parent_key)
             elif isinstance(ev, CacheCleared):
                 self._pool.mirror_clear()
+            elif ev.host:
+                self._pool.mirror_host_removed(ev.keys)
             else:
                 self._pool.mirror_removed(ev.keys)
         origins = [ev.engine_time_s for ev in events if ev.engine_time_s is not None]
@@ -170,8 +177,23 @@ class EventPublisher:
             last_prefill_s=last.seconds,
             last_prefill_tokens=last.computed_tokens,
             last_prefill_cached_tokens=last.cached_tokens,
-            tiers=tiers_to_pb(self._pool.lower, digits=2),
+            tiers=self.tiers(digits=2),
         )
+
+    def tiers(self, digits: int | None = None) -> list[pb.KvTier]:
+        """The node's lower tiers: the agent's own, or the engine's host tier."""
+        out = tiers_to_pb(self._pool.lower, digits)
+        engine = self.engine_host_tier
+        if engine is not None:
+            out.append(
+                pb.KvTier(
+                    medium=pb.KV_MEDIUM_HOST,
+                    capacity_bytes=engine.capacity_bytes,
+                    used_bytes=self._pool.engine_host_blocks * engine.block_bytes,
+                    read_bytes_per_s=engine.read_bytes_per_s,
+                )
+            )
+        return out
 
     # ------------------------------------------------------------------ reading
     def snapshot(self, node: pb.NodeInfo) -> pb.SnapshotResponse:
@@ -214,6 +236,15 @@ class EventPublisher:
                         await asyncio.wait_for(self._new_events.wait(), timeout=_WATCH_POLL_S)
         finally:
             self._metrics.watch_subscribers.dec()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHostTier:
+    """An engine's own host-memory KV tier (vLLM's CPU offloading), as configured."""
+
+    capacity_bytes: int
+    block_bytes: int
+    read_bytes_per_s: float  # 0: not known (conductors charge their default)
 
 
 MEDIUM_TO_PB: Final[dict[KvMedium, pb.KvMedium.ValueType]] = {

@@ -62,7 +62,7 @@ from node_agent.blocks.types import (
 from node_agent.calibration import Calibration, calibrate_before_serving
 from node_agent.engines.base import CacheMirroringEngine, EngineAdapter
 from node_agent.errors import Draining
-from node_agent.event_stream import EventPublisher, tiers_to_pb
+from node_agent.event_stream import EngineHostTier, EventPublisher
 from node_agent.generation import Generation
 from node_agent.metrics import AgentMetrics, MetricsServer
 from node_agent.rpc_errors import AGENT_ERRORS, Context, maps_errors
@@ -182,7 +182,13 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             codec = self.state.codec()
             zeros = bytes(layout.bytes_per_token * s.block_size)
             lower.measure(codec.from_bytes(layout, zeros, s.block_size))
-            self.node_info.tiers.extend(tiers_to_pb(lower))
+        if s.engine == "vllm" and s.vllm_cpu_offload_bytes > 0:
+            self.events.engine_host_tier = EngineHostTier(
+                capacity_bytes=s.vllm_cpu_offload_bytes,
+                block_bytes=s.block_size * info.kv_layout.bytes_per_token,
+                read_bytes_per_s=s.vllm_cpu_offload_read_bytes_per_s,
+            )
+        self.node_info.tiers.extend(self.events.tiers())
         self.metrics.set_info(role=s.role, engine=info.engine, model=info.model)
 
     async def calibrate(self, budget_s: float) -> Calibration | None:

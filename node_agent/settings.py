@@ -233,6 +233,25 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
     kv_events_topic: str = Field(
         "kv-events", description="Topic of vLLM's KV events", json_schema_extra=_VLLM
     )
+    vllm_cpu_offload_bytes: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Host memory vLLM offloads KV to (its OffloadingConnector, set in the launch "
+            "args: docs/engines.md); > 0: its CPU-medium KV events are mirrored and "
+            "conductors count those blocks as held in host memory; 0: not mirrored"
+        ),
+        json_schema_extra=_VLLM,
+    )
+    vllm_cpu_offload_read_bytes_per_s: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Bandwidth at which vLLM loads offloaded KV back (reported to conductors, who "
+            "charge a host hit its load time); 0: unknown, conductors use their default"
+        ),
+        json_schema_extra=_VLLM,
+    )
     pd_connector: Literal["none", "nixl"] = Field(
         "none",
         description="vLLM prefill/decode hand-off via kv_transfer_params (nixl: vLLM's "
@@ -248,6 +267,10 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
             self._check_vllm()
         if self.disk_tier_bytes > 0 and self.disk_tier_dir is None:
             raise ValueError("disk_tier_bytes needs disk_tier_dir (the directory to write to)")
+        if self.engine != "vllm" and (
+            self.vllm_cpu_offload_bytes or self.vllm_cpu_offload_read_bytes_per_s
+        ):
+            raise ValueError("vllm_cpu_offload_* settings apply to --engine vllm only")
         if self.engine != "embedded" and (self.host_tier_bytes or self.disk_tier_bytes):
             raise ValueError(
                 f"host/disk KV tiers need the embedded engine; {self.engine} keeps its KV "

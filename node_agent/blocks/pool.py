@@ -256,6 +256,9 @@ class BlockPool:
         self.leases_expired = 0  # txs aborted by lease expiry so far (a metric)
         # L2/L3 below this pool (None or disabled: an evicted block is gone).
         self.lower = lower if lower is not None and lower.enabled else None
+        # Keys whose KV the engine keeps a host-memory copy of (vLLM's CPU offloading):
+        # a device eviction of one of them is a move to HOST, not a removal.
+        self._engine_host: set[BlockKey] = set()
         # Lower-tier hits brought back into the pool, by the tier they came from (a metric).
         self.promoted_blocks: dict[KvMedium, int] = {KvMedium.HOST: 0, KvMedium.DISK: 0}
 
@@ -397,6 +400,7 @@ class BlockPool:
                 self._drop_cached(block)
         if self.lower is not None:
             self.lower.clear()
+        self._engine_host.clear()
         self._deadlines.clear()
         self._events.append(AllBlocksCleared())
         return aborted
@@ -474,12 +478,64 @@ class BlockPool:
             else:
                 self._engine_dropped.add(key)
         if dropped:
-            self._events.append(BlockRemoved(tuple(dropped)))
+            self._left_device(dropped)
         return len(dropped)
 
     def mirror_clear(self) -> int:
-        """The engine dropped its whole cache: ``mirror_removed`` of every key held."""
+        """The engine dropped its whole cache: ``mirror_removed`` of every key held, and
+        its host copies."""
+        host_only = [k for k in self._engine_host if k not in self._by_key]
+        self._engine_host.clear()
+        if host_only:
+            self._events.append(BlockRemoved(tuple(host_only)))
         return self.mirror_removed(list(self._by_key))
+
+    def mirror_host_stored(self, keys: Sequence[BlockKey]) -> int:
+        """The engine copied ``keys`` to its host memory (it keeps the device copy too).
+        A key not in the pool is held again, in HOST: ``BlockMoved``. Returns how many
+        keys gained a host copy."""
+        self._expire_due()
+        added = 0
+        back: list[BlockKey] = []
+        for key in keys:
+            if not _is_uint64(key):
+                raise InvalidArgument(f"key {key!r} is not a uint64")
+            if key in self._engine_host:
+                continue
+            self._engine_host.add(key)
+            added += 1
+            if key not in self._by_key:
+                back.append(key)
+        if back:
+            self._events.append(BlockMoved(tuple(back), KvMedium.HOST))
+        return added
+
+    def mirror_host_removed(self, keys: Sequence[BlockKey]) -> int:
+        """The engine dropped the host copies of ``keys``; those not in the pool are
+        gone from the node (``BlockRemoved``). Returns how many copies were dropped."""
+        self._expire_due()
+        dropped = 0
+        gone: list[BlockKey] = []
+        for key in keys:
+            if key in self._engine_host:
+                self._engine_host.discard(key)
+                dropped += 1
+                if key not in self._by_key:
+                    gone.append(key)
+        if gone:
+            self._events.append(BlockRemoved(tuple(gone)))
+        return dropped
+
+    def _left_device(self, keys: Sequence[BlockKey]) -> None:
+        """Queue events for keys the pool no longer holds: a move to HOST for those the
+        engine keeps in host memory, a removal for the rest."""
+        host = self._engine_host
+        kept = [k for k in keys if k in host] if host else []
+        gone = [k for k in keys if k not in host] if kept else list(keys)
+        if gone:
+            self._events.append(BlockRemoved(tuple(gone)))
+        if kept:
+            self._events.append(BlockMoved(tuple(kept), KvMedium.HOST))
 
     def _take_block_for_mirror(
         self, protected: set[BlockKey], evicted: list[BlockKey]
@@ -552,8 +608,17 @@ class BlockPool:
         return [b.key for b in self._blocks if b.state is BlockState.CACHED and b.key is not None]
 
     def tier_keys(self, medium: KvMedium) -> list[BlockKey]:
-        """The keys demoted to a lower tier (HOST or DISK), oldest first."""
-        return [] if self.lower is None else self.lower.keys(medium)
+        """The keys held in a lower tier (HOST or DISK) and not in the pool: demoted
+        ones (oldest first), then, for HOST, the engine's own host copies."""
+        keys = [] if self.lower is None else self.lower.keys(medium)
+        if medium is KvMedium.HOST and self._engine_host:
+            keys.extend(k for k in self._engine_host if k not in self._by_key)
+        return keys
+
+    @property
+    def engine_host_blocks(self) -> int:
+        """Host-memory copies the engine keeps (vLLM's CPU offloading)."""
+        return len(self._engine_host)
 
     def take_events(self) -> list[BlockEvent]:
         """Drain the queued block events, oldest first."""
@@ -923,7 +988,7 @@ class BlockPool:
                 block.last_used_s = now
                 if block.state is BlockState.CACHED:
                     if block.key in self._engine_dropped:  # the engine evicted it (I6)
-                        self._events.append(BlockRemoved((self._drop_cached(block, in_lru=False),)))
+                        self._left_device((self._drop_cached(block, in_lru=False),))
                     else:
                         self._lru[h] = None
 

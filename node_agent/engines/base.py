@@ -96,14 +96,19 @@ class CacheStored:
     keys: tuple[BlockKey, ...]
     parent_key: BlockKey | None
     engine_time_s: float | None = field(default=None, compare=False)
+    # A copy in the engine's host memory (vLLM's CPU offloading), not its device cache:
+    # no chain (``parent_key`` None), the keys of blocks it cached on the device before.
+    host: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class CacheRemoved:
-    """The engine evicted ``keys`` (``engine_time_s`` as for ``CacheStored``)."""
+    """The engine evicted ``keys`` (``engine_time_s`` as for ``CacheStored``); ``host``:
+    from its host-memory copies."""
 
     keys: tuple[BlockKey, ...]
     engine_time_s: float | None = field(default=None, compare=False)
+    host: bool = False
 
 
 @dataclass(frozen=True, slots=True)

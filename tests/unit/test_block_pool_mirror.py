@@ -11,15 +11,20 @@ from dataclasses import dataclass
 
 import pytest
 
+from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
+from conductor.core.tier_index import LowerTierIndex, Medium, TierHits, apply_node_event
 from kvc.block_keys import BlockKey
 from node_agent.blocks.pool import BlockPool
 from node_agent.blocks.types import (
     AllocateParams,
+    BlockEvent,
+    BlockMoved,
     BlockRemoved,
     BlockState,
     BlockStored,
     CapacityExhausted,
     InvalidArgument,
+    KvMedium,
 )
 
 
@@ -191,3 +196,55 @@ def test_bad_keys_are_rejected_and_change_nothing(pool: BlockPool) -> None:
         pool.mirror_stored([BlockKey(1), BlockKey(2**64)], None)
     assert pool.cached_keys() == []
     assert pool.take_events() == []
+
+
+def test_engine_host_copies_turn_device_evictions_into_moves(pool: BlockPool) -> None:
+    """vLLM's CPU offloading: a key with a host copy survives a device eviction (moved
+    to HOST), is gone only when both copies are; the conductor's shadow follows."""
+    index, lower = PrefixIndex(), LowerTierIndex()
+    node = NodeId("vllm-0")
+    index.reset_node(node, "e", 0, ())
+    lower.reset_node(node, "e", 0, (), ())
+    seq = 0
+
+    def publish(events: list[BlockEvent] | None = None) -> None:
+        nonlocal seq
+        for ev in pool.take_events() if events is None else events:
+            seq += 1
+            if isinstance(ev, BlockStored):
+                outcome = apply_node_event(index, lower, node, "e", seq, stored=ev.keys)
+            elif isinstance(ev, BlockRemoved):
+                outcome = apply_node_event(index, lower, node, "e", seq, removed=ev.keys)
+            else:
+                assert isinstance(ev, BlockMoved)
+                moved = (Medium(ev.medium), ev.keys)
+                outcome = apply_node_event(index, lower, node, "e", seq, moved=moved)
+            assert outcome is ApplyOutcome.APPLIED
+
+    pool.mirror_stored(K(1, 2), None)
+    assert pool.mirror_host_stored(K(1, 2)) == 2
+    publish()
+    assert pool.tier_keys(KvMedium.HOST) == []  # both copies: the device one counts
+    assert lower.hits(K(1, 2), index.match(K(1, 2))) == {}
+    pool.mirror_removed(K(2))
+    events = pool.take_events()
+    assert events == [BlockMoved((BlockKey(2),), KvMedium.HOST)]
+    publish(events)
+    assert pool.tier_keys(KvMedium.HOST) == K(2)
+    assert index.match(K(1, 2)) == {node: 2}  # still held, one of them in host memory
+    assert lower.hits(K(1, 2), {node: 2}) == {node: TierHits(1, 0, 1)}
+    pool.mirror_stored(K(2), BlockKey(1))  # vLLM loaded it back onto the device
+    publish()
+    assert lower.hits(K(1, 2), {node: 2}) == {}
+    pool.mirror_removed(K(2))
+    pool.mirror_host_removed(K(2))
+    publish()
+    assert index.match(K(1, 2)) == {node: 1}
+    assert pool.mirror_host_removed(K(1)) == 1  # its device copy stays: no event
+    assert pool.take_events() == []
+    pool.mirror_host_stored(K(7))  # a host copy of a key the pool never held
+    pool.mirror_clear()
+    publish()
+    assert index.match(K(1)) == {node: 0}
+    assert index.match(K(7)) == {node: 0}
+    pool.check_invariants()

@@ -429,3 +429,46 @@ async def test_a_silent_replay_endpoint_does_not_block_live_events(short_dir: Pa
         stop.set()
         await asyncio.wait_for(task, 5)
         engine.close()
+
+
+def offloaded(hashes: Sequence[int | bytes], *, removed: bool = False) -> dict[str, Any]:
+    """What vLLM's OffloadingConnector publishes for its CPU copies: hashes only."""
+    if removed:
+        return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "CPU"}
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+    }
+
+
+def test_host_copies_map_to_the_device_blocks_keys_when_mirrored() -> None:
+    tokens = list(range(8))
+    k = keys(tokens, "")
+    d = KvEventDecoder(
+        model=MODEL, block_size=BS, tenant_of_salt=lambda s: "" if s is None else s,
+        host_media=frozenset({"CPU"}),
+    )  # fmt: skip
+    events = d.decode(batch(stored([1, 2], tokens), offloaded([1, 2, 99])))
+    assert events == [CacheStored(k, None), CacheStored(k, None, host=True)]
+    assert d.skipped_blocks == 1  # 99: never announced by the device cache
+    # The device evicts block 2; vLLM reloads it later from host memory as a child of 1.
+    assert d.decode(batch(removed([2]))) == [CacheRemoved((k[1],))]
+    assert d.decode(batch(removed([1]))) == [CacheRemoved((k[0],))]
+    reloaded = d.decode(batch(stored([3], tokens[4:], parent=1)))
+    assert reloaded == [CacheStored((k[1],), k[0])]  # the parent resolved from its host copy
+    assert d.decode(batch(offloaded([1, 2], removed=True))) == [CacheRemoved(k, host=True)]
+
+
+def test_host_copies_are_skipped_unless_mirrored() -> None:
+    d = decoder()
+    tokens = list(range(4))
+    assert d.decode(batch(stored([1], tokens), offloaded([1]))) == [
+        CacheStored(keys(tokens, ""), None)
+    ]
+    assert d.decode(batch(offloaded([1], removed=True))) == []

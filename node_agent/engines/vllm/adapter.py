@@ -270,6 +270,7 @@ class VllmEngineAdapter:
             block_size=self.geometry.block_size,
             tenant_of_salt=self._tenant_of_salt,
             max_tracked=max(4 * self.geometry.capacity_blocks, 4096),
+            host_media=self._config.host_media,
         )
         self._subscriber = KvEventSubscriber(
             endpoint=endpoint,

@@ -23,6 +23,14 @@ Re-hashing (``KvEventDecoder``, pure)
     medium, another block size, an unknown parent or salt — are skipped with the rest of
     their chain: a key missing from the mirror costs a recompute, never a wrong answer.
 
+Host copies (``host_media``, vLLM's CPU offloading: ``--vllm-cpu-offload-bytes``)
+    vLLM's ``OffloadingConnector`` announces the blocks it copied to host memory as
+    ``BlockStored{medium: "CPU"}`` with hashes only (no tokens, no parent) and drops them
+    with ``BlockRemoved{medium: "CPU"}``. A hash the device cache announced before maps
+    to its key (``CacheStored(host=True)``); any other (a CPU block size unlike the
+    device's, a skipped block) is skipped. The pool then knows which of its keys survive
+    a device eviction in host memory (``BlockMoved`` to HOST instead of ``BlockRemoved``).
+
 Sequence (``KvEventSubscriber``)
     The next expected sequence number is tracked; a jump (a slow joiner, a reconnect, a
     full queue) is a gap. With a replay endpoint the gap is replayed; a gap the replay
@@ -116,14 +124,19 @@ class KvEventDecoder:
         block_size: int,
         tenant_of_salt: Callable[[str | None], str | None],
         max_tracked: int = 1 << 20,
+        host_media: frozenset[str] = frozenset(),
     ) -> None:
+        """``host_media``: the media vLLM's offloading names its host-memory copies
+        (``{"CPU"}``) when they are mirrored; empty: such events are skipped."""
         if block_size <= 0 or max_tracked <= 0:
             raise ValueError("block_size and max_tracked must be > 0")
         self.model = model
         self.block_size = block_size
         self._tenant_of_salt = tenant_of_salt
         self._max_tracked = max_tracked
+        self._host_media = host_media
         self._known: OrderedDict[EngineBlockHash, _Known] = OrderedDict()
+        self._host: OrderedDict[EngineBlockHash, _Known] = OrderedDict()  # host copies
         self.skipped_blocks = 0
 
     @property
@@ -133,6 +146,7 @@ class KvEventDecoder:
     def reset(self) -> None:
         """Forget every engine hash (after the mirror was cleared)."""
         self._known.clear()
+        self._host.clear()
 
     def decode(self, payload: bytes) -> list[EngineCacheEvent]:
         """One batch (msgpack ``[ts, events, dp_rank]``) → mirror events, in order."""
@@ -173,12 +187,44 @@ class KvEventDecoder:
     def _mirrored_tier(self, ev: Mapping[str, Any]) -> bool:
         return ev.get("medium") in _MAIN_MEDIUM and ev.get("group_idx") in (None, 0)
 
+    def _host_tier(self, ev: Mapping[str, Any]) -> bool:
+        return ev.get("medium") in self._host_media and ev.get("group_idx") in (None, 0)
+
+    def _host_stored(self, ev: Mapping[str, Any]) -> CacheStored | None:
+        """Offloaded copies of blocks the device cache announced before (vLLM's
+        offloading sends no tokens or parent: only hashes it already named). A hash it
+        did not name — another block size, a block the mirror skipped — is skipped."""
+        keys: list[BlockKey] = []
+        for raw in ev.get("block_hashes") or []:
+            engine_hash = _hash_of(raw)
+            known = self._known.get(engine_hash) if engine_hash is not None else None
+            if known is None or engine_hash is None:
+                self.skipped_blocks += 1
+                continue
+            self._host[engine_hash] = known
+            self._host.move_to_end(engine_hash)
+            keys.append(known.key)
+        while len(self._host) > self._max_tracked:
+            self._host.popitem(last=False)
+        return CacheStored(tuple(keys), None, host=True) if keys else None
+
+    def _host_removed(self, ev: Mapping[str, Any]) -> CacheRemoved | None:
+        keys: list[BlockKey] = []
+        for raw in ev.get("block_hashes") or []:
+            engine_hash = _hash_of(raw)
+            known = self._host.pop(engine_hash, None) if engine_hash is not None else None
+            if known is not None:
+                keys.append(known.key)
+        return CacheRemoved(tuple(keys), host=True) if keys else None
+
     def _stored(self, ev: Mapping[str, Any]) -> CacheStored | None:
         hashes = ev.get("block_hashes") or []
         tokens = ev.get("token_ids") or []
         n = len(hashes)
         if not n:
             return None
+        if self._host_tier(ev):
+            return self._host_stored(ev)
         if (
             not self._mirrored_tier(ev)
             or ev.get("lora_name") is not None
@@ -197,7 +243,8 @@ class KvEventDecoder:
                 return None
             tenant = self._tenant_of_salt(salt)
         else:
-            parent = self._known.get(parent_hash)
+            # A parent the device evicted may live on in host memory (reloaded from it).
+            parent = self._known.get(parent_hash) or self._host.get(parent_hash)
             if parent is None:
                 self.skipped_blocks += n
                 return None
@@ -242,6 +289,8 @@ class KvEventDecoder:
         return False, None
 
     def _removed(self, ev: Mapping[str, Any]) -> CacheRemoved | None:
+        if self._host_tier(ev):
+            return self._host_removed(ev)
         if not self._mirrored_tier(ev):
             return None
         keys: list[BlockKey] = []
