@@ -728,6 +728,11 @@ class PrefixIndex:
         """Known nodes, sorted by id."""
         return list(self._sorted_nodes())
 
+    @property
+    def node_count(self) -> int:
+        """How many nodes the index knows (O(1))."""
+        return len(self._nodes)
+
     def node_key_count(self, node: NodeId) -> int:
         """Keys the shadow holds for ``node`` (0 when unknown)."""
         state = self._nodes.get(node)

@@ -83,7 +83,7 @@ class LowerTierIndex:
     @property
     def empty(self) -> bool:
         """No node reports lower tiers: ``hits`` is always empty."""
-        return not self._host.nodes()
+        return self._host.node_count == 0
 
     def tracks(self, node: NodeId) -> bool:
         return self._host.position(node) is not None
