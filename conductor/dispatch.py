@@ -209,6 +209,11 @@ class Dispatcher:
         if self._cleanup:
             await asyncio.gather(*self._cleanup, return_exceptions=True)
 
+    @property
+    def lower_tiers(self) -> LowerTierIndex:
+        """Which blocks each tiered node holds in host memory or on disk (read-only use)."""
+        return self._lower
+
     def node_states(self) -> list[NodeState]:
         """What every polled agent last reported: the placement loop's fleet view."""
         states = []

@@ -5,7 +5,8 @@ computing no tokens: step times come from a ``kvc_sim`` profile, scaled by
 ``--time-scale``. Settings are flags and ``KVC_SIM_ENGINE_*`` environment variables
 (``SimEngineSettings``); the flags mirror vLLM's (``--block-size``,
 ``--num-gpu-blocks``, ``--max-model-len``, ``--kv-events-config``, ``--max-num-seqs``,
-``--max-num-batched-tokens``, ``--no-enable-prefix-caching``). docs/fleet.md.
+``--max-num-batched-tokens``, ``--no-enable-prefix-caching``; ``--num-cpu-blocks`` is the
+offloading connector's ``num_cpu_blocks``). docs/fleet.md.
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ class SimEngineSettings(BaseSettings):
         4097,
         ge=2,
         description="KV blocks, vLLM's null block included (usable: one less)",
+        json_schema_extra=_CACHE,
+    )
+    num_cpu_blocks: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Host-memory KV blocks (vLLM's OffloadingConnector num_cpu_blocks): every "
+            "cached block is copied there, hits are loaded back; 0: no CPU offloading"
+        ),
         json_schema_extra=_CACHE,
     )
     max_model_len: int | None = Field(
@@ -131,6 +141,7 @@ def _run(ns: argparse.Namespace, log_level: str) -> int:
             max_model_len=settings.max_model_len or _model_max_len(settings.model_dir),
             block_size=settings.block_size,
             num_gpu_blocks=settings.num_gpu_blocks,
+            num_cpu_blocks=settings.num_cpu_blocks,
             enable_prefix_caching=settings.enable_prefix_caching,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=(

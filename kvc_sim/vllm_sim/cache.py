@@ -19,6 +19,12 @@ What it models (vLLM 0.32's ``BlockPool``; no tensors, only the bookkeeping)
       cached or announced; every block is freed to the head of the queue.
     * ``reset()``: drops every hash (``AllBlocksCleared``), refused while any block is
       in use, as vLLM's ``reset_prefix_cache`` is.
+    * CPU offloading (``num_cpu_blocks`` > 0, vLLM's ``OffloadingConnector`` with
+      ``num_cpu_blocks``): every block cached on the GPU is copied to an LRU of host
+      blocks, announced as ``BlockStored{medium: "CPU"}`` with hashes only (no tokens,
+      no parent), after the GPU ``BlockStored``; host blocks pushed out of the LRU are
+      ``BlockRemoved{medium: "CPU"}``. ``cpu_prefix`` counts the blocks that follow a
+      GPU hit in host memory: the scheduler loads them back instead of computing them.
 
 Events are queued and drained (``take_events``), never sent from here.
 
@@ -32,7 +38,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvc_sim.vllm_sim.events import AllBlocksCleared, BlockRemoved, BlockStored, KvCacheEvent
+from kvc_sim.vllm_sim.events import (
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvCacheEvent,
+)
 from kvc_sim.vllm_sim.hashing import BlockHash, block_extra_keys, external_hash
 
 __all__ = ["NULL_BLOCK", "KvBlockPool"]
@@ -50,9 +62,10 @@ class KvBlockPool:
         *,
         enable_caching: bool = True,
         enable_events: bool = True,
+        num_cpu_blocks: int = 0,
     ) -> None:
-        if num_gpu_blocks < 2 or block_size <= 0:
-            raise ValueError("num_gpu_blocks must be >= 2 and block_size > 0")
+        if num_gpu_blocks < 2 or block_size <= 0 or num_cpu_blocks < 0:
+            raise ValueError("num_gpu_blocks must be >= 2, block_size > 0, num_cpu_blocks >= 0")
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -63,6 +76,8 @@ class KvBlockPool:
         # Free queue, head first; the null block is never in it.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_gpu_blocks))
         self._events: list[KvCacheEvent] = []
+        self.num_cpu_blocks = num_cpu_blocks if enable_caching else 0
+        self._cpu: OrderedDict[BlockHash, None] = OrderedDict()  # host copies, LRU first
 
     # ------------------------------------------------------------------ state
     @property
@@ -108,6 +123,19 @@ class KvBlockPool:
                 break
             out.append(next(iter(blocks)))
         return out
+
+    def cpu_prefix(self, hashes: Sequence[BlockHash], start: int, max_blocks: int) -> int:
+        """How many of ``hashes[start:max_blocks]``, in a row, have a host copy."""
+        n = 0
+        for block_hash in hashes[start:max_blocks]:
+            if block_hash not in self._cpu:
+                break
+            n += 1
+        return n
+
+    @property
+    def cpu_blocks(self) -> int:
+        return len(self._cpu)
 
     def can_allocate(self, new_blocks: int, touched: Sequence[int] = ()) -> bool:
         """Whether ``touched`` (cached hits) plus ``new_blocks`` fresh ones fit now."""
@@ -186,6 +214,41 @@ class KvBlockPool:
             self._blocks_of.setdefault(block_hash, {})[block] = None
         if self.enable_events:
             self._events.append(self._stored(hashes, token_ids, start, end, cache_salt))
+        if self.num_cpu_blocks:
+            self._offload(hashes[start:end])
+
+    def _offload(self, hashes: Sequence[BlockHash]) -> None:
+        """Copy newly cached blocks to host memory (refresh those already there)."""
+        cpu = self._cpu
+        added: list[BlockHash] = []
+        for block_hash in hashes:
+            if block_hash in cpu:
+                cpu.move_to_end(block_hash)
+            else:
+                cpu[block_hash] = None
+                added.append(block_hash)
+        evicted: list[BlockHash] = []
+        while len(cpu) > self.num_cpu_blocks:
+            evicted.append(cpu.popitem(last=False)[0])
+        if not self.enable_events:
+            return
+        gone = set(evicted)
+        stored = [h for h in added if h not in gone]
+        if evicted:
+            removed = tuple(external_hash(h) for h in evicted if h not in added)
+            if removed:
+                self._events.append(BlockRemoved(removed, medium=MEDIUM_CPU))
+        if stored:
+            self._events.append(
+                BlockStored(
+                    block_hashes=tuple(external_hash(h) for h in stored),
+                    parent_block_hash=None,
+                    token_ids=(),
+                    block_size=self.block_size,
+                    extra_keys=None,
+                    medium=MEDIUM_CPU,
+                )
+            )
 
     def announce(
         self,
@@ -222,6 +285,7 @@ class KvBlockPool:
         if len(self._free) != self.usable_blocks:
             return False
         self._blocks_of.clear()
+        self._cpu.clear()
         self._hash = [None] * self.num_gpu_blocks
         if self.enable_events:
             self._events.append(AllBlocksCleared())

@@ -70,6 +70,7 @@ class SimEngineConfig:
     max_model_len: int
     block_size: int = 16
     num_gpu_blocks: int = 4097  # including vLLM's null block
+    num_cpu_blocks: int = 0  # CPU offloading (vLLM's OffloadingConnector); 0: off
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -84,6 +85,7 @@ class SimEngineConfig:
             (self.max_model_len > 0, "max_model_len must be > 0"),
             (self.block_size > 0, "block_size must be > 0"),
             (self.num_gpu_blocks >= 2, "num_gpu_blocks must be >= 2 (one is vLLM's null block)"),
+            (self.num_cpu_blocks >= 0, "num_cpu_blocks must be >= 0"),
             (self.max_num_seqs > 0, "max_num_seqs must be > 0"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0"),
             (self.time_scale >= 0, "time_scale must be >= 0"),

@@ -10,9 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KvCacheEvent"]
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KvCacheEvent",
+]
 
 MEDIUM_GPU: Final = "GPU"
+MEDIUM_CPU: Final = "CPU"  # the offloading connector's host-memory copies
 
 
 @dataclass(frozen=True, slots=True)

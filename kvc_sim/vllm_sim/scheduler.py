@@ -28,8 +28,9 @@ Step duration (profile seconds; ``StepPlan.duration_s``)
     (``cached`` = the tokens the request found in the cache, or pulled, when admitted;
     so cached tokens cost nothing and a prompt cut in chunks costs what it costs
     whole, chunk overheads included); ``decode_s = tbt_s(b, k)`` for the ``b``
-    decoding requests holding ``k`` tokens, when ``b > 0``. No DRAM tier: every cached
-    block is in "GPU" memory (no ``h2d_load_s``).
+    decoding requests holding ``k`` tokens, when ``b > 0``. With CPU offloading, blocks
+    found in host memory after the GPU hits are loaded back on admission: they count as
+    cached tokens and cost ``h2d_load_s`` of their tokens in that step.
 
 Prefill/decode hand-off
     A request with ``hold_blocks`` (the prefill leg of ``kv_transfer_params``) keeps its
@@ -120,6 +121,7 @@ class ScheduledChunk:
     tokens: int
     decode: bool  # one token of a request that already finished its prompt
     preemptions: int  # the request's count when scheduled: a preemption voids the chunk
+    load_tokens: int = 0  # prompt tokens loaded back from host memory on admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,13 +331,17 @@ class EngineScheduler:
     def _admit(self, request: EngineRequest, budget: int) -> ScheduledChunk | None:
         size = self.pool.block_size
         hits: list[int] = []
+        loaded = 0  # blocks after the GPU hits that host memory holds: loaded, not computed
         if self.pool.enable_caching:
             max_hit_blocks = (request.num_tokens - 1) // size
             self._ensure_hashes(request, max_hit_blocks)
             hits = self.pool.cached_prefix(request.hashes, max_hit_blocks)
+            loaded = self.pool.cpu_prefix(request.hashes, len(hits), max_hit_blocks)
         hit_tokens = len(hits) * size
-        external = max(0, min(request.external_tokens, request.num_tokens - 1) - hit_tokens)
-        computed = hit_tokens + external
+        load_tokens = loaded * size
+        present = hit_tokens + load_tokens
+        external = max(0, min(request.external_tokens, request.num_tokens - 1) - present)
+        computed = present + external
         tokens = min(request.num_tokens - computed, budget)
         need = -(-(computed + tokens) // size) - len(hits)
         if not self.pool.can_allocate(need, hits):
@@ -354,7 +360,10 @@ class EngineScheduler:
             request.num_cached_tokens = computed
             self.prompt_tokens += request.num_prompt_tokens
         self._cache_full(request, computed + tokens)
-        return ScheduledChunk(request, tokens, decode=False, preemptions=request.preemptions)
+        return ScheduledChunk(
+            request, tokens, decode=False, preemptions=request.preemptions,
+            load_tokens=load_tokens,
+        )  # fmt: skip
 
     def _plan(self, chunks: list[ScheduledChunk]) -> StepPlan:
         profile = self.profile
@@ -369,6 +378,7 @@ class EngineScheduler:
             done, cached = request.num_computed, request.admitted_computed
             prefill_s += profile.prefill_compute_s(done + chunk.tokens, cached)
             prefill_s -= profile.prefill_compute_s(done, cached)
+            prefill_s += profile.h2d_load_s(chunk.load_tokens)  # host copies loaded back
         decode_s = profile.tbt_s(batch, context) if batch else 0.0
         return StepPlan(tuple(chunks), prefill_s, decode_s)
 

@@ -157,6 +157,7 @@ def create_app(
                 config.block_size,
                 enable_caching=config.enable_prefix_caching,
                 enable_events=events.publishes,
+                num_cpu_blocks=config.num_cpu_blocks,
             )
             output = OutputTokens(
                 tok.vocab_size,

@@ -19,13 +19,16 @@ from functools import partial
 import httpx
 import pytest
 
-from kvc.block_keys import compute_block_keys
+from conductor.core.prefix_index import NodeId
+from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.roles import NodeRole
 from kvc.tokenization import ChatTokenizer
+from kvc.v1 import node_agent_pb2 as pb
 from kvc_sim.profile import load_profile
 from kvc_sim.vllm_sim.config import KvEventsConfig, SimEngineConfig
 from kvc_sim.vllm_sim.server import SimEngineServer, SimEngineState, create_app
+from node_agent.blocks.types import KvMedium
 from node_agent.engines.vllm.adapter import VllmEngineAdapter
 from node_agent.engines.vllm.config import VllmConfig
 from node_agent.main import start_engine
@@ -40,7 +43,7 @@ TOKENIZER = ChatTokenizer.from_dir(DEFAULT_MODEL_DIR)
 PROMPT = " ".join(f"word{i}" for i in range(60))
 
 Node = tuple[AgentServer, SimEngineServer]
-StartNode = Callable[[NodeRole, str], Awaitable[Node]]
+StartNode = Callable[..., Awaitable[Node]]
 
 
 def _engine_state(engine: SimEngineServer) -> SimEngineState:
@@ -53,13 +56,14 @@ async def start_node() -> AsyncIterator[StartNode]:
     """A sim engine with KV events and an agent attached to it; all stopped at teardown."""
     nodes: list[Node] = []
 
-    async def start(role: NodeRole, pd_connector: str) -> Node:
+    async def start(role: NodeRole, pd_connector: str, *, cpu_blocks: int = 0) -> Node:
         config = SimEngineConfig(
             model_dir=DEFAULT_MODEL_DIR,
             served_model_name=MODEL,
             max_model_len=2048,
             block_size=BLOCK_SIZE,
             num_gpu_blocks=129,
+            num_cpu_blocks=cpu_blocks,
             time_scale=0.01,
             engine_id=f"engine-{role}-{len(nodes)}",
             kv_events=KvEventsConfig(
@@ -82,6 +86,7 @@ async def start_node() -> AsyncIterator[StartNode]:
             pd_connector=pd_connector,
             load_interval_s=0.05,
             calibrate=False,
+            vllm_cpu_offload_bytes=cpu_blocks * BLOCK_SIZE * 2048,  # tiny-llama: 2 KiB/token
         )
         adapter = VllmEngineAdapter(VllmConfig.from_settings(settings), TOKENIZER)
         settings = await start_engine(adapter, settings)
@@ -213,3 +218,58 @@ async def test_a_decode_leg_whose_prefill_is_gone_computes_the_prompt(
         assert _engine_state(engine).puller.failures == 1
         bad = {**body, "kv_transfer_params": {"do_remote_prefill": True}}
         assert (await http.post("/v1/completions", json=bad)).status_code == 400
+
+
+async def test_host_copies_of_vllm_cpu_offloading_keep_a_prefix_held(
+    start_node: StartNode, conductor: ConductorFactory
+) -> None:
+    """The engine offloads every cached block to host memory; other traffic pushes the
+    prompt's blocks off its GPU; the agent reports them moved to HOST (not removed), the
+    conductor still counts them as held there, and the next request for the prompt is
+    served from the engine's host copies (cached tokens, nothing recomputed)."""
+    agent, engine = await start_node("both", "none", cpu_blocks=1024)
+    assert [t.medium for t in agent.service.node_info.tiers] == [pb.KV_MEDIUM_HOST]
+    keys = _prompt_keys()
+    pool = agent.service.pool
+    async with conductor([agent]) as c:
+        first = await c.client.post("/v1/chat/completions", json=chat_body(PROMPT, max_tokens=2))
+        assert first.status_code == 200, first.text
+        await wait_until(partial(_mirrored, agent, keys))
+        await wait_until(
+            lambda: (
+                keys
+                <= {int(k) for k in pool.tier_keys(KvMedium.HOST)}
+                | {int(k) for k in pool.cached_keys()}
+            )
+        )
+        # 3 x 62 blocks of other prompts straight to the engine: the GPU holds 128.
+        async with httpx.AsyncClient(base_url=engine.url) as http:
+            for n in range(3):
+                ids = [10 + n, *((i * 7 + n) % 1900 + 10 for i in range(999))]
+                body = {"model": MODEL, "prompt": ids, "max_tokens": 1}
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+
+        def moved_to_host() -> bool:
+            host = {int(k) for k in pool.tier_keys(KvMedium.HOST)}
+            return keys <= host and not keys & {int(k) for k in pool.cached_keys()}
+
+        await wait_until(moved_to_host)
+        shadow = c.state.dispatcher.lower_tiers
+        ordered = [BlockKey(k) for k in sorted(keys, key=_prompt_order)]
+        node = NodeId(agent.address)
+        await wait_until(lambda: node in shadow.hits(ordered, {node: len(ordered)}))
+        assert shadow.hits(ordered, {node: len(ordered)})[node].host_blocks == len(ordered)
+        hits_before = _engine_state(engine).runner.scheduler.prefix_cache_hits
+        again = await c.client.post("/v1/chat/completions", json=chat_body(PROMPT, max_tokens=2))
+        assert again.status_code == 200, again.text
+        cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= len(keys) * BLOCK_SIZE  # loaded from host memory, not computed
+        assert _engine_state(engine).runner.scheduler.prefix_cache_hits == hits_before
+        await wait_until(partial(_mirrored, agent, keys))  # back on the GPU
+    assert_no_locks(agent)
+
+
+def _prompt_order(key: int) -> int:
+    ids = TOKENIZER.chat_token_ids([{"role": "user", "content": PROMPT}])
+    order = compute_block_keys(ids, tenant=TENANT, model=MODEL, block_size=BLOCK_SIZE)
+    return [int(k) for k in order].index(key)

@@ -160,3 +160,30 @@ def test_pool_invariants_hold_under_any_sequence(ops: list[tuple[int, int]]) -> 
         pool.free(blocks)
     pool.check_invariants()
     assert pool.free_blocks == pool.usable_blocks
+
+
+def test_cpu_offloading_copies_cached_blocks_and_announces_them_after_the_gpu() -> None:
+    pool = KvBlockPool(9, BS, num_cpu_blocks=3)
+    tokens = list(range(1, 9))  # two blocks
+    hashes = hash_blocks(tokens, BS, None)
+    blocks = _store(pool, tokens)
+    events = pool.take_events()
+    assert [type(e) for e in events] == [BlockStored, BlockStored]
+    gpu, cpu = events
+    assert (gpu.medium, cpu.medium) == ("GPU", "CPU")
+    assert cpu.block_hashes == gpu.block_hashes  # hashes only: no tokens, no parent
+    assert (cpu.token_ids, cpu.parent_block_hash) == ((), None)
+    assert pool.cpu_prefix(hashes, 0, 2) == 2
+    # Two more blocks: the host LRU (3 blocks) drops the oldest copy.
+    pool.free(blocks)
+    other = list(range(20, 28))
+    _store(pool, other)
+    events = pool.take_events()
+    removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+    assert removed == [BlockRemoved((external_hash(hashes[0]),), medium="CPU")]
+    assert pool.cpu_blocks == 3
+    assert pool.cpu_prefix(hashes, 0, 2) == 0  # its first block is gone from host memory
+    assert pool.cpu_prefix(hashes, 1, 2) == 1
+    pool.free(pool.cached_prefix(hash_blocks(other, BS, None), 2))
+    assert pool.reset()
+    assert pool.cpu_blocks == 0
