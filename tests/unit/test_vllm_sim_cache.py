@@ -168,8 +168,9 @@ def test_cpu_offloading_copies_cached_blocks_and_announces_them_after_the_gpu() 
     hashes = hash_blocks(tokens, BS, None)
     blocks = _store(pool, tokens)
     events = pool.take_events()
-    assert [type(e) for e in events] == [BlockStored, BlockStored]
     gpu, cpu = events
+    assert isinstance(gpu, BlockStored)
+    assert isinstance(cpu, BlockStored)
     assert (gpu.medium, cpu.medium) == ("GPU", "CPU")
     assert cpu.block_hashes == gpu.block_hashes  # hashes only: no tokens, no parent
     assert (cpu.token_ids, cpu.parent_block_hash) == ((), None)
