@@ -24,7 +24,7 @@ from typing import Final
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.blocks.events import EventLog
 from node_agent.blocks.pool import BlockPool
-from node_agent.blocks.tiers import LowerTiers
+from node_agent.blocks.tiers import LowerTiers, TierStats
 from node_agent.blocks.types import (
     AllBlocksCleared,
     BlockMoved,
@@ -179,6 +179,23 @@ class EventPublisher:
             last_prefill_cached_tokens=last.cached_tokens,
             tiers=self.tiers(digits=2),
         )
+
+    def engine_tier_stats(self) -> list[TierStats]:
+        """The engine's own host tier (vLLM's CPU offloading), as the agent sees it."""
+        engine = self.engine_host_tier
+        if engine is None:
+            return []
+        blocks = self._pool.engine_host_blocks
+        return [
+            TierStats(
+                medium=KvMedium.HOST,
+                capacity_bytes=engine.capacity_bytes,
+                used_bytes=blocks * engine.block_bytes,
+                blocks=blocks,
+                read_bytes_per_s=engine.read_bytes_per_s,
+                write_bytes_per_s=0.0,
+            )
+        ]
 
     def tiers(self, digits: int | None = None) -> list[pb.KvTier]:
         """The node's lower tiers: the agent's own, or the engine's host tier."""

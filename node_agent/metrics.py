@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import uvicorn
@@ -44,6 +44,7 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 
 from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.tiers import TierStats
 from node_agent.blocks.types import (
     CapacityExhausted,
     InvalidArgument,
@@ -281,7 +282,14 @@ class AgentMetrics:
         if kind in EVENT_KINDS:
             self.events.labels(kind).inc()
 
-    def refresh(self, pool: BlockPool, load: EngineLoad, staged_bytes: int) -> None:
+    def refresh(
+        self,
+        pool: BlockPool,
+        load: EngineLoad,
+        staged_bytes: int,
+        *,
+        engine_tiers: Sequence[TierStats] = (),
+    ) -> None:
         """Sample the pool and the engine into the gauges (cheap: counters the pool keeps)."""
         stats = pool.stats()
         self.blocks.labels("free").set(stats.free_blocks)
@@ -295,22 +303,23 @@ class AgentMetrics:
         if expired > self._leases_expired_seen:
             self.lease_expiries.inc(expired - self._leases_expired_seen)
             self._leases_expired_seen = expired
-        self._refresh_tiers(pool)
+        self._refresh_tiers(pool, engine_tiers)
         self.running_requests.set(load.running_requests)
         self.queued_requests.set(load.waiting_requests)
         self.queued_prefill_tokens.set(load.queued_prefill_tokens)
         self.staged_bytes.set(staged_bytes)
 
-    def _refresh_tiers(self, pool: BlockPool) -> None:
+    def _refresh_tiers(self, pool: BlockPool, engine_tiers: Sequence[TierStats]) -> None:
+        """The agent's own tiers, or the engine's (vLLM's CPU offloading) where it has one."""
         lower = pool.lower
-        if lower is None:
-            return
-        for tier in lower.stats():
+        for tier in (*(lower.stats() if lower is not None else ()), *engine_tiers):
             medium = tier.medium.name.lower()
             self.tier_blocks.labels(medium).set(tier.blocks)
             self.tier_used_bytes.labels(medium).set(tier.used_bytes)
             self.tier_capacity_bytes.labels(medium).set(tier.capacity_bytes)
             self.tier_read_bandwidth.labels(medium).set(tier.read_bytes_per_s)
+        if lower is None:
+            return
         for tier_medium, count in pool.promoted_blocks.items():
             medium = tier_medium.name.lower()
             if count > self._promoted_seen[medium]:

@@ -223,7 +223,12 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
 
     def refresh_metrics(self) -> None:
         """Sample the pool and engine gauges (housekeeping and every scrape call this)."""
-        self.metrics.refresh(self.pool, self.state.engine.load(), self.staging.nbytes)
+        self.metrics.refresh(
+            self.pool,
+            self.state.engine.load(),
+            self.staging.nbytes,
+            engine_tiers=self.events.engine_tier_stats(),
+        )
 
     async def run_housekeeping(self) -> None:
         while True:

@@ -73,7 +73,21 @@ def _node(state: AppState, agent: AgentHandle) -> dict[str, Any]:
         "queued_prefill_tokens": load.queued_prefill_tokens if load else None,
         "running_requests": load.running_requests if load else None,
         "shadow_keys": state.index.node_key_count(NodeId(agent.address)),
+        # Lower KV tiers (host memory, disk) with their fill and measured bandwidth.
+        "tiers": [
+            {
+                "medium": _MEDIA.get(t.medium, "unknown"),
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "read_bytes_per_s": t.read_bytes_per_s,
+                "write_bytes_per_s": t.write_bytes_per_s,
+            }
+            for t in (load.tiers if load and load.tiers else info.tiers if info else [])
+        ],
     }
+
+
+_MEDIA = {pb.KV_MEDIUM_HOST: "host", pb.KV_MEDIUM_DISK: "disk"}
 
 
 def _find(state: AppState, node: str) -> AgentHandle:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, chat_body
@@ -104,3 +106,21 @@ async def test_ready_lists_agents_only_to_an_admin_when_keys_are_set(
         assert [a["address"] for a in (await c.client.get("/ready")).json()["agents"]] == [
             agent.address
         ]
+
+
+async def test_node_list_shows_each_nodes_kv_tiers(
+    start_agent: AgentFactory, conductor: ConductorFactory, tmp_path: Path
+) -> None:
+    tiered = await start_agent(
+        "both", host_tier_bytes=1 << 20, disk_tier_dir=tmp_path, disk_tier_bytes=4 << 20
+    )
+    plain = await start_agent("both")
+    async with conductor([tiered, plain], admin_keys=["admin-secret"]) as c:
+        nodes = (await c.client.get("/admin/nodes", headers=ADMIN)).json()["nodes"]
+    by_address = {n["address"]: n for n in nodes}
+    assert by_address[plain.address]["tiers"] == []
+    tiers = {t["medium"]: t for t in by_address[tiered.address]["tiers"]}
+    assert set(tiers) == {"host", "disk"}
+    assert (tiers["host"]["capacity_bytes"], tiers["disk"]["capacity_bytes"]) == (1 << 20, 4 << 20)
+    assert tiers["host"]["read_bytes_per_s"] > 0  # measured at agent start
+    assert tiers["disk"]["read_bytes_per_s"] > 0

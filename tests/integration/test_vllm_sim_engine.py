@@ -254,6 +254,11 @@ async def test_host_copies_of_vllm_cpu_offloading_keep_a_prefix_held(
             return keys <= host and not keys & {int(k) for k in pool.cached_keys()}
 
         await wait_until(moved_to_host)
+        agent.service.refresh_metrics()
+        registry = agent.service.metrics.registry
+        host_blocks = registry.get_sample_value("node_agent_tier_blocks", {"medium": "host"})
+        assert host_blocks is not None
+        assert host_blocks >= len(keys)
         shadow = c.state.dispatcher.lower_tiers
         ordered = [BlockKey(k) for k in sorted(keys, key=_prompt_order)]
         node = NodeId(agent.address)

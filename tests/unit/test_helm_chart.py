@@ -509,3 +509,27 @@ def test_mtls_from_an_existing_secret_or_off_behind_a_mesh() -> None:
             assert tls_volume(workload["spec"]["template"]["spec"]) is None
             env = {e["name"]: e.get("value") for e in container["env"]}
             assert env[f"KVC_{container['name'].upper()}_GRPC_PLAINTEXT"] == "any"
+
+
+def test_kv_tiers_pass_their_flags_and_mount_a_local_disk(tls_bundle: Path) -> None:
+    gib = 1 << 30
+    values = {"agent": {"kvTiers": {"hostBytes": 8 * gib, "diskBytes": 64 * gib}}}
+    docs = [d for p, text in render_values(values).items() if p.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]  # fmt: skip
+    agents = [(sts, c) for sts, c in containers(docs) if c["name"] == "agent"]
+    assert len(agents) == 2
+    for sts, container in agents:
+        kubernetes_validate.validate(sts, KUBE_VERSION, strict=True)
+        args = kvc_args(container)
+        assert flag(args, "--host-tier-bytes") == str(8 * gib)
+        assert flag(args, "--disk-tier-bytes") == str(64 * gib)
+        assert flag(args, "--disk-tier-dir") == "/var/cache/kvc-tiers"
+        validate_kvc(args, container, tls_bundle)
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["kv-tiers"] == "/var/cache/kvc-tiers"
+        volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["kv-tiers"]["emptyDir"]["sizeLimit"] == str(64 * gib + 64 * gib // 10)
+    vllm = yaml.safe_load((CHART / "values-vllm.yaml").read_text())
+    vllm["agent"]["kvTiers"] = values["agent"]["kvTiers"]
+    with pytest.raises(helm.HelmError, match="embedded engine"):
+        render_values(vllm)
