@@ -45,6 +45,7 @@ Complexity
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -120,9 +121,14 @@ class Cluster:
                 (config.host_tier_tokens or 0, config.disk_tier_tokens or 0)
                 if config.tiered else None
             )  # fmt: skip
+            replicas = (
+                functools.partial(self.index.other_holders, node=node)
+                if config.replica_aware_eviction else None
+            )  # fmt: skip
             inst = PrefillInstance(
                 node, profile, capacity_blocks, config.block_tokens, self.loop.clock,
                 max_lease_s=config.lease_s, noise=self._noise(i), tiers=tiers,
+                replicas_elsewhere=replicas,
             )  # fmt: skip
             self.prefill[node] = inst
             self.index.reset_node(node, inst.epoch, 0, ())

@@ -23,6 +23,9 @@ evicted blocks are demoted to host memory (L2) and disk (L3) by the agent's own
 the conductor's shadow follows the moves and charges them. Both unset: the profile's
 older model (``hbm_cache_tokens`` of a ``cache_tokens`` pool in HBM, the rest in DRAM,
 loads overlapped with compute), which the paper's scenarios use.
+``replica_aware_eviction``: each prefill node's pool drops, instead of demoting, the
+victims the conductor's shadow sees on another node (``BlockPool``'s
+``replicas_elsewhere``), so its lower tiers keep the fleet's last copies.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class ClusterConfig:
     kv_migration: bool = True
     host_tier_tokens: int | None = None
     disk_tier_tokens: int | None = None
+    replica_aware_eviction: bool = False
 
     @property
     def tiered(self) -> bool:

@@ -211,6 +211,7 @@ class PrefillInstance:
         max_lease_s: float,
         noise: TimingNoise | None = None,
         tiers: tuple[int, int] | None = None,
+        replicas_elsewhere: Callable[[BlockKey], int] | None = None,
     ) -> None:
         """``tiers``: (host, disk) tokens of the agent's lower tiers below a pool of
         ``capacity_blocks`` (L1); None: the profile's HBM share of that pool instead."""
@@ -237,6 +238,7 @@ class PrefillInstance:
             max_finished_txs=1024,
             max_finished_keys=65_536,
             lower=lower,
+            replicas_elsewhere=replicas_elsewhere,
         )
         self.hbm_capacity_blocks = (
             0

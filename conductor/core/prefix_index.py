@@ -733,6 +733,14 @@ class PrefixIndex:
         """How many nodes the index knows (O(1))."""
         return len(self._nodes)
 
+    def other_holders(self, key: BlockKey, node: NodeId) -> int:
+        """How many nodes other than ``node`` hold ``key`` (its replicas elsewhere)."""
+        mask = self._masks[self._table.set_id_of(key)]
+        state = self._nodes.get(node)
+        if state is not None:
+            mask &= ~state.bit
+        return mask.bit_count()
+
     def node_key_count(self, node: NodeId) -> int:
         """Keys the shadow holds for ``node`` (0 when unknown)."""
         state = self._nodes.get(node)

@@ -84,6 +84,13 @@ Lower tiers (``lower``: ``node_agent.blocks.tiers.LowerTiers``, optional)
     file proves damaged (a miss, never loaded). Tenants hold across tiers. LOCK_ONLY
     (the source of a pull) locks the pool's prefix only: it promotes nothing.
 
+Replica-aware eviction (``replicas_elsewhere``, optional: how many other nodes hold a
+    key, as the conductor's shadow sees it)
+    Victims are still taken in LRU order, but one that another node also holds is
+    dropped instead of demoted: the lower tiers keep the fleet's last copies. Evaluated
+    in the simulator (docs/benchmarks.md, ``kv-tiers``): it does not pay on the
+    synthetic trace, so it stays off unless asked for; agents get no such hints yet.
+
 Events
     Queued, never sent: ``take_events()`` drains ``BlockStored`` (on commit, newly cached
     keys as contiguous runs in prefix order, with the parent key), ``BlockRemoved`` (on
@@ -222,6 +229,7 @@ class BlockPool:
         max_tx_id_len: int = 256,
         max_tenant_locked_blocks: int | None = None,
         lower: LowerTiers | None = None,
+        replicas_elsewhere: Callable[[BlockKey], int] | None = None,
     ) -> None:
         if isinstance(capacity_blocks, bool) or capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be > 0, got {capacity_blocks!r}")
@@ -256,6 +264,8 @@ class BlockPool:
         self.leases_expired = 0  # txs aborted by lease expiry so far (a metric)
         # L2/L3 below this pool (None or disabled: an evicted block is gone).
         self.lower = lower if lower is not None and lower.enabled else None
+        # Replica-aware eviction: how many other nodes hold a key (the conductor's view).
+        self._replicas_elsewhere = replicas_elsewhere
         # Keys whose KV the engine keeps a host-memory copy of (vLLM's CPU offloading):
         # a device eviction of one of them is a move to HOST, not a removal.
         self._engine_host: set[BlockKey] = set()
@@ -876,15 +886,31 @@ class BlockPool:
         """Evict ``count`` LRU victims: demoted to the lower tiers when they hold content
         and a tier takes them, else dropped. Queues the events in the order things moved."""
         moves: list[TierMove] = []
+        replicas = self._replicas_elsewhere
+        if replicas is None:
+            for _ in range(count):
+                moves.extend(self._evict_block(self._blocks[next(iter(self._lru))]))
+            self._queue_moves(moves)
+            return
+        # Replica-aware: LRU victims as always; those another node also holds are
+        # dropped, not demoted, so the lower tiers keep the fleet's last copies.
         for _ in range(count):
-            moves.extend(self._evict_block(self._blocks[next(iter(self._lru))]))
+            h = next(iter(self._lru))
+            spare = replicas(self._key_of(h)) > 0
+            moves.extend(self._evict_block(self._blocks[h], demote=not spare))
         self._queue_moves(moves)
 
-    def _evict_block(self, block: _Block) -> list[TierMove]:
-        """An unlocked CACHED block out of the pool: into L2/L3 when it can be, else gone."""
+    def _key_of(self, handle: int) -> BlockKey:
+        key = self._blocks[handle].key
+        assert key is not None
+        return key
+
+    def _evict_block(self, block: _Block, *, demote: bool = True) -> list[TierMove]:
+        """An unlocked CACHED block out of the pool: into L2/L3 when it can be (and
+        ``demote``), else gone."""
         payload, tenant = block.payload, block.tenant
         key = self._drop_cached(block)
-        if self.lower is not None and isinstance(payload, KvContent):
+        if demote and self.lower is not None and isinstance(payload, KvContent):
             return self.lower.put(key, tenant, payload)
         return [TierMove(key, None)]
 

@@ -285,7 +285,9 @@ async def test_read_blocks_streams_checked_chunks_and_refuses_bad_requests(
     precondition = grpc.StatusCode.FAILED_PRECONDITION
     await expect_code(read("never-opened", keys), denied)  # no grant for it
     await expect_code(read("lock", keys, token=""), denied)
-    await expect_code(read("lock", keys, token=grants["lock"][:-1] + "A"), denied)
+    token = grants["lock"]
+    tampered = token[:-1] + ("B" if token.endswith("A") else "A")  # one character off
+    await expect_code(read("lock", keys, token=tampered), denied)
     await expect_code(read("lock", keys[1:]), invalid)  # not the tx's leading blocks
     await expect_code(read("lock", [*keys_of(P_PROMPT)[:3], keys[0]]), invalid)
     await expect_code(read("lock", [*keys, 12345]), invalid)  # more than the tx holds

@@ -400,3 +400,23 @@ def test_prefetch_stages_on_the_runner_and_the_tx_promotes_what_it_staged(tmp_pa
     lower.unstage(keys)
     pool.tx_abort("again")
     pool.check_invariants()
+
+
+def test_replica_aware_eviction_drops_what_other_nodes_hold_and_demotes_last_copies() -> None:
+    """Victims in LRU order as always; one another node also holds is dropped, not
+    demoted, so the lower tiers keep the fleet's last copies."""
+    elsewhere = {BlockKey(2), BlockKey(3)}
+    lower = LowerTiers(TensorKvCodec("cpu"), host_bytes=8 * BLOCK_BYTES)
+    pool = BlockPool(
+        4, Clock(), lower=lower, replicas_elsewhere=lambda key: 1 if key in elsewhere else 0
+    )
+    for i, k in enumerate((1, 2, 3, 4)):
+        store(pool, f"tx{i}", [k])
+    pool.take_events()
+    store(pool, "new", [5, 6, 7])  # three victims, oldest first: 1, 2, 3
+    assert sorted(pool.cached_keys()) == [4, 5, 6, 7]
+    events = moved(pool.take_events())
+    assert ("HOST", (1,)) in events
+    assert ("removed", (2, 3)) in events
+    assert pool.tier_keys(KvMedium.HOST) == [1]  # the last copy kept, the replicas not
+    pool.check_invariants()

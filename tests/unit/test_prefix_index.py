@@ -426,3 +426,13 @@ def test_rejects_keys_outside_uint64() -> None:
         index.apply(A, "e", 1, stored=keys(2**64))
     assert index.position(A) == ("e", 0)
     index.check_invariants()
+
+
+def test_other_holders_counts_the_replicas_elsewhere() -> None:
+    index = PrefixIndex()
+    for node in ("a", "b", "c"):
+        index.reset_node(NodeId(node), "e", 0, [BlockKey(1)] if node != "c" else [])
+    assert index.other_holders(BlockKey(1), NodeId("a")) == 1
+    assert index.other_holders(BlockKey(1), NodeId("c")) == 2
+    assert index.other_holders(BlockKey(9), NodeId("a")) == 0
+    assert index.other_holders(BlockKey(1), NodeId("unknown")) == 2
