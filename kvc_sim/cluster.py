@@ -401,6 +401,7 @@ class Cluster:
         src = self.prefill[migration.source]
         dst = flight.prefill
         src_tx = f"{job.tx_id}:src"
+        before = src.promoted_counts()
         lock = src.pool.tx_allocate(
             AllocateParams(
                 src_tx, TENANT, flight.keys[: migration.blocks], self.config.lease_s,
@@ -408,6 +409,10 @@ class Cluster:
             )
         )  # fmt: skip
         locked = lock.reused_blocks
+        after = src.promoted_counts()
+        bt = self.config.block_tokens
+        # The holder loads what it lent from host memory or disk before it sends.
+        load_s = self.profile.tier_load_s((after[0] - before[0]) * bt, (after[1] - before[1]) * bt)
         if locked <= local_blocks:
             src.pool.tx_commit(src_tx)  # paired tx: the holder commits, releasing locks
             self._publish(src)
@@ -416,12 +421,12 @@ class Cluster:
             (locked - local_blocks) * self.config.block_tokens * self.profile.kv_bytes_per_token
         )
         now = self.loop.now_s
-        _start, arrive = reserve_transfer(self.profile, src.nic, dst.nic, nbytes, now)
+        _start, arrive = reserve_transfer(self.profile, src.nic, dst.nic, nbytes, now + load_s)
         job.migrating = True
         self._migrations += 1
 
         def done() -> None:
-            self.scheduler.transfer.observe(src.node_id, dst.node_id, nbytes, arrive - now)
+            self.scheduler.transfer.observe(src.node_id, dst.node_id, nbytes, arrive - now - load_s)
             src.pool.tx_commit(src_tx)
             self._publish(src)
             job.migrating = False

@@ -302,7 +302,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             mode=mode,
         )
         lower = self.pool.lower
-        if lower is None or mode is TxMode.LOCK_ONLY:
+        if lower is None:
             return await self._tx(op, lambda: self.pool.tx_allocate(params))
         await prefetch(lower, keys)  # copies and reads on the I/O thread, not here
         try:

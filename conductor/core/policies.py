@@ -238,15 +238,10 @@ def _pull_candidates(
     """Candidates that may pull the longest prefix; ``threshold`` None: break-even rule."""
     break_even = threshold is None
     # FindBestPrefixMatch: the longest holder; ties go to the smallest node id. A holder
-    # lends only the leading blocks in its engine memory (a pull source promotes nothing).
-    tiers = req.tier_blocks
-
-    def lendable(n: NodeState) -> int:
-        hits = tiers.get(n.node_id)
-        return hits.device_prefix if hits is not None else req.prefix_blocks.get(n.node_id, 0)
-
-    holder = min(nodes, key=lambda n: (-lendable(n), n.node_id))
-    best_len = lendable(holder)
+    # lends from every tier: what sits in its host memory or on disk is loaded first.
+    holder = min(nodes, key=lambda n: (-req.prefix_blocks.get(n.node_id, 0), n.node_id))
+    best_len = req.prefix_blocks.get(holder.node_id, 0)
+    holder_load_s = est.load_s(holder, req)
     out = []
     for node in nodes:
         local = req.prefix_blocks.get(node.node_id, 0)
@@ -263,9 +258,13 @@ def _pull_candidates(
             and (threshold is None or (math.inf if local == 0 else best_len / local) > threshold)
         ):
             nbytes = (best_len - local) * node.block_size * node.kv_bytes_per_token
-            transfer_s = est.transfer.estimate(holder.node_id, node.node_id, nbytes)
+            transfer_s = holder_load_s + est.transfer.estimate(holder.node_id, node.node_id, nbytes)
             pulled_s = est.prefill_s(node, req.prompt_tokens, best_len)
-            if not break_even or transfer_s + pulled_s < prefill_s:
+            # Algorithm 1 pulls past the threshold whatever it costs; a pull that must
+            # first load the holder's blocks from its host memory or disk is taken only
+            # when it still beats computing here.
+            must_pay = break_even or holder_load_s > 0
+            if not must_pay or transfer_s + pulled_s < prefill_s:
                 migration = Migration(source=holder.node_id, blocks=best_len, transfer_s=transfer_s)
                 prefix = best_len
                 prefill_s = pulled_s

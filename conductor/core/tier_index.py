@@ -12,8 +12,8 @@ concern them still advance their sequence numbers).
 
 ``hits`` gives, per node and prompt, the lower-tier blocks inside the prefix the node
 holds (``TierHits``); the placement loop charges them ``bytes / the node's measured
-read bandwidth`` (``tier_load_s``) instead of zero, and pulls from a holder only the
-leading blocks in its engine memory (a locked pull source promotes nothing).
+read bandwidth`` (``tier_load_s``) instead of zero — to the node itself when it reuses
+them, and to a pull from it (the holder loads them before it sends).
 
 Pure: no I/O, no clock.
 """

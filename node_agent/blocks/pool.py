@@ -82,7 +82,9 @@ Lower tiers (``lower``: ``node_agent.blocks.tiers.LowerTiers``, optional)
     ``promoted_blocks``, queued as ``BlockMoved(keys, DEVICE)``. A demoted key past the
     reused prefix is discarded (the tx recomputes it; ``BlockRemoved``), as is one whose
     file proves damaged (a miss, never loaded). Tenants hold across tiers. LOCK_ONLY
-    (the source of a pull) locks the pool's prefix only: it promotes nothing.
+    (the source of a pull) promotes the demoted blocks that continue its prefix too, as
+    far as there is room without touching what it locks: a peer pulls from this node's
+    host memory and disk as well.
 
 Replica-aware eviction (``replicas_elsewhere``, optional: how many other nodes hold a
     key, as the conductor's shadow sees it)
@@ -289,26 +291,13 @@ class BlockPool:
         tenant = params.tenant
         self._check_tenant(tenant, keys)
         lock_only = params.mode is TxMode.LOCK_ONLY
-        handles = self._cached_prefix(keys) if lock_only else []
-        if self.max_tenant_locked_blocks is not None and self._others_hold_locks(tenant):
-            if lock_only:
-                self._check_quota(tenant, [self._blocks[h] for h in handles], fresh=0)
-            else:
+        deadline = self._clock() + params.lease_s
+        if lock_only:
+            result = self._lend(tenant, keys, deadline, tx_id)
+        else:
+            if self.max_tenant_locked_blocks is not None and self._others_hold_locks(tenant):
                 held = [self._blocks[h] for k in keys if (h := self._by_key.get(k)) is not None]
                 self._check_quota(tenant, held, fresh=len(keys) - len(held))
-        now = self._clock()
-        deadline = now + params.lease_s
-        if lock_only:
-            for h in handles:
-                self._lock(self._blocks[h])
-            result = AllocateResult(
-                tx_id=tx_id,
-                handles=tuple(handles),
-                reused_blocks=len(handles),
-                new_blocks=0,
-                lease_deadline=deadline,
-            )
-        else:
             result = self._allocate(tx_id, tenant, keys, deadline)
         self._txs[tx_id] = _Tx(
             tx_id=tx_id,
@@ -782,6 +771,64 @@ class BlockPool:
         """The tenant of an OPEN tx."""
         self.get_tx(tx_id)
         return self._txs[tx_id].tenant
+
+    def _lend(
+        self, tenant: str, keys: tuple[BlockKey, ...], deadline: float, tx_id: str
+    ) -> AllocateResult:
+        """LOCK_ONLY: lock the longest prefix this node holds, promoting its demoted
+        blocks into the pool as far as there is room (a pull source lends from host
+        memory and disk too). Never refused for capacity: it lends what it can."""
+        handles = self._cached_prefix(keys)
+        lower = self.lower
+        promote: list[tuple[BlockKey, KvContent, KvMedium, str | None]] = []
+        if lower is not None:
+            unlocked = sum(self._blocks[h].lock_count == 0 for h in handles)
+            room = len(self._free) + len(self._lru) - unlocked
+            for key in keys[len(handles) :]:
+                medium = lower.medium_of(key)
+                if len(promote) >= room or medium is None:
+                    break
+                owner = lower.tenant_of(key)
+                content = lower.load(key)
+                if content is None:  # a damaged file: gone, and the prefix ends here
+                    self._events.append(BlockRemoved((key,)))
+                    break
+                promote.append((key, content, medium, owner))
+        if self.max_tenant_locked_blocks is not None and self._others_hold_locks(tenant):
+            self._check_quota(tenant, [self._blocks[h] for h in handles], fresh=len(promote))
+        # From here on nothing can fail.
+        for h in handles:
+            self._lock(self._blocks[h])
+        if promote:
+            assert lower is not None
+            for key, _content, medium, _owner in promote:
+                lower.discard(key)
+                self.promoted_blocks[medium] += 1
+            shortfall = len(promote) - len(self._free)
+            if shortfall > 0:
+                self._evict(shortfall)
+            now = self._clock()
+            for key, content, _medium, owner in promote:
+                h = self._free.pop()
+                block = self._blocks[h]
+                block.key = key
+                block.tenant = owner
+                self._by_key[key] = h
+                self._lock(block)  # while not CACHED: the block is in no LRU yet
+                block.state = BlockState.CACHED
+                block.payload = content
+                block.last_used_s = now
+                self._n_cached += 1
+                handles.append(h)
+            self._events.append(BlockMoved(tuple(k for k, *_ in promote), KvMedium.DEVICE))
+        return AllocateResult(
+            tx_id=tx_id,
+            handles=tuple(handles),
+            reused_blocks=len(handles),
+            new_blocks=0,
+            lease_deadline=deadline,
+            promoted_blocks=len(promote),
+        )
 
     def _allocate(
         self, tx_id: str, tenant: str, keys: tuple[BlockKey, ...], deadline: float

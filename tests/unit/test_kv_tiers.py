@@ -26,6 +26,7 @@ from node_agent.blocks.types import (
     CapacityExhausted,
     KvMedium,
     TenantMismatch,
+    TxMode,
 )
 from node_agent.engines.embedded.kv_tensors import KvCache, TensorKvCodec
 from node_agent.kv import KvContent
@@ -420,3 +421,34 @@ def test_replica_aware_eviction_drops_what_other_nodes_hold_and_demotes_last_cop
     assert ("removed", (2, 3)) in events
     assert pool.tier_keys(KvMedium.HOST) == [1]  # the last copy kept, the replicas not
     pool.check_invariants()
+
+
+def test_a_pull_source_lends_its_demoted_blocks_too(tmp_path: Path) -> None:
+    """LOCK_ONLY (the source of a peer's pull) promotes the demoted blocks that continue
+    its prefix, as far as it has room without evicting what it locks."""
+    pool, _ = make_pool(tmp_path, l1=3)
+    store(pool, "chain", [1, 2, 3])
+    store(pool, "other", [7, 8])  # two of the chain's blocks demoted to make room
+    demoted = set(pool.tier_keys(KvMedium.HOST)) | set(pool.tier_keys(KvMedium.DISK))
+    assert demoted
+    pool.take_events()
+    keys = [BlockKey(1), BlockKey(2), BlockKey(3)]
+    lock = pool.tx_allocate(AllocateParams("lend", "t", keys, 30.0, mode=TxMode.LOCK_ONLY))
+    assert lock.reused_blocks == 3
+    assert lock.promoted_blocks == len(demoted & {1, 2, 3})
+    for key, handle in zip(keys, lock.handles, strict=True):
+        assert same(pool.get_payload(handle), content_of(key))
+    assert ("DEVICE", tuple(sorted(demoted & {1, 2, 3}))) in [
+        (m, tuple(sorted(k))) for m, k in moved(pool.take_events())
+    ]
+    pool.tx_commit("lend")
+    pool.check_invariants()
+    # No room at all (everything locked): it lends the pool's prefix and stops there.
+    full, _ = make_pool(tmp_path / "full", l1=2)
+    store(full, "a", [1])
+    store(full, "b", [2])
+    store(full, "c", [3])  # 1 demoted
+    full.tx_allocate(AllocateParams("hold", "t", [BlockKey(2), BlockKey(3)], 30.0))
+    lock = full.tx_allocate(AllocateParams("lend", "t", [BlockKey(1)], 30.0, mode=TxMode.LOCK_ONLY))
+    assert (lock.reused_blocks, lock.promoted_blocks) == (0, 0)
+    full.check_invariants()

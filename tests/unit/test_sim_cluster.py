@@ -227,9 +227,7 @@ def test_tiered_nodes_keep_evicted_prefixes_and_the_shadow_follows_every_tier(
     tiered, hit_tiers = run(200_000, 2_000_000)
     assert hit_tiers > hit_l1  # the same L1, more kept
     promoted = [inst.promoted_counts() for inst in tiered.prefill.values()]
-    assert sum(h for h, _ in promoted) > 0
-    if not replica_aware:  # replica-aware keeps fewer blocks: disk may never be reached
-        assert sum(d for _, d in promoted) > 0
+    assert sum(h for h, _ in promoted) > 0  # hits served from host memory
     assert sum(sum(inst.promoted_counts()) for inst in l1_only.prefill.values()) == 0
     lower = tiered.lower
     assert lower is not None

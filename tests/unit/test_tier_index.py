@@ -154,19 +154,23 @@ def test_a_disk_hit_slower_than_recomputing_is_not_worth_it() -> None:
     assert p.prefill == "a"
 
 
-def test_a_holder_lends_only_its_engine_memory_prefix() -> None:
-    """b holds 30 blocks but only the first 10 in engine memory: a busy b lends 10."""
+def test_a_holder_lends_from_every_tier_and_the_pull_pays_its_load() -> None:
+    """b holds 30 blocks, 20 of them in host memory, and is busy: a pulls all 30, the
+    estimate paying b's load of the 20 before the wire."""
     s = Scheduler(round_number_config(policy="kv_centric"))
     busy = [
         node("a"),
-        node("b", queued_prefill_tokens=50_000, tier_read_bytes_per_s=(1e10, 1e9)),
+        node("b", queued_prefill_tokens=50_000, tier_read_bytes_per_s=(1e8, 1e9)),
         node("d", "decode"),
     ]
     req = request({A: 0, B: 30}, {B: TierHits(20, 0, 10)})
     p = placed(s.schedule(req, busy, 100.0))
     assert p.prefill == "a"
     assert p.migration is not None
-    assert p.migration.blocks == 10
+    assert p.migration.blocks == 30
+    load_s = 20 * BLOCK_BYTES / 1e8
+    wire_s = 30 * BLOCK_BYTES / 1e9
+    assert p.migration.transfer_s == pytest.approx(load_s + wire_s)
 
 
 def test_without_tiers_nothing_changes() -> None:
