@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,7 +22,7 @@ import torch
 from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
-from node_agent.blocks.types import BlockPoolError, BlockState
+from node_agent.blocks.types import BlockPoolError, BlockState, KvMedium
 from node_agent.engines.embedded.kv_tensors import KvCache
 from node_agent.kv import KvLayout
 from node_agent.server import AgentServer
@@ -417,3 +418,46 @@ async def test_pull_after_the_destination_lease_expired_is_refused(
 
     await s.TxCommit(pb.TxCommitRequest(tx_id="T_src"))
     assert_no_locks(src, dst)
+
+
+async def test_a_source_lends_a_prefix_from_its_host_memory_and_disk(
+    start_agent: AgentFactory, stubs: Stubs, tmp_path: Path
+) -> None:
+    """The source's copy of the prefix was pushed out of its pool into its lower tiers:
+    LOCK_ONLY promotes it, the pull copies it, the destination reuses it, and decoding
+    from it gives what a full recompute gives."""
+    block_bytes = BS * 2048  # tiny-llama: 2 KiB of KV per token
+    src, dst, cold = await asyncio.gather(
+        start_agent(
+            "prefill", capacity_blocks=4, host_tier_bytes=2 * block_bytes,
+            disk_tier_dir=tmp_path, disk_tier_bytes=8 * block_bytes,
+        ),
+        start_agent("both", capacity_blocks=16),
+        start_agent("both", capacity_blocks=16),
+    )  # fmt: skip
+    s, p = stubs(src), stubs(dst)
+    await cache_prompt(s, S_PROMPT, "s-warm")  # 3 shared blocks
+    for n in range(2):  # 3 + 3 more blocks through a pool of 4: the shared ones go down
+        await cache_prompt(s, [*range(200 + 100 * n, 200 + 100 * n + 3 * BS + 5)], f"f{n}")
+    keys = keys_of(P_PROMPT)[:3]
+    pool = src.service.pool
+    assert not set(keys) & {int(k) for k in pool.cached_keys()}
+    lower = {int(k) for m in (KvMedium.HOST, KvMedium.DISK) for k in pool.tier_keys(m)}
+    assert set(keys) <= lower
+    lock = await s.TxAllocate(alloc("T_src", keys, lock_only=True))
+    assert lock.reused_blocks == 3  # promoted from host memory and disk
+    await p.TxAllocate(alloc("T_dst", keys_of(P_PROMPT)))
+    pulled = await p.PullBlocks(
+        pb.PullBlocksRequest(
+            tx_id="T_dst", source_address=src.address, source_tx_id="T_src",
+            source_read_token=lock.read_token, num_blocks=3,
+        )
+    )  # fmt: skip
+    assert pulled.blocks_copied == 3
+    await s.TxCommit(pb.TxCommitRequest(tx_id="T_src"))
+    await p.TxCommit(pb.TxCommitRequest(tx_id="T_dst"))  # the pulled blocks are cached
+    request = pb.GenerateRequest(request_id="g", tenant=TENANT, prompt_token_ids=P_PROMPT)
+    from_pulled = await greedy(p, request)
+    recomputed = await greedy(stubs(cold), request)
+    assert from_pulled == recomputed
+    assert_no_locks(src, dst, cold)
