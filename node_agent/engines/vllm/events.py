@@ -102,6 +102,19 @@ class _Known:
     tenant: str
 
 
+def _forget(
+    table: OrderedDict[EngineBlockHash, _Known], ev: Mapping[str, Any]
+) -> tuple[BlockKey, ...]:
+    """The keys of the event's hashes that ``table`` knew, each forgotten there."""
+    keys: list[BlockKey] = []
+    for raw in ev.get("block_hashes") or []:
+        engine_hash = _hash_of(raw)
+        known = table.pop(engine_hash, None) if engine_hash is not None else None
+        if known is not None:
+            keys.append(known.key)
+    return tuple(keys)
+
+
 def _hash_of(value: object) -> EngineBlockHash | None:
     if isinstance(value, bool):
         return None
@@ -209,13 +222,8 @@ class KvEventDecoder:
         return CacheStored(tuple(keys), None, host=True) if keys else None
 
     def _host_removed(self, ev: Mapping[str, Any]) -> CacheRemoved | None:
-        keys: list[BlockKey] = []
-        for raw in ev.get("block_hashes") or []:
-            engine_hash = _hash_of(raw)
-            known = self._host.pop(engine_hash, None) if engine_hash is not None else None
-            if known is not None:
-                keys.append(known.key)
-        return CacheRemoved(tuple(keys), host=True) if keys else None
+        keys = _forget(self._host, ev)
+        return CacheRemoved(keys, host=True) if keys else None
 
     def _stored(self, ev: Mapping[str, Any]) -> CacheStored | None:
         hashes = ev.get("block_hashes") or []
@@ -293,13 +301,8 @@ class KvEventDecoder:
             return self._host_removed(ev)
         if not self._mirrored_tier(ev):
             return None
-        keys: list[BlockKey] = []
-        for raw in ev.get("block_hashes") or []:
-            engine_hash = _hash_of(raw)
-            known = self._known.pop(engine_hash, None) if engine_hash is not None else None
-            if known is not None:
-                keys.append(known.key)
-        return CacheRemoved(tuple(keys)) if keys else None
+        keys = _forget(self._known, ev)
+        return CacheRemoved(keys) if keys else None
 
 
 @dataclass(slots=True)
