@@ -101,27 +101,30 @@ async def stall_once(
 
     gaps: list[float] = []
     stop = asyncio.Event()
+    ticking = asyncio.Event()
 
     async def ticker() -> None:
+        """Wakes every millisecond (the instrument): its gaps are the loop's stalls."""
         last = time.perf_counter()
         while not stop.is_set():
             await asyncio.sleep(0.001)
             now = time.perf_counter()
             gaps.append(now - last)
             last = now
+            ticking.set()
 
     tick = asyncio.create_task(ticker())
-    await asyncio.sleep(0.02)  # the ticker is running
+    await ticking.wait()
     started = time.perf_counter()
     new = [BlockKey(blocks + i + 1) for i in range(blocks)]
     pool.tx_allocate(AllocateParams("evict", "t", new, 600.0))  # demotes every old block
     allocate_s = time.perf_counter() - started
-    await asyncio.sleep(0)  # let the ticker see the gap
+    ticking.clear()
+    await ticking.wait()  # the ticker woke after the eviction: its gap spans it
     await _drain(runner)
     if device.type == "cuda":
         torch.cuda.synchronize()
     drained_s = time.perf_counter() - started
-    await asyncio.sleep(0.01)
     stop.set()
     await tick
     pool.tx_abort("evict")

@@ -65,7 +65,7 @@ from conductor.core.scheduler import (
     ScheduleRequest,
     Slo,
 )
-from conductor.core.tier_index import LowerTierIndex, apply_node_event
+from conductor.core.tier_index import LowerTierIndex, apply_node_event, reset_node_view
 from kvc.block_keys import BlockKey
 from kvc_sim.cluster_config import ClusterConfig
 from kvc_sim.engine import EventLoop
@@ -288,12 +288,11 @@ class Cluster:
                 # duplicates (seq <= snapshot's) and are ignored.
                 self._resyncs += 1
                 pool = inst.pool
-                host, disk = pool.tier_keys(KvMedium.HOST), pool.tier_keys(KvMedium.DISK)
-                self.index.reset_node(
-                    inst.node_id, inst.epoch, inst.last_seq, [*pool.cached_keys(), *host, *disk]
-                )
-                if self.lower is not None:
-                    self.lower.reset_node(inst.node_id, inst.epoch, inst.last_seq, host, disk)
+                reset_node_view(
+                    self.index, self.lower, inst.node_id, inst.epoch, inst.last_seq,
+                    cached=pool.cached_keys(), host=pool.tier_keys(KvMedium.HOST),
+                    disk=pool.tier_keys(KvMedium.DISK), tiered=self.lower is not None,
+                )  # fmt: skip
                 return
 
     # ------------------------------------------------------------------ arrival

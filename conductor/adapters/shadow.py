@@ -30,7 +30,13 @@ from tenacity import (
 
 from conductor.adapters.agents import AgentFleet, AgentHandle
 from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
-from conductor.core.tier_index import LowerTierIndex, Medium, apply_node_event
+from conductor.core.tier_index import (
+    LowerTierIndex,
+    Medium,
+    apply_node_event,
+    medium_of,
+    reset_node_view,
+)
 from kvc.block_keys import BlockKey
 from kvc.v1 import node_agent_pb2 as pb
 
@@ -121,16 +127,11 @@ class ShadowSync:
     async def _sync_once(self, agent: AgentHandle, node: NodeId, stop: asyncio.Event) -> None:
         snap = await agent.stub.Snapshot(pb.SnapshotRequest(), timeout=self._fleet.rpc_timeout_s)
         # The repeated fixed64 fields go straight in (the index copies them into arrays).
-        host_keys = _as_block_keys(snap.host_keys)
-        disk_keys = _as_block_keys(snap.disk_keys)
-        held = _as_block_keys(snap.cached_keys)
-        if host_keys or disk_keys:  # the node holds them too, one load away
-            held = [*held, *host_keys, *disk_keys]
-        self._index.reset_node(node, snap.epoch, snap.seq, held)
-        if snap.node.tiers:
-            self._lower.reset_node(node, snap.epoch, snap.seq, host_keys, disk_keys)
-        else:
-            self._lower.remove_node(node)
+        reset_node_view(
+            self._index, self._lower, node, snap.epoch, snap.seq,
+            cached=_as_block_keys(snap.cached_keys), host=_as_block_keys(snap.host_keys),
+            disk=_as_block_keys(snap.disk_keys), tiered=bool(snap.node.tiers),
+        )  # fmt: skip
         agent.load = snap.load
         call = agent.stub.WatchEvents(
             pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
@@ -169,7 +170,12 @@ class ShadowSync:
             elif kind == "removed":
                 removed = _as_block_keys(ev.removed.block_keys)
             elif kind == "moved":  # still held, in another tier
-                moved = (Medium(ev.moved.medium), _as_block_keys(ev.moved.block_keys))
+                keys = _as_block_keys(ev.moved.block_keys)
+                medium = medium_of(ev.moved.medium)
+                if medium is None:  # a medium this conductor does not know: held, no charge
+                    stored = keys
+                else:
+                    moved = (medium, keys)
             elif kind == "cleared":
                 cleared = True
             elif kind == "load":

@@ -673,10 +673,10 @@ class PrefixIndex:
 
     def held_within(
         self, keys: Sequence[BlockKey], upto: Mapping[NodeId, int]
-    ) -> dict[NodeId, tuple[int, int]]:
-        """For each node of ``upto`` holding some of ``keys[:upto[node]]``: ``(how many
-        of them, the position of the first)``. One vectorised lookup of the longest
-        range, then a membership test per node: O(max(upto) + nodes x that range)."""
+    ) -> dict[NodeId, int]:
+        """For each node of ``upto`` holding some of ``keys[:upto[node]]``: how many of
+        them. One vectorised lookup of the longest range, then a membership test per
+        node: O(max(upto) + nodes x that range)."""
         asked = [
             (node, depth, state.bit)
             for node, depth in upto.items()
@@ -687,15 +687,11 @@ class PrefixIndex:
         longest = max(depth for _, depth, _ in asked)
         ids = self._table.set_ids_of(_as_keys(keys[:longest]))
         present = [i for i in np.unique(ids).tolist() if i >= _FIRST_SET]
-        out: dict[NodeId, tuple[int, int]] = {}
+        out: dict[NodeId, int] = {}
         for node, depth, bit in asked:
             mine = [i for i in present if self._masks[i] & bit]
-            if not mine:
-                continue
-            member = np.isin(ids[:depth], mine)
-            count = int(member.sum())
-            if count:
-                out[node] = (count, int(np.argmax(member)))
+            if mine and (count := int(np.isin(ids[:depth], mine).sum())):
+                out[node] = count
         return out
 
     def best_match(self, keys: Sequence[BlockKey]) -> tuple[int, NodeId | None]:

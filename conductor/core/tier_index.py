@@ -34,6 +34,8 @@ __all__ = [
     "Medium",
     "TierHits",
     "apply_node_event",
+    "medium_of",
+    "reset_node_view",
     "tier_load_s",
 ]
 
@@ -56,7 +58,6 @@ class TierHits:
 
     host_blocks: int
     disk_blocks: int
-    device_prefix: int  # leading blocks of that prefix in the engine's memory
 
 
 def tier_load_s(
@@ -150,12 +151,10 @@ class LowerTierIndex:
             return {}
         host = self._host.held_within(keys, prefix_blocks)
         disk = self._disk.held_within(keys, prefix_blocks)
-        out: dict[NodeId, TierHits] = {}
-        for node in host.keys() | disk.keys():
-            h_count, h_first = host.get(node, (0, prefix_blocks[node]))
-            d_count, d_first = disk.get(node, (0, prefix_blocks[node]))
-            out[node] = TierHits(h_count, d_count, min(h_first, d_first))
-        return out
+        return {
+            node: TierHits(host.get(node, 0), disk.get(node, 0))
+            for node in host.keys() | disk.keys()
+        }
 
 
 def apply_node_event(
@@ -180,3 +179,38 @@ def apply_node_event(
             node, epoch, seq, stored=stored, removed=removed, moved=moved, cleared=cleared
         )
     return outcome
+
+
+def reset_node_view(
+    index: PrefixIndex,
+    lower: LowerTierIndex | None,
+    node: NodeId,
+    epoch: str,
+    seq: int,
+    *,
+    cached: Sequence[BlockKey],
+    host: Sequence[BlockKey],
+    disk: Sequence[BlockKey],
+    tiered: bool,
+) -> None:
+    """A node's snapshot into the shadow: every key it holds, in any tier, into
+    ``index``; its host and disk keys into ``lower`` when it reports tiers (``tiered``),
+    else it is no longer tracked there. The one copy of this rule: the live shadow sync
+    and the simulator's resync call it."""
+    held = [*cached, *host, *disk] if host or disk else cached
+    index.reset_node(node, epoch, seq, held)
+    if lower is None:
+        return
+    if tiered:
+        lower.reset_node(node, epoch, seq, host, disk)
+    else:
+        lower.remove_node(node)
+
+
+def medium_of(value: int) -> Medium | None:
+    """The protocol's ``KvMedium`` value as a ``Medium``; None for one this conductor does
+    not know (a newer agent): the caller keeps such keys as held, with no tier charge."""
+    try:
+        return Medium(value)
+    except ValueError:
+        return None

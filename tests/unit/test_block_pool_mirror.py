@@ -232,7 +232,7 @@ def test_engine_host_copies_turn_device_evictions_into_moves(pool: BlockPool) ->
     publish(events)
     assert pool.tier_keys(KvMedium.HOST) == K(2)
     assert index.match(K(1, 2)) == {node: 2}  # still held, one of them in host memory
-    assert lower.hits(K(1, 2), {node: 2}) == {node: TierHits(1, 0, 1)}
+    assert lower.hits(K(1, 2), {node: 2}) == {node: TierHits(1, 0)}
     pool.mirror_stored(K(2), BlockKey(1))  # vLLM loaded it back onto the device
     publish()
     assert lower.hits(K(1, 2), {node: 2}) == {}
