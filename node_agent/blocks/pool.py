@@ -93,6 +93,30 @@ Replica-aware eviction (``replicas_elsewhere``, optional: how many other nodes h
     in the simulator (docs/benchmarks.md, ``kv-tiers``): it does not pay on the
     synthetic trace, so it stays off unless asked for; agents get no such hints yet.
 
+Retention (prompt-cache breakpoints: ``AllocateParams.retain``)
+    A retained block is a lock with another kind of lease: CACHED and unlocked, it stays
+    out of the LRU until its retention deadline, so no eviction takes it. ``tx_allocate``
+    (ALLOCATE) with ``retain=(Retention(blocks, ttl_s), ...)`` retains the first
+    ``blocks`` keys for ``ttl_s`` after their last use (several breakpoints: each key
+    takes the longest TTL covering it). The retention is granted or refused when the tx
+    opens, as a whole, and never refuses the tx itself: refused, the request is served
+    with ordinary LRU caching and ``AllocateResult.retention`` says why —
+
+    * ``OVER_BUDGET``: the tenant's outstanding retention, the sum over its retained
+      blocks of the seconds left, plus what this grant adds, would pass
+      ``retention_budget_block_s`` (KV block-seconds per tenant; None: unlimited);
+    * ``NODE_FULL``: more than ``max_retained_blocks`` blocks would be retained
+      (default half the pool, so automatic caching and new work always keep room).
+
+    Granted, the blocks are retained from the allocation on (an aborted tx's fresh
+    blocks are freed with their retention); every later hit on a retained block (either
+    mode) restarts its TTL, free of charge, as Anthropic's cache does. A retention
+    never outlives its block's content: ``clear()`` and an engine eviction
+    (``mirror_removed``) end it. When it runs out (``_expire_due``, lazily at each
+    call) the block joins the LRU as its oldest entry. Events: ``BlockRetained(keys,
+    ttl_s)`` for a grant's cached keys when the tx opens and for the retained keys a
+    commit caches (or holds), ``BlockRetained(keys, 0)`` when retentions end.
+
 Events
     Queued, never sent: ``take_events()`` drains ``BlockStored`` (on commit, newly cached
     keys as contiguous runs in prefix order, with the parent key), ``BlockRemoved`` (on
@@ -112,14 +136,17 @@ Invariants (checked by ``check_invariants``)
         payload, lock or owner.
     I3  lock_count of each block == number of open txs holding it; every ALLOCATED block
         has >= 1 owner, every owner is an open tx holding it; CACHED blocks have no owner.
-    I4  the LRU holds exactly the CACHED blocks with lock_count == 0: a locked or
-        allocated (in-use) block is never evicted, and eviction is the only way a cached
-        block's content goes away besides ``clear()``.
+    I4  the LRU holds exactly the CACHED blocks with lock_count == 0 and no retention:
+        a locked, allocated (in-use) or retained block is never evicted, and eviction is
+        the only way a cached block's content goes away besides ``clear()``.
     I5  every open tx has a finite lease deadline and a heap entry for it.
     I6  every key marked removed-by-the-engine belongs to a locked (or ALLOCATED) block.
     I7  each tenant's lock count is the number of its blocks with a lock, and the
         blocks of one open tx are its tenant's or nobody's; free blocks have no tenant.
     I8  a key is in the pool or in one lower tier, never both.
+    I9  retained blocks are non-free, each charged to a tenant and with a heap entry
+        due no later than its deadline; each tenant's retained count and deadline sum
+        are those of its retained blocks.
 """
 
 from __future__ import annotations
@@ -141,6 +168,7 @@ from node_agent.blocks.types import (
     BlockEvent,
     BlockMoved,
     BlockRemoved,
+    BlockRetained,
     BlockState,
     BlockStored,
     CapacityExhausted,
@@ -148,6 +176,8 @@ from node_agent.blocks.types import (
     InvalidArgument,
     KvMedium,
     PoolStats,
+    Retention,
+    RetentionOutcome,
     TenantMismatch,
     TenantQuotaExceeded,
     TxClosed,
@@ -175,6 +205,10 @@ class _Block:
     payload: object | None = None
     owners: set[str] = field(default_factory=set)  # open txs that allocated/joined it
     tenant: str | None = None  # whose tx created it (None: mirrored from the engine)
+    retain_until_s: float = 0.0  # retention deadline (0: not retained)
+    retain_ttl_s: float = 0.0  # what a hit extends the retention by
+    retained_by: str | None = None  # the tenant the retention is charged to
+    retain_heaped_s: float = 0.0  # this block's live entry in the retention heap (0: none)
 
 
 @dataclass(slots=True)
@@ -186,6 +220,16 @@ class _Tx:
     handles: tuple[int, ...]
     deadline_s: float
     result: AllocateResult
+
+
+@dataclass(slots=True)
+class _TenantRetention:
+    blocks: int = 0
+    deadline_sum_s: float = 0.0  # sum of its blocks' retention deadlines
+
+    def outstanding(self, now: float) -> float:
+        """Block-seconds of retention still to run."""
+        return max(0.0, self.deadline_sum_s - self.blocks * now)
 
 
 class _Outcome(enum.Enum):
@@ -232,6 +276,9 @@ class BlockPool:
         max_tenant_locked_blocks: int | None = None,
         lower: LowerTiers | None = None,
         replicas_elsewhere: Callable[[BlockKey], int] | None = None,
+        retention_budget_block_s: float | None = None,
+        max_retained_blocks: int | None = None,
+        max_retention_s: float = 3600.0,
     ) -> None:
         if isinstance(capacity_blocks, bool) or capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be > 0, got {capacity_blocks!r}")
@@ -239,8 +286,27 @@ class BlockPool:
             raise ValueError(f"max_lease_s must be finite and > 0, got {max_lease_s!r}")
         if max_finished_txs <= 0 or max_finished_keys < 0 or max_tx_id_len <= 0:
             raise ValueError("max_finished_txs and max_tx_id_len must be > 0")
+        if retention_budget_block_s is not None and not retention_budget_block_s >= 0:
+            raise ValueError("retention_budget_block_s must be >= 0")
+        if not (0 < max_retention_s < math.inf):
+            raise ValueError(f"max_retention_s must be finite and > 0, got {max_retention_s!r}")
+        if max_retained_blocks is not None and not 0 <= max_retained_blocks <= capacity_blocks:
+            raise ValueError("max_retained_blocks must lie in [0, capacity_blocks]")
         self.capacity_blocks = capacity_blocks
         self.max_lease_s = max_lease_s
+        self.retention_budget_block_s = retention_budget_block_s
+        self.max_retained_blocks = (
+            capacity_blocks // 2 if max_retained_blocks is None else max_retained_blocks
+        )
+        self.max_retention_s = max_retention_s
+        self._retained = 0  # blocks with a retention
+        self._retention_heap: list[tuple[float, int]] = []  # (deadline, handle), lazy
+        self._retention_by_tenant: dict[str, _TenantRetention] = {}
+        self.retentions_granted = 0  # txs whose retention was granted (a metric)
+        self.retentions_refused: dict[RetentionOutcome, int] = {
+            RetentionOutcome.OVER_BUDGET: 0,
+            RetentionOutcome.NODE_FULL: 0,
+        }
         self._clock = clock
         self._max_finished_txs = max_finished_txs
         self._max_finished_keys = max_finished_keys
@@ -285,6 +351,7 @@ class BlockPool:
         if open_tx is not None:
             if (open_tx.tenant, open_tx.mode, open_tx.keys) != (params.tenant, params.mode, keys):
                 raise InvalidArgument(f"tx {tx_id!r} was opened with different parameters")
+            # The retention was decided when the tx opened; a retry gets that answer.
             return open_tx.result
         self._raise_if_finished(tx_id)
 
@@ -299,6 +366,8 @@ class BlockPool:
                 held = [self._blocks[h] for k in keys if (h := self._by_key.get(k)) is not None]
                 self._check_quota(tenant, held, fresh=len(keys) - len(held))
             result = self._allocate(tx_id, tenant, keys, deadline)
+            if params.retain:
+                result = self._retain(tenant, result, params.retain)
         self._txs[tx_id] = _Tx(
             tx_id=tx_id,
             tenant=params.tenant,
@@ -342,6 +411,10 @@ class BlockPool:
                 run = []
         if run:
             self._events.append(BlockStored(tuple(run), run_parent))
+        # Its own retained blocks, and blocks another tx's grant retained while in flight.
+        retained = {h for h in tx.handles if self._blocks[h].retain_until_s}
+        if retained:
+            self._announce_retained(tuple(h for h in tx.handles if h in retained))
         self._release_locks(tx.handles)
         del self._txs[tx_id]
         result = CommitResult(tx_id, tuple(stored), len(tx.handles))
@@ -401,6 +474,7 @@ class BlockPool:
             self.lower.clear()
         self._engine_host.clear()
         self._deadlines.clear()
+        self._retention_heap.clear()
         self._events.append(AllBlocksCleared())
         return aborted
 
@@ -430,7 +504,8 @@ class BlockPool:
             if h is not None:
                 block = self._blocks[h]
                 if block.state is BlockState.CACHED and block.lock_count == 0:
-                    self._lru.move_to_end(h)
+                    if not block.retain_until_s:
+                        self._lru.move_to_end(h)
                     block.last_used_s = now
             else:
                 h = self._take_block_for_mirror(added, evicted)
@@ -600,6 +675,7 @@ class BlockPool:
             locked_blocks=self._n_locked,
             open_txs=len(self._txs),
             evictable_blocks=len(self._lru),
+            retained_blocks=self._retained,
         )
 
     def cached_keys(self) -> list[BlockKey]:
@@ -692,7 +768,11 @@ class BlockPool:
                     )
             else:
                 _require(not block.owners, f"I3: non-allocated block {block.handle} owned")
-            evictable = block.state is BlockState.CACHED and block.lock_count == 0
+            evictable = (
+                block.state is BlockState.CACHED
+                and block.lock_count == 0
+                and not block.retain_until_s
+            )
             _require(
                 (block.handle in self._lru) == evictable,
                 f"I4: LRU membership of block {block.handle} wrong",
@@ -722,6 +802,29 @@ class BlockPool:
             for medium in (KvMedium.HOST, KvMedium.DISK):
                 for key in self.lower.keys(medium):
                     _require(key not in self._by_key, f"I8: key {key:#x} in the pool and L2/L3")
+        retained: dict[str, list[float]] = {}
+        heaped = set(self._retention_heap)
+        for block in self._blocks:
+            if block.retain_until_s:
+                h = block.handle
+                _require(block.state is not BlockState.FREE, f"I9: free block {h} retained")
+                _require(block.retained_by is not None, f"I9: block {h} charged to no one")
+                assert block.retained_by is not None
+                retained.setdefault(block.retained_by, []).append(block.retain_until_s)
+                _require(
+                    0 < block.retain_heaped_s <= block.retain_until_s
+                    and (block.retain_heaped_s, block.handle) in heaped,
+                    f"I9: retained block {block.handle} has no due heap entry",
+                )
+        _require(sum(map(len, retained.values())) == self._retained, "I9: retained counter")
+        _require(set(retained) == set(self._retention_by_tenant), "I9: retaining tenants")
+        for tenant, deadlines in retained.items():
+            mine = self._retention_by_tenant[tenant]
+            _require(mine.blocks == len(deadlines), f"I9: {tenant}'s retained count")
+            _require(
+                math.isclose(mine.deadline_sum_s, sum(deadlines), rel_tol=1e-9, abs_tol=1e-6),
+                f"I9: {tenant}'s retention deadline sum",
+            )
         by_tenant: dict[str, int] = {}
         for block in self._blocks:
             if block.tenant is not None and block.lock_count:
@@ -782,7 +885,7 @@ class BlockPool:
         lower = self.lower
         promote: list[tuple[BlockKey, KvContent, KvMedium, str | None]] = []
         if lower is not None:
-            unlocked = sum(self._blocks[h].lock_count == 0 for h in handles)
+            unlocked = sum(self._in_lru(self._blocks[h]) for h in handles)
             room = len(self._free) + len(self._lru) - unlocked
             for key in keys[len(handles) :]:
                 medium = lower.medium_of(key)
@@ -797,8 +900,12 @@ class BlockPool:
         if self.max_tenant_locked_blocks is not None and self._others_hold_locks(tenant):
             self._check_quota(tenant, [self._blocks[h] for h in handles], fresh=len(promote))
         # From here on nothing can fail.
+        now = self._clock()
         for h in handles:
-            self._lock(self._blocks[h])
+            block = self._blocks[h]
+            if block.retain_until_s:  # a peer's pull is a hit too
+                self._extend_retention(block, now + block.retain_ttl_s)
+            self._lock(block)
         if promote:
             assert lower is not None
             for key, _content, medium, _owner in promote:
@@ -807,7 +914,6 @@ class BlockPool:
             shortfall = len(promote) - len(self._free)
             if shortfall > 0:
                 self._evict(shortfall)
-            now = self._clock()
             for key, content, _medium, owner in promote:
                 h = self._free.pop()
                 block = self._blocks[h]
@@ -864,7 +970,7 @@ class BlockPool:
             block = blocks[h]
             if block.state is BlockState.CACHED:
                 reused_prefix += in_prefix
-                unlocked_reuse += block.lock_count == 0
+                unlocked_reuse += self._in_lru(block)
             else:
                 shared += 1
                 in_prefix = False
@@ -885,17 +991,19 @@ class BlockPool:
                 lower.discard(key)
             if superseded:
                 self._events.append(BlockRemoved(tuple(superseded)))
+        now = self._clock()
         for h in plan:
             if h is not None:
                 block = blocks[h]
                 if block.state is BlockState.ALLOCATED:
                     block.owners.add(tx_id)
+                elif block.retain_until_s:  # a hit restarts a retention's TTL
+                    self._extend_retention(block, now + block.retain_ttl_s)
                 self._lock(block)
         shortfall = needed - len(self._free)
         if shortfall > 0:
             self._evict(shortfall)
         handles: list[int] = []
-        now = self._clock()
         for i, (key, maybe_h) in enumerate(zip(keys, plan, strict=True)):
             if maybe_h is not None:
                 handles.append(maybe_h)
@@ -1015,6 +1123,8 @@ class BlockPool:
             self._abort(tx, expired=True)
             expired.append(tx_id)
         self.leases_expired += len(expired)
+        if self._retention_heap and self._retention_heap[0][0] <= now:
+            self._end_retentions(now)
         return expired
 
     def _compact_deadlines(self) -> None:
@@ -1033,6 +1143,154 @@ class BlockPool:
             handles.append(h)
         return handles
 
+    # ------------------------------------------------------------------ retention
+
+    @staticmethod
+    def _in_lru(block: _Block) -> bool:
+        """Whether a CACHED block sits in the LRU (unlocked, not retained)."""
+        return block.lock_count == 0 and not block.retain_until_s
+
+    def _retain(
+        self, tenant: str, result: AllocateResult, retain: tuple[Retention, ...]
+    ) -> AllocateResult:
+        """Grant or refuse ``retain`` for the blocks ``result`` holds (all locked now)."""
+        n = max(r.blocks for r in retain)
+        ttls = [0.0] * n
+        for r in sorted(retain, key=lambda r: r.ttl_s):  # the longest TTL covering a key
+            ttls[: r.blocks] = [float(r.ttl_s)] * r.blocks
+        now = self._clock()
+        blocks = [self._blocks[h] for h in result.handles[:n]]
+        cost = 0.0  # block-seconds this grant adds to the tenant's outstanding retention
+        fresh = 0
+        for block, ttl in zip(blocks, ttls, strict=True):
+            if block.retain_until_s:
+                cost += max(0.0, now + ttl - block.retain_until_s)
+            else:
+                cost += ttl
+                fresh += 1
+        outcome = RetentionOutcome.GRANTED
+        budget = self.retention_budget_block_s
+        if self._retained + fresh > self.max_retained_blocks:
+            outcome = RetentionOutcome.NODE_FULL
+        elif budget is not None:
+            mine = self._retention_by_tenant.get(tenant)
+            if (mine.outstanding(now) if mine is not None else 0.0) + cost > budget:
+                outcome = RetentionOutcome.OVER_BUDGET
+        if outcome is not RetentionOutcome.GRANTED:
+            self.retentions_refused[outcome] += 1
+            return replace(result, retention=outcome)
+        for block, ttl in zip(blocks, ttls, strict=True):
+            block.retain_ttl_s = max(block.retain_ttl_s, ttl)
+            if block.retain_until_s:
+                self._extend_retention(block, now + ttl)
+            else:
+                self._start_retention(block, now + ttl, tenant)
+        self.retentions_granted += 1
+        self._announce_retained(result.handles[:n])  # the cached ones; the rest at commit
+        return replace(result, retention=RetentionOutcome.GRANTED, retained_blocks=n)
+
+    def _start_retention(self, block: _Block, until: float, tenant: str) -> None:
+        assert not block.retain_until_s
+        assert block.state is not BlockState.FREE
+        if block.state is BlockState.CACHED and block.lock_count == 0:
+            del self._lru[block.handle]
+        block.retain_until_s = until
+        block.retained_by = tenant
+        mine = self._retention_by_tenant.get(tenant)
+        if mine is None:
+            mine = self._retention_by_tenant[tenant] = _TenantRetention()
+        mine.blocks += 1
+        mine.deadline_sum_s += until
+        self._retained += 1
+        if not block.retain_heaped_s or block.retain_heaped_s > until:
+            block.retain_heaped_s = until
+            heapq.heappush(self._retention_heap, (until, block.handle))
+            if len(self._retention_heap) > 2 * self.capacity_blocks + 1024:
+                self._retention_heap = [
+                    (b.retain_heaped_s, b.handle) for b in self._blocks if b.retain_heaped_s
+                ]
+                heapq.heapify(self._retention_heap)
+
+    def _extend_retention(self, block: _Block, until: float) -> None:
+        """Move a retention's deadline later (never earlier). Its heap entry stays: when
+        it comes due the block is put back at its new deadline."""
+        if until > block.retain_until_s:
+            assert block.retained_by is not None
+            self._retention_by_tenant[block.retained_by].deadline_sum_s += (
+                until - block.retain_until_s
+            )
+            block.retain_until_s = until
+
+    def _unretain(self, block: _Block) -> None:
+        assert block.retained_by is not None
+        mine = self._retention_by_tenant[block.retained_by]
+        mine.blocks -= 1
+        mine.deadline_sum_s -= block.retain_until_s
+        if not mine.blocks:
+            del self._retention_by_tenant[block.retained_by]
+        self._retained -= 1
+        block.retain_until_s = 0.0
+        block.retain_ttl_s = 0.0
+        block.retained_by = None
+
+    def _end_retentions(self, now: float) -> None:
+        """End the retentions due; their blocks join the LRU as its oldest entries."""
+        heap = self._retention_heap
+        ended: list[BlockKey] = []
+        while heap and heap[0][0] <= now:
+            at, h = heapq.heappop(heap)
+            block = self._blocks[h]
+            if block.retain_heaped_s != at:
+                continue  # superseded by an earlier entry for this block
+            if not block.retain_until_s:  # ended with its block (freed, cleared)
+                block.retain_heaped_s = 0.0
+                continue
+            if block.retain_until_s > now:  # extended by hits: due later
+                block.retain_heaped_s = block.retain_until_s
+                heapq.heappush(heap, (block.retain_until_s, h))
+                continue
+            block.retain_heaped_s = 0.0
+            self._unretain(block)
+            if block.state is BlockState.CACHED:
+                ended.append(self._key_of(h))
+                if block.lock_count == 0:
+                    self._lru[h] = None
+                    self._lru.move_to_end(h, last=False)
+        if ended:
+            self._events.append(BlockRetained(tuple(ended), 0.0))
+
+    def _announce_retained(self, handles: tuple[int, ...]) -> None:
+        """``BlockRetained`` for the retained blocks among ``handles`` (at commit), one
+        event per distinct time left."""
+        now = self._clock()
+        runs: dict[float, list[BlockKey]] = {}
+        for h in handles:
+            block = self._blocks[h]
+            if block.retain_until_s and block.state is BlockState.CACHED:
+                left = round(block.retain_until_s - now, 3)
+                runs.setdefault(left, []).append(self._key_of(h))
+        for left, keys in runs.items():
+            self._events.append(BlockRetained(tuple(keys), max(left, 0.001)))
+
+    def retained_keys(self) -> list[tuple[BlockKey, float]]:
+        """Every CACHED retained key with the seconds its retention has left (a snapshot)."""
+        now = self._clock()
+        return [
+            (b.key, max(0.0, b.retain_until_s - now))
+            for b in self._blocks
+            if b.retain_until_s and b.state is BlockState.CACHED and b.key is not None
+        ]
+
+    def retention_of(self, tenant: str) -> tuple[int, float]:
+        """(blocks retained for ``tenant``, block-seconds of retention they have left)."""
+        mine = self._retention_by_tenant.get(tenant)
+        if mine is None:
+            return 0, 0.0
+        return mine.blocks, mine.outstanding(self._clock())
+
+    def retention_tenants(self) -> list[str]:
+        return list(self._retention_by_tenant)
+
     def _lock(self, block: _Block) -> None:
         if block.lock_count == 0:
             self._n_locked += 1
@@ -1040,7 +1298,7 @@ class BlockPool:
                 self._locked_by_tenant[block.tenant] = (
                     self._locked_by_tenant.get(block.tenant, 0) + 1
                 )
-            if block.state is BlockState.CACHED:
+            if block.state is BlockState.CACHED and not block.retain_until_s:
                 del self._lru[block.handle]
         block.lock_count += 1
 
@@ -1062,15 +1320,15 @@ class BlockPool:
                 if block.state is BlockState.CACHED:
                     if block.key in self._engine_dropped:  # the engine evicted it (I6)
                         self._left_device((self._drop_cached(block, in_lru=False),))
-                    else:
+                    elif not block.retain_until_s:
                         self._lru[h] = None
 
     def _drop_cached(self, block: _Block, *, in_lru: bool = True) -> BlockKey:
-        """CACHED and unlocked -> FREE; returns the dropped key."""
+        """CACHED and unlocked -> FREE (its retention ends); returns the dropped key."""
         key = block.key
         assert key is not None
         assert block.lock_count == 0
-        if in_lru:
+        if in_lru and not block.retain_until_s:
             del self._lru[block.handle]
         del self._by_key[key]
         self._n_cached -= 1
@@ -1085,6 +1343,8 @@ class BlockPool:
         self._to_free(block)
 
     def _to_free(self, block: _Block) -> None:
+        if block.retain_until_s:
+            self._unretain(block)
         if block.key is not None:
             self._engine_dropped.discard(block.key)
         block.state = BlockState.FREE
@@ -1154,4 +1414,24 @@ class BlockPool:
                 raise InvalidArgument(f"key {key!r} is not a uint64")
         if len(set(keys)) != len(keys):
             raise InvalidArgument("keys must not repeat within one tx")
+        if params.retain:
+            self._validate_retain(params, len(keys))
         return keys
+
+    def _validate_retain(self, params: AllocateParams, n_keys: int) -> None:
+        if params.mode is not TxMode.ALLOCATE:
+            raise InvalidArgument("only an ALLOCATE tx retains blocks")
+        for r in params.retain:
+            if not isinstance(r, Retention):
+                raise InvalidArgument(f"retain entries must be Retention, got {r!r}")
+            if isinstance(r.blocks, bool) or not isinstance(r.blocks, int):
+                raise InvalidArgument(f"retain.blocks must be an int, got {r.blocks!r}")
+            if not 1 <= r.blocks <= n_keys:
+                raise InvalidArgument(f"retain.blocks must lie in [1, {n_keys}], got {r.blocks}")
+            ttl = r.ttl_s
+            if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+                raise InvalidArgument(f"retain.ttl_s must be a number, got {ttl!r}")
+            if not 0 < ttl <= self.max_retention_s:
+                raise InvalidArgument(
+                    f"retain.ttl_s must lie in (0, {self.max_retention_s}], got {ttl}"
+                )

@@ -20,6 +20,7 @@ __all__ = [
     "BlockMoved",
     "BlockPoolError",
     "BlockRemoved",
+    "BlockRetained",
     "BlockState",
     "BlockStored",
     "CapacityExhausted",
@@ -27,6 +28,8 @@ __all__ = [
     "InvalidArgument",
     "KvMedium",
     "PoolStats",
+    "Retention",
+    "RetentionOutcome",
     "TenantMismatch",
     "TenantQuotaExceeded",
     "TxClosed",
@@ -120,12 +123,32 @@ class TxMode(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Retention:
+    """Keep the first ``blocks`` keys of a tx out of eviction for ``ttl_s`` seconds after
+    their last use (a prompt-cache breakpoint with its TTL)."""
+
+    blocks: int
+    ttl_s: float
+
+
+class RetentionOutcome(enum.Enum):
+    """What became of a tx's retention (values as the protocol's ``RetentionStatus``)."""
+
+    NONE = "none"  # none asked
+    GRANTED = "granted"
+    OVER_BUDGET = "over_budget"  # the tenant's retention budget would be exceeded
+    NODE_FULL = "node_full"  # the node retains as many blocks as it may
+    UNSUPPORTED = "unsupported"  # the engine evicts on its own (vLLM): not promised
+
+
+@dataclass(frozen=True, slots=True)
 class AllocateParams:
     tx_id: str
     tenant: str
     keys: Sequence[BlockKey]
     lease_s: float
     mode: TxMode = TxMode.ALLOCATE
+    retain: tuple[Retention, ...] = ()  # ALLOCATE only
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +162,8 @@ class AllocateResult:
     lease_deadline: float  # clock time at which the tx expires
     shared_blocks: int = 0  # in-flight blocks of other open txs joined (content not valid yet)
     promoted_blocks: int = 0  # of reused_blocks, those brought back from host memory or disk
+    retention: RetentionOutcome = RetentionOutcome.NONE
+    retained_blocks: int = 0  # the leading blocks retained (GRANTED), else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +189,8 @@ class PoolStats:
     allocated_blocks: int
     locked_blocks: int
     open_txs: int
-    evictable_blocks: int  # CACHED and unlocked
+    evictable_blocks: int  # CACHED, unlocked and not retained
+    retained_blocks: int = 0  # kept out of eviction by a retention until its TTL
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,8 +214,18 @@ class BlockMoved:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockRetained:
+    """Keys the node keeps out of eviction for ``ttl_s`` more seconds (each hit extends
+    it again, unannounced); ``ttl_s == 0``: their retention ended (they are ordinary
+    cache again, evictable)."""
+
+    keys: tuple[BlockKey, ...]
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
     pass
 
 
-BlockEvent = BlockStored | BlockRemoved | BlockMoved | AllBlocksCleared
+BlockEvent = BlockStored | BlockRemoved | BlockMoved | BlockRetained | AllBlocksCleared

@@ -3,6 +3,10 @@
 Engine-mirror calls (``mirror_stored``/``mirror_removed``/``mirror_clear``, as a vLLM
 agent makes from the engine's KV events) are interleaved too.
 
+Some ALLOCATE txs ask for a retention (a prompt-cache breakpoint) under a small budget:
+a granted retention's keys stay cached until their TTL whatever else happens, unless
+the engine itself drops them.
+
 Prompts are short paths over a 3-token alphabet hashed with the real chained block keys
 (block_size 1), for two tenants, so prefixes overlap heavily and a pool of 8 blocks is
 constantly reusing, sharing in-flight blocks, evicting and running out of capacity.
@@ -26,11 +30,14 @@ from node_agent.blocks.types import (
     AllocateResult,
     BlockEvent,
     BlockRemoved,
+    BlockRetained,
     BlockState,
     BlockStored,
     CapacityExhausted,
     CommitResult,
     InvalidArgument,
+    Retention,
+    RetentionOutcome,
     TxClosed,
     TxExpired,
     TxMode,
@@ -65,6 +72,10 @@ prompts = st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=6
 tenants = st.sampled_from(["a", "b"])
 modes = st.sampled_from([TxMode.ALLOCATE, TxMode.ALLOCATE, TxMode.LOCK_ONLY])
 leases = st.sampled_from([0.5, 1.0, 2.0, 5.0])
+retains = st.one_of(
+    st.none(),
+    st.tuples(st.integers(min_value=1, max_value=6), st.sampled_from([1.0, 2.0, 4.0])),
+)
 picks = st.integers(min_value=0, max_value=1_000)
 
 
@@ -80,7 +91,17 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.pool = BlockPool(CAPACITY_BLOCKS, self.clock, max_lease_s=10.0)
+        self.pool = BlockPool(
+            CAPACITY_BLOCKS,
+            self.clock,
+            max_lease_s=10.0,
+            retention_budget_block_s=12.0,
+            max_retained_blocks=4,
+            max_retention_s=5.0,
+        )
+        # Keys a granted retention promised to keep until then (set at commit).
+        self.promised: dict[BlockKey, float] = {}
+        self.retained_shadow: set[BlockKey] = set()  # retained keys rebuilt from events
         self.model = Model()
         self.shadow: set[BlockKey] = set()  # cached keys rebuilt from events only
         self.engine_removed: set[BlockKey] = set()  # keys ever mirrored as removed
@@ -111,13 +132,25 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    @rule(tokens=prompts, tenant=tenants, mode=modes, lease_s=leases)
-    def allocate(self, tokens: list[int], tenant: str, mode: TxMode, lease_s: float) -> None:
+    @rule(tokens=prompts, tenant=tenants, mode=modes, lease_s=leases, retain=retains)
+    def allocate(
+        self,
+        tokens: list[int],
+        tenant: str,
+        mode: TxMode,
+        lease_s: float,
+        retain: tuple[int, float] | None,
+    ) -> None:
         self._expire_now()  # so a CapacityExhausted can be compared with the state before
         keys = compute_block_keys(tokens, tenant=tenant, model="m", block_size=1)
         tx_id = f"tx{self.next_tx}"
         self.next_tx += 1
-        params = AllocateParams(tx_id=tx_id, tenant=tenant, keys=keys, lease_s=lease_s, mode=mode)
+        wanted = ()
+        if retain is not None and mode is TxMode.ALLOCATE:
+            wanted = (Retention(min(retain[0], len(keys)), retain[1]),)
+        params = AllocateParams(
+            tx_id=tx_id, tenant=tenant, keys=keys, lease_s=lease_s, mode=mode, retain=wanted
+        )
         cached_before = self.pool.match_prefix(keys)
         before = snapshot(self.pool)
         events_before = self.pool.take_events()
@@ -138,6 +171,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
             event("shared in-flight blocks")
         if result.reused_blocks:
             event("reused cached prefix")
+        if wanted:
+            event(f"retention {result.retention.value}")
+            granted = result.retention is RetentionOutcome.GRANTED
+            assert result.retained_blocks == (wanted[0].blocks if granted else 0)
+        else:
+            assert result.retention is RetentionOutcome.NONE
         self.model.open[tx_id] = OpenTx(params, result)
         assert result.reused_blocks == cached_before
         assert result.lease_deadline == self.clock.now_s + lease_s
@@ -217,6 +256,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 assert self.pool.block_key(h) == key
                 assert self.pool.block_state(h) is BlockState.CACHED
             assert self.pool.match_prefix(held) == n
+        if tx.result.retention is RetentionOutcome.GRANTED:
+            opened_s = tx.result.lease_deadline - tx.params.lease_s
+            until = opened_s + tx.params.retain[0].ttl_s
+            for key in held[: tx.result.retained_blocks]:
+                if key not in self.engine_removed:
+                    self.promised[key] = max(self.promised.get(key, 0.0), until)
         if tx.params.mode is TxMode.LOCK_ONLY:
             assert result.stored_keys == ()
 
@@ -304,6 +349,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def mirror_removed(self, tokens: list[int], tenant: str) -> None:
         keys = compute_block_keys(tokens, tenant=tenant, model="m", block_size=1)
         self.engine_removed.update(keys)
+        for key in keys:  # the engine's own eviction ends a retention
+            self.promised.pop(key, None)
         if self.pool.mirror_removed(keys):
             event("mirrored removed")
         for key in keys:  # gone now, unless a tx holds it
@@ -315,6 +362,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def mirror_clear(self) -> None:
         held = (self.pool.block_key(h) for h in range(CAPACITY_BLOCKS))
         self.engine_removed.update(k for k in held if k is not None)
+        self.promised.clear()
         self.pool.mirror_clear()
         stats = self.pool.stats()
         assert stats.evictable_blocks == 0
@@ -330,9 +378,18 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 event("evicted")
                 assert set(ev.keys) <= self.shadow, "removed a key never stored"
                 self.shadow.difference_update(ev.keys)
+                self.retained_shadow.difference_update(ev.keys)
+            elif isinstance(ev, BlockRetained):
+                assert set(ev.keys) <= self.shadow, "retained a key never stored"
+                if ev.ttl_s:
+                    self.retained_shadow.update(ev.keys)
+                else:
+                    event("retention ended")
+                    self.retained_shadow.difference_update(ev.keys)
             else:
                 assert isinstance(ev, AllBlocksCleared)
                 self.shadow.clear()
+                self.retained_shadow.clear()
 
     @invariant()
     def pool_invariants_hold(self) -> None:
@@ -365,6 +422,20 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def events_rebuild_the_cached_set(self) -> None:
         self._apply_events(self.pool.take_events())
         assert self.shadow == set(self.pool.cached_keys())
+
+    @invariant()
+    def retention_keeps_its_promise(self) -> None:
+        cached = set(self.pool.cached_keys())
+        for key, until in list(self.promised.items()):
+            if self.clock.now_s >= until:
+                del self.promised[key]
+            else:
+                assert key in cached, f"retained key {key:#x} evicted before its TTL"
+
+    @invariant()
+    def events_rebuild_the_retained_set(self) -> None:
+        self._apply_events(self.pool.take_events())
+        assert self.retained_shadow == {k for k, _ in self.pool.retained_keys()}
 
     @invariant()
     def open_txs_match(self) -> None:
