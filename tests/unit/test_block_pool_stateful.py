@@ -145,7 +145,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         keys = compute_block_keys(tokens, tenant=tenant, model="m", block_size=1)
         tx_id = f"tx{self.next_tx}"
         self.next_tx += 1
-        wanted = ()
+        wanted: tuple[Retention, ...] = ()
         if retain is not None and mode is TxMode.ALLOCATE:
             wanted = (Retention(min(retain[0], len(keys)), retain[1]),)
         params = AllocateParams(
