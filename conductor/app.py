@@ -253,6 +253,8 @@ def create_app(
                 max_waiting=settings.max_waiting_requests,
                 telemetry=metrics,
                 lower_tiers=lower_tiers,
+                affinity_slack_s=settings.prompt_cache_affinity_slack_s,
+                prompt_cache_min_tokens=settings.prompt_cache_min_tokens,
             )
             stack.push_async_callback(dispatcher.drain)
             state = AppState(

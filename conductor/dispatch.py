@@ -30,6 +30,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -58,6 +59,7 @@ from conductor.errors import (
     ServiceUnavailable,
 )
 from conductor.generation import (
+    Breakpoint,
     GenerationRequest,
     GenerationStream,
     Placed,
@@ -151,6 +153,9 @@ class Dispatcher:
         clock: Callable[[], float] = time.monotonic,
         telemetry: DispatchTelemetry | None = None,
         lower_tiers: LowerTierIndex | None = None,
+        affinity_slack_s: float = 0.05,
+        max_affinity_keys: int = 65_536,
+        prompt_cache_min_tokens: int = 1024,
     ) -> None:
         self._fleet = fleet
         self._index = index
@@ -167,6 +172,11 @@ class Dispatcher:
         self._capacity_freed = asyncio.Event()
         self._streams: set[GenerationStream] = set()  # running generations
         self._cleanup: set[asyncio.Task[None]] = set()
+        # prompt_cache_key → the prefill node its last request used (bounded, LRU).
+        self._affinity: OrderedDict[tuple[str, str], NodeId] = OrderedDict()
+        self._affinity_slack_s = affinity_slack_s
+        self._max_affinity_keys = max_affinity_keys
+        self._prompt_cache_min_tokens = prompt_cache_min_tokens
 
     # ------------------------------------------------------------------ helpers
     async def _shielded(self, coro: Awaitable[None]) -> None:
@@ -281,6 +291,8 @@ class Dispatcher:
             max_new_tokens=req.sampling.max_tokens,
             slo=req.slo,
             length_key=(self._model, req.tenant),
+            affinity=self._affinity.get((req.tenant, req.cache_key)) if req.cache_key else None,
+            affinity_slack_s=self._affinity_slack_s,
         )
         arrived_s = self._clock()
         placement = self.loop.begin(sreq, keys, arrived_s)
@@ -392,6 +404,8 @@ class Dispatcher:
         block_size = prefill.info.block_size
         # Unguessable (122 random bits): a tx id is what a peer's ReadBlocks names.
         tx_id = f"{req.request_id}:{uuid.uuid4().hex}"
+        if req.cache_key:
+            self._remember_affinity((req.tenant, req.cache_key), placement.prefill)
         disaggregated = decode is not prefill
         release = [prefill, decode] if disaggregated else [prefill]
         for agent in release:
@@ -418,12 +432,17 @@ class Dispatcher:
         fused = bool(keys) and placement.migration is None and prefill.info.fused_tx
         try:
             reused_blocks = migrated = 0
+            kept = tuple(bp for bp in req.breakpoints if bp.tokens >= self._prompt_cache_min_tokens)
+            retain = retention_of(kept, block_size, len(keys))
+            # Breakpoints all too short (or inside the first block): nothing is retained.
+            retention = "below_minimum" if req.breakpoints and not retain else "none"
             allocate = pb.TxAllocateRequest(
                 tx_id=tx_id,
                 tenant=req.tenant,
                 block_keys=keys,
                 lease_s=tx_lease_s(self._lease_s, placement.ttft_s),
                 mode=pb.TX_MODE_ALLOCATE,
+                retain=retain,
             )
             if fused:
                 loop_state.allocated()
@@ -432,6 +451,8 @@ class Dispatcher:
                 tx_open = True
                 loop_state.allocated()
                 reused_blocks = alloc.reused_blocks
+                if retain:
+                    retention = retention_name(alloc.retention)
                 if placement.migration is not None:
                     migrated = await self._migrate(
                         req, keys, placement, prefill, tx_id, reused_blocks
@@ -458,6 +479,8 @@ class Dispatcher:
                 pre = await prefill.stub.Prefill(prefill_request, timeout=self._request_timeout_s)
                 if fused:  # allocated and committed by the agent
                     loop_state.committed()
+                    if retain:
+                        retention = retention_name(pre.retention)
                 cached_tokens = pre.cached_tokens
                 loop_state.prefill_done(prompt_len, pre.cached_tokens, pre.prefill_s)
                 gen.kv_source.CopyFrom(
@@ -490,6 +513,8 @@ class Dispatcher:
             if fused and not disaggregated:  # the agent allocated and has committed by now
                 cached_tokens = timings.cached_tokens
                 loop_state.committed()
+                if retain:
+                    retention = retention_name(timings.retention)
             if not disaggregated:
                 loop_state.prefill_done(prompt_len, cached_tokens, timings.prefill_s)
             elif timings.transfer_bytes:
@@ -527,6 +552,8 @@ class Dispatcher:
             cached_tokens=cached_tokens,
             migrated_tokens=min(migrated * block_size, cached_tokens),
             would_have_hit_tokens=loop_state.would_have_hit_blocks * block_size,
+            retention=retention,
+            breakpoints=kept if retain else (),
         )
         telemetry = self._telemetry
         if telemetry is not None:
@@ -550,6 +577,12 @@ class Dispatcher:
         self._streams.add(stream)
         return stream
 
+    def _remember_affinity(self, key: tuple[str, str], node: NodeId) -> None:
+        self._affinity[key] = node
+        self._affinity.move_to_end(key)
+        if len(self._affinity) > self._max_affinity_keys:
+            self._affinity.popitem(last=False)
+
     def interrupt_streams(self, error: ConductorError) -> int:
         """End every running generation with ``error`` (shutdown deadline): a stream
         sends it as its last event and [DONE]. Returns how many were running."""
@@ -557,6 +590,36 @@ class Dispatcher:
         for stream in streams:
             stream.interrupt(error)
         return len(streams)
+
+
+_RETENTION_NAMES = {
+    pb.RETENTION_STATUS_NONE: "none",
+    pb.RETENTION_STATUS_GRANTED: "granted",
+    pb.RETENTION_STATUS_OVER_BUDGET: "over_budget",
+    pb.RETENTION_STATUS_NODE_FULL: "node_full",
+    pb.RETENTION_STATUS_UNSUPPORTED: "unsupported",
+}
+
+
+def retention_name(result: pb.RetentionResult) -> str:
+    """A node's answer to a Tx's retention, as ``UsageCounts.retention`` names it (an
+    agent that predates retention answers nothing: "unsupported")."""
+    name = _RETENTION_NAMES.get(result.status, "unsupported")
+    return "unsupported" if name == "none" else name
+
+
+def retention_of(
+    breakpoints: Sequence[Breakpoint], block_size: int, n_keys: int
+) -> list[pb.Retention]:
+    """The Tx's retention for ``breakpoints``: whole blocks only (a block a breakpoint
+    cuts through is not retained), within the ``n_keys`` blocks the Tx holds, one entry
+    per distinct length (the longest TTL)."""
+    ttl_by_blocks: dict[int, float] = {}
+    for bp in breakpoints:
+        blocks = min(bp.tokens // block_size, n_keys)
+        if blocks > 0:
+            ttl_by_blocks[blocks] = max(ttl_by_blocks.get(blocks, 0.0), bp.ttl_s)
+    return [pb.Retention(blocks=b, ttl_s=t) for b, t in sorted(ttl_by_blocks.items())]
 
 
 def _tier_bandwidth(tiers: Sequence[pb.KvTier]) -> tuple[float, float]:

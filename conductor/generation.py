@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -30,12 +30,23 @@ _FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length
 
 
 @dataclass(frozen=True, slots=True)
+class Breakpoint:
+    """Retain the prompt's first ``tokens`` tokens for ``ttl_s`` after their last use
+    (a ``cache_control`` breakpoint, where it falls in the prompt)."""
+
+    tokens: int
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
     tenant: str
     prompt_ids: tuple[int, ...]
     sampling: Sampling
     slo: Slo
+    breakpoints: tuple[Breakpoint, ...] = ()
+    cache_key: str = ""  # prompt_cache_key: a routing affinity hint ("" none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +54,16 @@ class UsageCounts:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # What became of the request's breakpoints on the prefill node: "none" (none asked),
+    # "granted", "over_budget", "node_full", "unsupported" (RetentionStatus), or
+    # "below_minimum" (every breakpoint shorter than the conductor retains).
+    retention: str = "none"
+    # Prompt tokens written to the cache at granted breakpoints, per TTL (seconds).
+    cache_writes: tuple[tuple[float, int], ...] = ()
+
+    @property
+    def cache_write_tokens(self) -> int:
+        return sum(n for _, n in self.cache_writes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +85,8 @@ class Placed:
     cached_tokens: int  # reused on the prefill node (incl. migrated blocks)
     migrated_tokens: int  # of those, pulled from another node for this request
     would_have_hit_tokens: int  # prefix another node held at decision time, recomputed
+    retention: str = "none"  # the prefill node's answer to the breakpoints (UsageCounts)
+    breakpoints: tuple[Breakpoint, ...] = ()  # those the node was asked to retain
 
 
 def _to_delta(msg: pb.GenerateResponse, placed: Placed) -> TokenDelta:
@@ -79,6 +102,10 @@ def _to_delta(msg: pb.GenerateResponse, placed: Placed) -> TokenDelta:
             prompt_tokens=msg.usage.prompt_tokens,
             completion_tokens=msg.usage.completion_tokens,
             cached_tokens=cached,
+            retention=placed.retention,
+            cache_writes=tuple(
+                sorted(cache_writes(placed.breakpoints, cached, placed.retention).items())
+            ),
         )
     return TokenDelta(
         token_ids=tuple(msg.token_ids),
@@ -86,6 +113,23 @@ def _to_delta(msg: pb.GenerateResponse, placed: Placed) -> TokenDelta:
         finish_reason=_FINISH_NAMES.get(msg.finish_reason),
         usage=usage,
     )
+
+
+def cache_writes(
+    breakpoints: Sequence[Breakpoint], cached_tokens: int, retention: str
+) -> dict[float, int]:
+    """Prompt tokens written to the cache under each TTL: from the cached prefix up to
+    each breakpoint, the segment before a breakpoint taking its TTL (TTLs do not grow
+    along the prompt). Nothing unless the retention was granted."""
+    if retention != "granted":
+        return {}
+    out: dict[float, int] = {}
+    start = cached_tokens
+    for bp in sorted(breakpoints, key=lambda b: b.tokens):
+        if bp.tokens > start:
+            out[bp.ttl_s] = out.get(bp.ttl_s, 0) + bp.tokens - start
+            start = bp.tokens
+    return out
 
 
 def map_agent_error(exc: AgentCallError) -> ConductorError:

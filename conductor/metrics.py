@@ -34,6 +34,8 @@ OUTCOMES = ("success", "client_error", "rejected", "upstream_error", "cancelled"
 ENDPOINTS = ("chat_completions", "completions", "messages")
 
 PROMPT_SOURCES = ("local", "migrated", "computed")
+# What became of a request's prompt-cache breakpoints (conductor.api.prompt_cache).
+RETENTION_OUTCOMES = ("granted", "over_budget", "node_full", "unsupported", "below_minimum")
 PREDICTED_QUANTITIES = ("ttft", "tbt")  # what a prediction-ratio sample compares
 # predicted / actual: 1 is perfect; < 1 optimistic (admits too much), > 1 pessimistic.
 _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2, 4, 10)
@@ -166,6 +168,18 @@ class ConductorMetrics:
             ("source",),
             registry=r,
         )
+        self.prompt_cache_retentions = Counter(
+            "conductor_prompt_cache_retentions_total",
+            "Requests that asked for prompt-cache retention (cache_control breakpoints, "
+            "prompt_cache_retention), by what became of it; per tenant: /admin/prompt-cache.",
+            ("outcome",),
+            registry=r,
+        )
+        self.prompt_cache_write_tokens = Counter(
+            "conductor_prompt_cache_write_tokens_total",
+            "Prompt tokens written to the cache at granted breakpoints (cache writes).",
+            registry=r,
+        )
         self.migrations = Counter(
             "conductor_kv_migrations_total",
             "Prefix migrations (hot-spot replication) between nodes.",
@@ -227,6 +241,8 @@ class ConductorMetrics:
                 self.requests.labels(endpoint, outcome)
         for source in PROMPT_SOURCES:
             self.prompt_cache_tokens.labels(source)
+        for retention in RETENTION_OUTCOMES:
+            self.prompt_cache_retentions.labels(retention)
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)
         for node_role in NODE_ROLES:

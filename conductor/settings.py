@@ -55,6 +55,29 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
     default_max_tokens: int = Field(
         256, ge=1, description="max_tokens when a request omits it", json_schema_extra=_HTTP
     )
+    prompt_cache_min_tokens: int = Field(
+        1024,
+        ge=1,
+        description="Shortest prompt prefix a cache_control breakpoint retains (Anthropic: "
+        "1,024); a shorter one is ordinary automatic caching, and the usage says so",
+        json_schema_extra=_HTTP,
+    )
+    prompt_cache_max_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        le=86_400,
+        description="Longest retention a request may ask (cache_control ttl, "
+        "prompt_cache_retention '24h'); longer is 422. Agents must allow it too "
+        "(their --max-retention-s)",
+        json_schema_extra=_HTTP,
+    )
+    prompt_cache_affinity_slack_s: float = Field(
+        0.05,
+        ge=0,
+        description="prompt_cache_key: requests sharing a key go to the node the last one "
+        "used while its predicted time to first token is within this of the best node's",
+        json_schema_extra=_HTTP,
+    )
     max_inflight_requests: int = Field(
         1024,
         ge=1,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from conductor.adapters.agents import AgentFleet
 from conductor.adapters.ratelimit import RateLimiter
+from conductor.api.prompt_cache import TenantCacheLedger
 from conductor.api.schemas import ModelCard
 from conductor.api.tool_calls import ParserName
 from conductor.core.prefix_index import PrefixIndex
@@ -29,6 +30,7 @@ class AppState:
     tenants: TenantDirectory
     limiter: RateLimiter
     tool_parser: ParserName | None = None  # reads tool calls from the output; None: refused
+    cache_ledger: TenantCacheLedger = field(default_factory=TenantCacheLedger)
     created: int = field(default_factory=lambda: int(time.time()))
     inflight: int = 0
     draining: bool = False

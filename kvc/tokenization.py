@@ -18,9 +18,11 @@ re-decoding only a small window per token.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Final, NoReturn
@@ -32,7 +34,13 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["ChatTemplateError", "ChatTokenizer", "IncrementalDetokenizer", "TextTooLong"]
+__all__ = [
+    "ChatMark",
+    "ChatTemplateError",
+    "ChatTokenizer",
+    "IncrementalDetokenizer",
+    "TextTooLong",
+]
 
 # transformers uses int(1e30) as "no limit" for model_max_length.
 _UNBOUNDED_LENGTH: Final = 10**12
@@ -214,6 +222,35 @@ def _load_chat_templates(model_dir: Path, tokenizer_config: Mapping[str, Any]) -
                 if isinstance(name, str) and isinstance(template, str):
                     templates[name] = template
     return templates
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMark:
+    """A place in a chat request whose rendered prompt position is wanted: the end of
+    ``messages[message]`` (``cut`` None: its whole turn; else the first ``cut``
+    characters of its text content), or the end of ``tools[tool]``. Exactly one of
+    ``message`` and ``tool`` is set."""
+
+    message: int | None = None
+    tool: int | None = None
+    cut: int | None = None
+
+
+_MARK_PROBE = "\x07"  # a character no template adds: where a probe render parts ways
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _normalise_content(content: Any, index: int) -> Any:
@@ -496,6 +533,76 @@ class ChatTokenizer:
             template_kwargs=template_kwargs,
         )
         return self.encode(text, add_special_tokens=False, limit=limit)
+
+    def chat_token_ids_marked(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        marks: Sequence[ChatMark],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        limit: int | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """``chat_token_ids`` plus, per mark, how many leading prompt tokens end at or
+        before it (a prompt-cache breakpoint's position).
+
+        A mark's character position is found by rendering the request cut at the mark
+        and again with a probe character just past it: where the two part ways is where
+        the marked content ends in the rendered prompt, whatever the template wraps
+        around it; the cut render must also agree with the full one up to there (a
+        template that rewrites earlier text for later messages gets the shorter, agreed
+        prefix). Characters become tokens by the full prompt's offsets: a token that
+        straddles the position is not counted. Costs up to two extra renders per mark.
+        """
+        full = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        if limit is not None and (bound := self.min_tokens(full)) > limit:
+            raise TextTooLong(bound, limit)
+        positions = [self._mark_position(full, messages, tools, mark) for mark in marks]
+        # As ``encode`` does for long text: without holding the GIL.
+        encoding = self._tokenizer.encode_batch([full], add_special_tokens=False)[0]
+        ends = [end for _, end in encoding.offsets]
+        # Offsets are non-decreasing in practice; take the running max to be safe.
+        for i in range(1, len(ends)):
+            ends[i] = max(ends[i], ends[i - 1])
+        return list(encoding.ids), [bisect.bisect_right(ends, pos) for pos in positions]
+
+    def _mark_position(
+        self,
+        full: str,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        mark: ChatMark,
+    ) -> int:
+        render = self.apply_chat_template
+        if mark.tool is not None:
+            if not tools or not 0 <= mark.tool < len(tools):
+                raise ChatTemplateError(f"mark on tools[{mark.tool}], which does not exist")
+            head = list(tools[: mark.tool + 1])
+            cut = render(messages, add_generation_prompt=True, tools=head)
+            probe_tool = {"type": "function", "function": {"name": _MARK_PROBE}}
+            probe = render(messages, add_generation_prompt=True, tools=[*head, probe_tool])
+            return min(_common_prefix(cut, probe), _common_prefix(cut, full))
+        index = mark.message
+        if index is None or not 0 <= index < len(messages):
+            raise ChatTemplateError(f"mark on messages[{index}], which does not exist")
+        if mark.cut is None:  # the whole turn, its closing markers included
+            cut = render(messages[: index + 1], add_generation_prompt=False, tools=tools)
+            return _common_prefix(cut, full)
+        message = dict(messages[index])
+        text = _normalise_content(message.get("content"), index)
+        if not isinstance(text, str) or not 0 <= mark.cut <= len(text):
+            raise ChatTemplateError(f"mark cuts messages[{index}] outside its text")
+        head = list(messages[:index])
+        cut = render(
+            [*head, {**message, "content": text[: mark.cut]}],
+            add_generation_prompt=False,
+            tools=tools,
+        )
+        probe = render(
+            [*head, {**message, "content": text[: mark.cut] + _MARK_PROBE}],
+            add_generation_prompt=False,
+            tools=tools,
+        )
+        return min(_common_prefix(cut, probe), _common_prefix(cut, full))
 
     def api_token_ids(
         self,

@@ -29,6 +29,7 @@ from node_agent.blocks.types import (
     AllBlocksCleared,
     BlockMoved,
     BlockRemoved,
+    BlockRetained,
     BlockStored,
     KvMedium,
 )
@@ -99,6 +100,9 @@ class EventPublisher:
             elif isinstance(ev, BlockMoved):
                 moved = pb.BlockMoved(block_keys=list(ev.keys), medium=MEDIUM_TO_PB[ev.medium])
                 self._append(pb.Event(moved=moved), origin_time_s)
+            elif isinstance(ev, BlockRetained):
+                retained = pb.BlockRetained(block_keys=list(ev.keys), ttl_s=ev.ttl_s)
+                self._append(pb.Event(retained=retained), origin_time_s)
             elif isinstance(ev, AllBlocksCleared):
                 self._append(pb.Event(cleared=pb.AllBlocksCleared()), origin_time_s)
 
@@ -217,6 +221,7 @@ class EventPublisher:
         """The full state a conductor (re)builds its shadow from, at ``last_seq``."""
         self._pool.expire_leases()
         self.publish_pool_events()
+        retained = self._pool.retained_keys()
         return pb.SnapshotResponse(
             node=node,
             epoch=self.epoch,
@@ -225,6 +230,8 @@ class EventPublisher:
             load=self.load_update(),
             host_keys=self._pool.tier_keys(KvMedium.HOST),
             disk_keys=self._pool.tier_keys(KvMedium.DISK),
+            retained_keys=[k for k, _ in retained],
+            retained_ttl_s=[round(left, 3) for _, left in retained],
         )
 
     async def watch(self, epoch: str, from_seq: int) -> AsyncIterator[pb.EventBatch]:

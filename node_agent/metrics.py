@@ -67,7 +67,8 @@ BLOCK_STATES = ("free", "cached", "allocated")
 TRANSFER_DIRECTIONS = ("sent", "received")
 TRANSFER_KINDS = ("handoff", "migration")  # prefill → decode; prefix pulled between nodes
 TOKEN_SOURCES = ("computed", "cached")
-EVENT_KINDS = ("stored", "removed", "moved", "cleared", "load")
+EVENT_KINDS = ("stored", "removed", "moved", "retained", "cleared", "load")
+RETENTION_OUTCOMES = ("granted", "over_budget", "node_full", "unsupported")
 TIER_MEDIA = ("host", "disk")  # the lower KV tiers (L2, L3); the pool itself is "device"
 
 MAX_CONNECTIONS = 16  # concurrent scrapes of /metrics; more get a 503
@@ -132,6 +133,19 @@ class AgentMetrics:
         self.locked_blocks = Gauge(
             "node_agent_kv_locked_blocks",
             "KV blocks locked by open transactions (never evicted while locked).",
+            registry=r,
+        )
+        self.retained_blocks = Gauge(
+            "node_agent_kv_retained_blocks",
+            "KV blocks kept out of eviction by a prompt-cache retention (cache_control "
+            "breakpoints) until their TTL.",
+            registry=r,
+        )
+        self.retentions = Counter(
+            "node_agent_retentions",
+            "Retentions asked in transactions, by outcome (granted, over_budget, "
+            "node_full, unsupported); a refused one never refuses its transaction.",
+            ("outcome",),
             registry=r,
         )
         self.kv_usage = Gauge(
@@ -255,6 +269,8 @@ class AgentMetrics:
             self.prefill_tokens.labels(source)
         for kind in EVENT_KINDS:
             self.events.labels(kind)
+        for outcome in RETENTION_OUTCOMES:
+            self.retentions.labels(outcome)
         for state in BLOCK_STATES:
             self.blocks.labels(state)
         for medium in TIER_MEDIA:
@@ -297,6 +313,7 @@ class AgentMetrics:
         self.blocks.labels("allocated").set(stats.allocated_blocks)
         self.capacity_blocks.set(stats.capacity_blocks)
         self.locked_blocks.set(stats.locked_blocks)
+        self.retained_blocks.set(stats.retained_blocks)
         self.kv_usage.set(1.0 - stats.free_blocks / stats.capacity_blocks)
         self.open_txs.set(stats.open_txs)
         expired = pool.leases_expired

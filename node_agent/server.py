@@ -35,6 +35,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import TypeVar
 
 import grpc
@@ -57,6 +58,8 @@ from node_agent.blocks.types import (
     AllocateResult,
     BlockPoolError,
     InvalidArgument,
+    Retention,
+    RetentionOutcome,
     TxMode,
 )
 from node_agent.calibration import Calibration, calibrate_before_serving
@@ -128,6 +131,9 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             max_lease_s=settings.max_lease_s,
             max_tenant_locked_blocks=settings.tenant_max_locked_blocks(),
             lower=_lower_tiers(settings, engine),
+            retention_budget_block_s=settings.resolved_retention_budget_block_s(),
+            max_retained_blocks=settings.max_retained_blocks(),
+            max_retention_s=settings.max_retention_s,
         )
         self.events = EventPublisher(
             self.pool, engine, self.metrics, max_buffered=settings.event_buffer
@@ -146,7 +152,10 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         self.generation = Generation(self.state, self.staging, self.receiver)
         self.health: health.aio.HealthServicer | None = None
         self.node_info = pb.NodeInfo()
-        if isinstance(engine, CacheMirroringEngine):  # vLLM: the pool mirrors its cache
+        # vLLM: the pool mirrors a cache the engine evicts from on its own, so a
+        # retention promised here could not be kept.
+        self.engine_evicts = isinstance(engine, CacheMirroringEngine)
+        if isinstance(engine, CacheMirroringEngine):
             engine.set_cache_sink(self.events.apply_engine_cache_events)
 
     @property
@@ -285,6 +294,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             lease_remaining_s=max(0.0, result.lease_deadline - self.state.clock()),
             free_blocks=self.pool.stats().free_blocks,
             allocatable_blocks=self.events.allocatable_blocks(),
+            retention=retention_pb(result),
         )
 
     async def _allocate(self, request: pb.TxAllocateRequest) -> AllocateResult:
@@ -294,21 +304,31 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             self.metrics.tx.labels(op, "draining").inc()
             raise Draining("this node is draining and takes no new work")
         keys = tuple(BlockKey(k) for k in request.block_keys)
+        retain = tuple(Retention(r.blocks, r.ttl_s) for r in request.retain)
+        # An engine that evicts on its own (vLLM) cannot keep a promise made here.
+        unsupported = bool(retain) and self.engine_evicts
         params = AllocateParams(
             tx_id=request.tx_id,
             tenant=request.tenant,
             keys=keys,
             lease_s=request.lease_s,
             mode=mode,
+            retain=() if unsupported else retain,
         )
         lower = self.pool.lower
         if lower is None:
-            return await self._tx(op, lambda: self.pool.tx_allocate(params))
-        await prefetch(lower, keys)  # copies and reads on the I/O thread, not here
-        try:
-            return await self._tx(op, lambda: self.pool.tx_allocate(params))
-        finally:
-            lower.unstage(keys)
+            result = await self._tx(op, lambda: self.pool.tx_allocate(params))
+        else:
+            await prefetch(lower, keys)  # copies and reads on the I/O thread, not here
+            try:
+                result = await self._tx(op, lambda: self.pool.tx_allocate(params))
+            finally:
+                lower.unstage(keys)
+        if unsupported:
+            result = replace(result, retention=RetentionOutcome.UNSUPPORTED)
+        if result.retention is not RetentionOutcome.NONE:
+            self.metrics.retentions.labels(result.retention.value).inc()
+        return result
 
     @maps_errors
     @authorized("conductor")
@@ -359,6 +379,8 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             # The KV is computed and staged (or in the engine's hands for its own
             # transfer): the blocks are valid cache now, whatever happens to the decode.
             await fused.commit()
+        if fused.result is not None:
+            response.retention.CopyFrom(retention_pb(fused.result))
         return response
 
     @staticmethod
@@ -377,7 +399,8 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         under this id (a repeated call) is left to its first owner and its lease."""
         fused = _FusedTx(self, tx.tx_id, owned=not self._tx_open(tx.tx_id))
         try:
-            fused.reused_blocks = (await self._allocate(tx)).reused_blocks
+            fused.result = await self._allocate(tx)
+            fused.reused_blocks = fused.result.reused_blocks
             yield fused
         finally:
             if not fused.committed and fused.owned:
@@ -421,6 +444,8 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 if not fused.committed:
                     await fused.commit()
                     msg.timings.cached_tokens = fused.reused_blocks * self.state.settings.block_size
+                    if fused.result is not None:
+                        msg.timings.retention.CopyFrom(retention_pb(fused.result))
                 yield msg
 
     @maps_errors
@@ -596,15 +621,31 @@ class AgentServer:
         await self.engine.aclose()
 
 
+_RETENTION_TO_PB = {
+    RetentionOutcome.NONE: pb.RETENTION_STATUS_NONE,
+    RetentionOutcome.GRANTED: pb.RETENTION_STATUS_GRANTED,
+    RetentionOutcome.OVER_BUDGET: pb.RETENTION_STATUS_OVER_BUDGET,
+    RetentionOutcome.NODE_FULL: pb.RETENTION_STATUS_NODE_FULL,
+    RetentionOutcome.UNSUPPORTED: pb.RETENTION_STATUS_UNSUPPORTED,
+}
+
+
+def retention_pb(result: AllocateResult) -> pb.RetentionResult:
+    return pb.RetentionResult(
+        status=_RETENTION_TO_PB[result.retention], retained_blocks=result.retained_blocks
+    )
+
+
 class _FusedTx:
     """A fused call's Tx: committed by the call's body, aborted otherwise."""
 
-    __slots__ = ("committed", "owned", "reused_blocks", "service", "tx_id")
+    __slots__ = ("committed", "owned", "result", "reused_blocks", "service", "tx_id")
 
     def __init__(self, service: NodeAgentService, tx_id: str, *, owned: bool) -> None:
         self.service = service
         self.tx_id = tx_id
         self.owned = owned
+        self.result: AllocateResult | None = None
         self.reused_blocks = 0
         self.committed = False
 

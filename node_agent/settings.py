@@ -146,6 +146,37 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         ),
         json_schema_extra=_BLOCKS,
     )
+    max_retention_s: float = Field(
+        3600.0,
+        gt=0,
+        le=86_400,
+        description=(
+            "Longest prompt-cache retention (a cache_control breakpoint's TTL) a "
+            "conductor may ask; longer is refused"
+        ),
+        json_schema_extra=_BLOCKS,
+    )
+    retention_budget_block_s: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Each tenant's prompt-cache retention budget in KV block-seconds (the sum over "
+            "its retained blocks of the seconds left); past it a retention is refused and "
+            "the request served with ordinary caching. Unset: a quarter of the pool for "
+            "max_retention_s"
+        ),
+        json_schema_extra=_BLOCKS,
+    )
+    max_retained_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description=(
+            "Share of the pool that retained blocks may fill, all tenants together (the "
+            "rest stays for automatic caching and new work); 0: no retention"
+        ),
+        json_schema_extra=_BLOCKS,
+    )
     max_staged_bytes: int = Field(
         512 * 1024 * 1024,
         ge=1,
@@ -312,6 +343,14 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
 
     def resolved_served_model_name(self) -> str:
         return self.served_model_name or self.model.name
+
+    def resolved_retention_budget_block_s(self) -> float:
+        if self.retention_budget_block_s is not None:
+            return self.retention_budget_block_s
+        return 0.25 * self.capacity_blocks * self.max_retention_s
+
+    def max_retained_blocks(self) -> int:
+        return int(self.capacity_blocks * self.max_retained_share)
 
     def tenant_max_locked_blocks(self) -> int | None:
         if self.tenant_max_locked_share >= 1.0:

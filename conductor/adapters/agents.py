@@ -98,6 +98,8 @@ class AgentHandle:
     inflight: int = 0
     last_error: str = field(default="not polled yet")
     load: pb.LoadUpdate | None = None  # latest from Snapshot / WatchEvents
+    # Keys the node retains for prompt-cache breakpoints (its snapshot and events).
+    retained: set[int] = field(default_factory=set)
 
     @property
     def usable(self) -> bool:

@@ -133,6 +133,7 @@ class ShadowSync:
             disk=_as_block_keys(snap.disk_keys), tiered=bool(snap.node.tiers),
         )  # fmt: skip
         agent.load = snap.load
+        agent.retained = set(snap.retained_keys)
         call = agent.stub.WatchEvents(
             pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
         )
@@ -169,6 +170,8 @@ class ShadowSync:
                 stored = _as_block_keys(ev.stored.block_keys)
             elif kind == "removed":
                 removed = _as_block_keys(ev.removed.block_keys)
+                if agent.retained:
+                    agent.retained.difference_update(removed)
             elif kind == "moved":  # still held, in another tier
                 keys = _as_block_keys(ev.moved.block_keys)
                 medium = medium_of(ev.moved.medium)
@@ -178,6 +181,12 @@ class ShadowSync:
                     moved = (medium, keys)
             elif kind == "cleared":
                 cleared = True
+                agent.retained.clear()
+            elif kind == "retained":  # held as before; retention is shown, not scheduled
+                if ev.retained.ttl_s > 0:
+                    agent.retained.update(ev.retained.block_keys)
+                else:
+                    agent.retained.difference_update(ev.retained.block_keys)
             elif kind == "load":
                 agent.load = ev.load
             outcome = apply_node_event(

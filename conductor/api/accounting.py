@@ -25,6 +25,7 @@ class RequestAccount:
     started: float = field(default_factory=time.perf_counter)
     in_flight: bool = False
     closed: bool = False
+    tenant: str = ""  # set once the tenant is known
 
     def refuse(self, reason: str) -> None:
         """Refused before any engine work (429/503): counted with its reason."""
@@ -88,5 +89,20 @@ class RequestAccount:
             m.prompt_cache_tokens.labels("migrated").inc(migrated)
             m.prompt_cache_tokens.labels("computed").inc(usage.prompt_tokens - cached)
             m.completion_tokens.inc(usage.completion_tokens)
+            self._prompt_cache(usage, cached, stream)
             if migrated:
                 m.migrations.inc()
+
+    def _prompt_cache(self, usage: UsageCounts, cached: int, stream: GenerationStream) -> None:
+        """Prompt-cache books: the tenant's ledger, and bounded-label totals."""
+        m = self.state.metrics
+        if usage.retention != "none":
+            m.prompt_cache_retentions.labels(usage.retention).inc()
+            m.prompt_cache_write_tokens.inc(usage.cache_write_tokens)
+        self.state.cache_ledger.record(
+            self.tenant,
+            read_tokens=cached,
+            breakpoints=stream.placed.breakpoints,
+            retention=usage.retention,
+            written_tokens=usage.cache_write_tokens,
+        )

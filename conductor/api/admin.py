@@ -73,6 +73,7 @@ def _node(state: AppState, agent: AgentHandle) -> dict[str, Any]:
         "queued_prefill_tokens": load.queued_prefill_tokens if load else None,
         "running_requests": load.running_requests if load else None,
         "shadow_keys": state.index.node_key_count(NodeId(agent.address)),
+        "retained_blocks": len(agent.retained),  # prompt-cache breakpoints kept
         # Lower KV tiers (host memory, disk) with their fill and measured bandwidth.
         "tiers": [
             {
@@ -121,6 +122,21 @@ async def drain_node(
         "draining": resp.draining,
         "open_txs": resp.open_txs,
         "running_requests": resp.running_requests,
+    }
+
+
+@router.get("/prompt-cache", responses=errors(401, 404))
+async def prompt_cache(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
+    """Prompt caching per tenant since this conductor started (cache reads, writes at
+    granted breakpoints, tokens retained, refused retentions), and what each node
+    retains now."""
+    ledger = state.cache_ledger
+    return {
+        "tenants": ledger.snapshot(),
+        "dropped_tenants": ledger.dropped_tenants,
+        "retained_blocks": {a.address: len(a.retained) for a in state.fleet.handles()},
+        "min_tokens": state.settings.prompt_cache_min_tokens,
+        "max_ttl_s": state.settings.prompt_cache_max_ttl_s,
     }
 
 

@@ -19,7 +19,7 @@ from conductor.errors import (
     RateLimited,
     ServiceUnavailable,
 )
-from conductor.generation import GenerationRequest, GenerationStream, UsageCounts
+from conductor.generation import Breakpoint, GenerationRequest, GenerationStream, UsageCounts
 from conductor.state import AppState
 from conductor.tenants import Tenant
 from kvc.sampling import Sampling
@@ -108,6 +108,9 @@ async def admit(
     prompt_param: str,
     slo: Slo,
     response_format: str | None = None,
+    *,
+    breakpoints: tuple[Breakpoint, ...] = (),
+    cache_key: str = "",
 ) -> Admitted:
     """Bound, check and place one generation; return once its first token exists.
 
@@ -125,6 +128,8 @@ async def admit(
             prompt_param,
             slo,
             response_format,
+            breakpoints,
+            cache_key,
         )
     except BaseException as exc:
         account.failed_to_start(exc)
@@ -141,8 +146,11 @@ async def _admit(
     prompt_param: str,
     slo: Slo,
     response_format: str | None,
+    breakpoints: tuple[Breakpoint, ...],
+    cache_key: str,
 ) -> Admitted:
     state = account.state
+    account.tenant = tenant.name
     max_len = state.max_model_len()
     if max_len is None:
         account.refuse("no_capacity")
@@ -181,6 +189,8 @@ async def _admit(
             prompt_ids=tuple(prompt_ids),
             sampling=sampling_for(body, max_tokens, response_format),
             slo=slo,
+            breakpoints=breakpoints,
+            cache_key=cache_key,
         )
     )
     account.first_token()

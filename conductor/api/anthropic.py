@@ -13,8 +13,13 @@ Anthropic renders it: content blocks (``text``, ``tool_use``), ``stop_reason``
 (``{"type": "error", "error": {"type", "message"}}``). The API key comes in ``x-api-key``
 (or ``Authorization: Bearer``).
 
-Refused with 422 rather than ignored, until they are built: ``cache_control`` on the
-request, a block or a tool (explicit prompt-cache retention), ``stop_sequences`` (the
+``cache_control`` (prompt-cache breakpoints with a 5-minute or 1-hour TTL) is honoured
+on system, text, ``tool_use`` and ``tool_result`` blocks, on tools and at the top level
+(the last message): see ``conductor.api.prompt_cache``; the usage then reports
+``cache_creation_input_tokens`` and ``cache_creation`` by TTL. Text blocks become chat
+content parts, joined by newlines in the prompt as vLLM joins them.
+
+Refused with 422 rather than ignored, until they are built: ``stop_sequences`` (the
 matched sequence is not reported back yet), ``output_config``, image and document
 blocks, extended thinking. Other fields are logged once per name, as on the OpenAI
 routes.
@@ -33,7 +38,7 @@ from pydantic import Field, ValidationError
 from conductor.api.deps import StateDep, TenantDep, request_id
 from conductor.api.openai import log_unknown_fields, start_chat
 from conductor.api.openapi_doc import GENERATION_ERRORS, errors, streamed
-from conductor.api.schemas import ChatCompletionRequest, OpenAIRequest, _ResponseModel
+from conductor.api.schemas import _ABSENT, ChatCompletionRequest, OpenAIRequest, _ResponseModel
 from conductor.api.sse import GenerationResponse
 from conductor.api.tool_calls import Call
 from conductor.errors import ConductorError, InvalidRequest, UnprocessableEntity
@@ -110,26 +115,27 @@ def _refuse(param: str, why: str) -> UnprocessableEntity:
     )
 
 
-def _no_cache_control(block: Any, where: str) -> None:
+def _cached(item: dict[str, Any], block: Any) -> dict[str, Any]:
+    """``item`` with the ``cache_control`` of ``block``, when it has one."""
     if isinstance(block, dict) and "cache_control" in block:
-        raise _refuse(f"{where}.cache_control", "prompt-cache retention is not built yet")
+        return {**item, "cache_control": block["cache_control"]}
+    return item
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A string, or a list of text blocks, as one string."""
+def _text_parts(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A string, or a list of text blocks as chat content parts (breakpoints kept)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequest(f"'{where}' must be a string or a list of text blocks.", param=where)
     parts = []
     for i, block in enumerate(content):
-        _no_cache_control(block, f"{where}[{i}]")
         if not isinstance(block, dict) or block.get("type") != "text":
             raise _refuse(f"{where}[{i}].type", "only text blocks here")
         if not isinstance(block.get("text"), str):
             raise InvalidRequest(f"'{where}[{i}].text' must be a string.", param=where)
-        parts.append(block["text"])
-    return "".join(parts)
+        parts.append(_cached({"type": "text", "text": block["text"]}, block))
+    return parts
 
 
 def _message(i: int, message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -145,16 +151,17 @@ def _message(i: int, message: dict[str, Any]) -> list[dict[str, Any]]:
         raise InvalidRequest(
             f"'{where}.content' must be a string or a list of blocks.", param=f"{where}.content"
         )
-    texts: list[str] = []
+    texts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
+    turn_cache: Any = None  # a breakpoint on a tool_use block: after the whole turn
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
-        _no_cache_control(block, at)
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            texts.append(_cached({"type": "text", "text": block["text"]}, block))
         elif kind == "tool_use" and role == "assistant":
+            turn_cache = block.get("cache_control", turn_cache)
             calls.append(
                 {
                     "id": str(block.get("id", "")),
@@ -167,22 +174,27 @@ def _message(i: int, message: dict[str, Any]) -> list[dict[str, Any]]:
             )
         elif kind == "tool_result" and role == "user":
             results.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": str(block.get("tool_use_id", "")),
-                    "content": _text_of(block.get("content", ""), f"{at}.content"),
-                }
+                _cached(
+                    {
+                        "role": "tool",
+                        "tool_call_id": str(block.get("tool_use_id", "")),
+                        "content": _text_parts(block.get("content", ""), f"{at}.content"),
+                    },
+                    block,
+                )
             )
         elif kind in ("text", "tool_use", "tool_result"):
             raise InvalidRequest(f"'{at}' is not a valid {kind} block here.", param=at)
         else:
             raise _refuse(f"{at}.type", f"{kind!r} blocks are not built yet")
     if role == "assistant":
-        turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        turn: dict[str, Any] = {"role": "assistant", "content": texts or None}
         if calls:
             turn["tool_calls"] = calls
+        if turn_cache is not None:
+            turn["cache_control"] = turn_cache
         return [turn]
-    return [*results, *([{"role": "user", "content": "".join(texts)}] if texts else [])]
+    return [*results, *([{"role": "user", "content": texts}] if texts else [])]
 
 
 def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
@@ -210,31 +222,33 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         raise _refuse("stop_sequences", "the matched sequence is not reported back yet")
     if body.thinking is not None:
         raise _refuse("thinking", "extended thinking is not built")
-    if body.cache_control is not None:
-        raise _refuse("cache_control", "prompt-cache retention is not built yet")
     if body.output_config is not None:
         raise _refuse("output_config", "output formats and effort are not built yet")
     messages: list[dict[str, Any]] = []
     if body.system:
-        messages.append({"role": "system", "content": _text_of(body.system, "system")})
+        messages.append({"role": "system", "content": _text_parts(body.system, "system")})
     for i, message in enumerate(body.messages):
         messages.extend(_message(i, message))
+    if body.cache_control is not None:  # automatic caching: a breakpoint at the end
+        messages[-1] = {**messages[-1], "cache_control": body.cache_control}
     tools = None
     if body.tools is not None:
         tools = []
         for i, tool in enumerate(body.tools):
-            _no_cache_control(tool, f"tools[{i}]")
             if not isinstance(tool.get("name"), str):
                 raise InvalidRequest(f"'tools[{i}].name' is required.", param=f"tools[{i}]")
             tools.append(
-                {
-                    "type": "function",
-                    "function": {
-                        "name": tool["name"],
-                        "description": tool.get("description", ""),
-                        "parameters": tool.get("input_schema", {"type": "object"}),
+                _cached(
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": tool["name"],
+                            "description": tool.get("description", ""),
+                            "parameters": tool.get("input_schema", {"type": "object"}),
+                        },
                     },
-                }
+                    tool,
+                )
             )
     choice, parallel = _tool_choice(body.tool_choice)
     user = (body.metadata or {}).get("user_id")
@@ -262,11 +276,22 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
 # --------------------------------------------------------------------- the answer
 
 
+class CacheCreation(_ResponseModel):
+    """Cache writes by TTL, as Anthropic reports them."""
+
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
 class MessagesUsage(_ResponseModel):
-    input_tokens: int  # prompt tokens not read from a cache
+    input_tokens: int  # prompt tokens neither read from nor written to a cache
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    cache_creation: CacheCreation | None = _ABSENT
+    # This conductor's extension, when breakpoints were asked: what became of them
+    # (granted, over_budget, node_full, unsupported, below_minimum).
+    cache_retention: str | None = _ABSENT
 
 
 class MessagesResponse(_ResponseModel):
@@ -282,10 +307,21 @@ class MessagesResponse(_ResponseModel):
 
 def _usage(usage: UsageCounts) -> MessagesUsage:
     cached = min(usage.cached_tokens, usage.prompt_tokens)
+    written = min(usage.cache_write_tokens, usage.prompt_tokens - cached)
+    asked = usage.retention != "none"
+    by_ttl = dict(usage.cache_writes)
     return MessagesUsage(
-        input_tokens=usage.prompt_tokens - cached,
+        input_tokens=usage.prompt_tokens - cached - written,
         output_tokens=usage.completion_tokens,
         cache_read_input_tokens=cached,
+        cache_creation_input_tokens=written,
+        cache_creation=CacheCreation(
+            ephemeral_5m_input_tokens=sum(n for t, n in by_ttl.items() if t <= 300.0),
+            ephemeral_1h_input_tokens=sum(n for t, n in by_ttl.items() if t > 300.0),
+        )
+        if asked
+        else None,
+        cache_retention=usage.retention if asked else None,
     )
 
 

@@ -25,6 +25,7 @@ from conductor.api.admission import Admitted, admit
 from conductor.api.deps import StateDep, TenantDep, request_id
 from conductor.api.limits import request_slo
 from conductor.api.openapi_doc import GENERATION_ERRORS, errors, streamed
+from conductor.api.prompt_cache import read_marks, retention_ttl_s
 from conductor.api.schemas import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -42,6 +43,7 @@ from conductor.api.schemas import (
     FunctionCallDelta,
     ModelCard,
     ModelList,
+    PromptCacheUsage,
     ToolCall,
     ToolCallDelta,
     Usage,
@@ -59,7 +61,7 @@ from conductor.errors import (
     ModelNotFound,
     UnprocessableEntity,
 )
-from conductor.generation import TokenDelta, UsageCounts
+from conductor.generation import Breakpoint, TokenDelta, UsageCounts
 from conductor.state import AppState
 from conductor.tenants import Tenant
 from kvc.tokenization import ChatTemplateError, TextTooLong
@@ -70,7 +72,14 @@ router = APIRouter()
 
 
 def _usage_model(u: UsageCounts) -> Usage:
-    return Usage.from_counts(u.prompt_tokens, u.completion_tokens, cached_tokens=u.cached_tokens)
+    usage = Usage.from_counts(u.prompt_tokens, u.completion_tokens, cached_tokens=u.cached_tokens)
+    if u.retention != "none":  # the request asked for retention: say what became of it
+        usage.prompt_cache = PromptCacheUsage(
+            retention=u.retention,
+            cache_write_tokens=u.cache_write_tokens,
+            cache_read_tokens=min(u.cached_tokens, u.prompt_tokens),
+        )
+    return usage
 
 
 _UNKNOWN_SEEN: set[str] = set()
@@ -469,19 +478,47 @@ async def start_chat(
     _reject_unsupported(body.n, body.logprobs)
     _refuse_what_chat_cannot_honour(body, state)
     _check_token_ids(body, state.tokenizer.vocab_size)
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    tools = body.tools if isinstance(body.tools, list) else None
+    max_ttl_s = state.settings.prompt_cache_max_ttl_s
+    whole_ttl_s = retention_ttl_s(body.prompt_cache_retention, max_ttl_s)
+    cache = read_marks(
+        [m.model_dump(exclude_none=True) for m in body.messages],
+        body.tools if isinstance(body.tools, list) else None,
+        max_ttl_s,
+    )
+    messages, tools = cache.messages, cache.tools
+    breakpoints: list[Breakpoint] = []
     try:
-        prompt_ids = await prompt_token_ids(
-            state,
-            text_size(messages, tools),
-            partial(
-                state.tokenizer.chat_token_ids, messages, add_generation_prompt=True, tools=tools
-            ),
-            "messages",
-        )
+        if cache.marks:
+            marked = partial(
+                state.tokenizer.chat_token_ids_marked, messages, cache.marks, tools=tools
+            )
+            counts: list[int] = []
+
+            def encode(limit: int | None) -> list[int]:
+                ids, found = marked(limit=limit)
+                counts.extend(found)
+                return ids
+
+            prompt_ids = await prompt_token_ids(
+                state, text_size(messages, tools), encode, "messages"
+            )
+            breakpoints = [Breakpoint(n, t) for n, t in zip(counts, cache.ttls_s, strict=True)]
+        else:
+            prompt_ids = await prompt_token_ids(
+                state,
+                text_size(messages, tools),
+                partial(
+                    state.tokenizer.chat_token_ids,
+                    messages,
+                    add_generation_prompt=True,
+                    tools=tools,
+                ),
+                "messages",
+            )
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
+    if whole_ttl_s is not None:
+        breakpoints.append(Breakpoint(len(prompt_ids), whole_ttl_s))
     adm = await admit(
         state,
         endpoint,
@@ -493,6 +530,8 @@ async def start_chat(
         "messages",
         request_slo(request, state),
         response_format=_forced_call_format(body),
+        breakpoints=tuple(breakpoints),
+        cache_key=body.prompt_cache_key or "",
     )
     return StartedChat(adm, _ToolCallReader.for_request(body, state), len(prompt_ids))
 
@@ -592,6 +631,9 @@ async def completions(
     _reject_unsupported(body.n, body.logprobs)
     _refuse_what_completion_cannot_honour(body, state)
     _check_token_ids(body, state.tokenizer.vocab_size)
+    whole_ttl_s = retention_ttl_s(
+        body.prompt_cache_retention, state.settings.prompt_cache_max_ttl_s
+    )
     prompt = body.single_prompt()
     if prompt is None:
         raise InvalidRequest("Only a single prompt per request is supported.", param="prompt")
@@ -620,6 +662,8 @@ async def completions(
         body.max_tokens,
         "prompt",
         request_slo(request, state),
+        breakpoints=() if whole_ttl_s is None else (Breakpoint(len(prompt_ids), whole_ttl_s),),
+        cache_key=body.prompt_cache_key or "",
     )
     completion_id = new_completion_id()
     created = int(time.time())

@@ -213,6 +213,7 @@ class ContentPart(OpenAIBaseModel):
 
     type: str
     text: str | None = None
+    cache_control: Any = None  # a prompt-cache breakpoint (conductor.api.prompt_cache)
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -221,6 +222,7 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
     tool_call_id: Any = None
     tool_calls: Any = None
+    cache_control: Any = None  # a breakpoint after the whole message
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -254,6 +256,10 @@ class ChatCompletionRequest(OpenAIRequest):
     tool_choice: Any = None
     response_format: Any = None
     parallel_tool_calls: Any = None
+    # Prompt caching (conductor.api.prompt_cache): OpenAI's routing affinity hint and
+    # retention ("in_memory" | "24h").
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    prompt_cache_retention: str | None = None
 
     @field_validator("n", "stream", mode="before")
     @classmethod
@@ -326,6 +332,8 @@ class CompletionRequest(OpenAIRequest):
     stream_options: StreamOptions | None = None
     suffix: str | None = None
     response_format: Any = None  # vLLM's extension of completions (structured output)
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    prompt_cache_retention: str | None = None
     # vLLM's: a text prompt gets the tokenizer's special tokens (BOS…), as vLLM adds them.
     add_special_tokens: bool = True
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -427,6 +435,17 @@ class CompletionTokensDetails(_ResponseModel):
     rejected_prediction_tokens: int = 0
 
 
+class PromptCacheUsage(_ResponseModel):
+    """This conductor's extension of ``usage`` for a request that asked for prompt-cache
+    retention (``cache_control``, ``prompt_cache_retention``)."""
+
+    # granted | over_budget (the tenant's budget) | node_full | unsupported (the engine
+    # evicts on its own: vLLM) | below_minimum (shorter than the deployment retains)
+    retention: str
+    cache_write_tokens: int  # prompt tokens written to the cache at granted breakpoints
+    cache_read_tokens: int  # prompt tokens read from the cache (= cached_tokens)
+
+
 class Usage(_ResponseModel):
     """Token counts.  An absent ``*_tokens_details`` is left out of the JSON, not null."""
 
@@ -435,6 +454,7 @@ class Usage(_ResponseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = _ABSENT
     completion_tokens_details: CompletionTokensDetails | None = _ABSENT
+    prompt_cache: PromptCacheUsage | None = _ABSENT
 
     @classmethod
     def from_counts(

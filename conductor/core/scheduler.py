@@ -177,6 +177,10 @@ class ScheduleRequest:
     tier_blocks: Mapping[NodeId, TierHits] = field(default_factory=dict)
     # Whose output lengths this request's decode is predicted from: (model, tenant).
     length_key: tuple[str, str] = ("", "")
+    # A routing affinity hint (OpenAI's prompt_cache_key: the node the key's last request
+    # used): preferred while its predicted TTFT is within ``affinity_slack_s`` of the best.
+    affinity: NodeId | None = None
+    affinity_slack_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +211,18 @@ class Rejection:
 
 # Delays (s) at which a TBT-refused request is re-forecast for ``Retry-After``.
 _RETRY_PROBES_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 120.0)
+
+
+def _with_affinity(
+    ordered: list[PrefillCandidate], affinity: NodeId, slack_s: float
+) -> list[PrefillCandidate]:
+    """``ordered`` with the affinity node first when it is within ``slack_s`` of the best."""
+    for i, candidate in enumerate(ordered):
+        if candidate.node.node_id == affinity:
+            if candidate.base_ttft_s <= ordered[0].base_ttft_s + slack_s:
+                return [candidate, *ordered[:i], *ordered[i + 1 :]]
+            break
+    return ordered
 
 
 class Scheduler:
@@ -367,6 +383,8 @@ class Scheduler:
         if not decode_nodes:
             return Rejection("no_decode_node", self._retry(1.0), math.inf, math.inf)
         ordered = self.policy.order_prefill(req, prefill_nodes, self)
+        if req.affinity is not None and ordered[0].node.node_id != req.affinity:
+            ordered = _with_affinity(ordered, req.affinity, req.affinity_slack_s)
         best = ordered[0]
         # The P→D KV hand-off for the chosen pair is added once the decode node is known.
         at_s = now_s

@@ -78,6 +78,35 @@ TX_MODE_LOCK_ONLY: TxMode.ValueType  # 2
 """source side of a copy: lock cached prefix only"""
 Global___TxMode: _TypeAlias = TxMode  # noqa: Y015
 
+class _RetentionStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RetentionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RetentionStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RETENTION_STATUS_NONE: _RetentionStatus.ValueType  # 0
+    """none asked"""
+    RETENTION_STATUS_GRANTED: _RetentionStatus.ValueType  # 1
+    RETENTION_STATUS_OVER_BUDGET: _RetentionStatus.ValueType  # 2
+    """the tenant's retention budget would be exceeded"""
+    RETENTION_STATUS_NODE_FULL: _RetentionStatus.ValueType  # 3
+    """the node retains as many blocks as it may"""
+    RETENTION_STATUS_UNSUPPORTED: _RetentionStatus.ValueType  # 4
+    """the engine evicts on its own (vLLM)"""
+
+class RetentionStatus(_RetentionStatus, metaclass=_RetentionStatusEnumTypeWrapper): ...
+
+RETENTION_STATUS_NONE: RetentionStatus.ValueType  # 0
+"""none asked"""
+RETENTION_STATUS_GRANTED: RetentionStatus.ValueType  # 1
+RETENTION_STATUS_OVER_BUDGET: RetentionStatus.ValueType  # 2
+"""the tenant's retention budget would be exceeded"""
+RETENTION_STATUS_NODE_FULL: RetentionStatus.ValueType  # 3
+"""the node retains as many blocks as it may"""
+RETENTION_STATUS_UNSUPPORTED: RetentionStatus.ValueType  # 4
+"""the engine evicts on its own (vLLM)"""
+Global___RetentionStatus: _TypeAlias = RetentionStatus  # noqa: Y015
+
 class _KvMedium:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -317,6 +346,61 @@ class EngineCalibration(_message.Message):
 Global___EngineCalibration: _TypeAlias = EngineCalibration  # noqa: Y015
 
 @_typing.final
+class Retention(_message.Message):
+    """Keep the first `blocks` keys of a Tx out of eviction for `ttl_s` seconds after their
+    last use (a prompt-cache breakpoint: Anthropic's cache_control with its TTL).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    blocks: _builtins.int
+    """1..len(block_keys)"""
+    ttl_s: _builtins.float
+    """(0, the node's max retention]"""
+    def __init__(
+        self,
+        *,
+        blocks: _builtins.int = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Retention: _TypeAlias = Retention  # noqa: Y015
+
+@_typing.final
+class RetentionResult(_message.Message):
+    """What became of a Tx's retention. A refused retention never refuses the Tx: the
+    request is served with ordinary (LRU) caching.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
+    status: Global___RetentionStatus.ValueType
+    retained_blocks: _builtins.int
+    """the leading blocks retained (GRANTED), else 0"""
+    def __init__(
+        self,
+        *,
+        status: Global___RetentionStatus.ValueType = ...,
+        retained_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["retained_blocks", b"retained_blocks", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetentionResult: _TypeAlias = RetentionResult  # noqa: Y015
+
+@_typing.final
 class TxAllocateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -325,12 +409,17 @@ class TxAllocateRequest(_message.Message):
     BLOCK_KEYS_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
+    RETAIN_FIELD_NUMBER: _builtins.int
     tx_id: _builtins.str
     tenant: _builtins.str
     lease_s: _builtins.float
     mode: Global___TxMode.ValueType
     @_builtins.property
     def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def retain(self) -> _containers.RepeatedCompositeFieldContainer[Global___Retention]:
+        """mode ALLOCATE only"""
+
     def __init__(
         self,
         *,
@@ -339,10 +428,11 @@ class TxAllocateRequest(_message.Message):
         block_keys: _abc.Iterable[_builtins.int] | None = ...,
         lease_s: _builtins.float = ...,
         mode: Global___TxMode.ValueType = ...,
+        retain: _abc.Iterable[Global___Retention] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "lease_s", b"lease_s", "mode", b"mode", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "lease_s", b"lease_s", "mode", b"mode", "retain", b"retain", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -360,6 +450,7 @@ class TxAllocateResponse(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _builtins.int
     ALLOCATABLE_BLOCKS_FIELD_NUMBER: _builtins.int
     READ_TOKEN_FIELD_NUMBER: _builtins.int
+    RETENTION_FIELD_NUMBER: _builtins.int
     tx_id: _builtins.str
     reused_blocks: _builtins.int
     """length of the cached prefix reused"""
@@ -380,6 +471,8 @@ class TxAllocateResponse(_message.Message):
     def handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """one per locked block, in key order"""
 
+    @_builtins.property
+    def retention(self) -> Global___RetentionResult: ...
     def __init__(
         self,
         *,
@@ -391,10 +484,11 @@ class TxAllocateResponse(_message.Message):
         free_blocks: _builtins.int = ...,
         allocatable_blocks: _builtins.int = ...,
         read_token: _builtins.str = ...,
+        retention: Global___RetentionResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable_blocks", b"allocatable_blocks", "free_blocks", b"free_blocks", "handles", b"handles", "lease_remaining_s", b"lease_remaining_s", "new_blocks", b"new_blocks", "read_token", b"read_token", "reused_blocks", b"reused_blocks", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable_blocks", b"allocatable_blocks", "free_blocks", b"free_blocks", "handles", b"handles", "lease_remaining_s", b"lease_remaining_s", "new_blocks", b"new_blocks", "read_token", b"read_token", "retention", b"retention", "reused_blocks", b"reused_blocks", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -688,6 +782,33 @@ class BlockMoved(_message.Message):
 Global___BlockMoved: _TypeAlias = BlockMoved  # noqa: Y015
 
 @_typing.final
+class BlockRetained(_message.Message):
+    """Keys the node keeps out of eviction for `ttl_s` more seconds (a hit extends that,
+    unannounced); ttl_s == 0: their retention ended, they are ordinary cache again.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_KEYS_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    ttl_s: _builtins.float
+    @_builtins.property
+    def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        block_keys: _abc.Iterable[_builtins.int] | None = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockRetained: _TypeAlias = BlockRetained  # noqa: Y015
+
+@_typing.final
 class AllBlocksCleared(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -713,6 +834,7 @@ class Event(_message.Message):
     CLEARED_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     MOVED_FIELD_NUMBER: _builtins.int
+    RETAINED_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """per node and epoch, strictly increasing from 1"""
     time_s: _builtins.float
@@ -727,6 +849,8 @@ class Event(_message.Message):
     def load(self) -> Global___LoadUpdate: ...
     @_builtins.property
     def moved(self) -> Global___BlockMoved: ...
+    @_builtins.property
+    def retained(self) -> Global___BlockRetained: ...
     def __init__(
         self,
         *,
@@ -737,12 +861,13 @@ class Event(_message.Message):
         cleared: Global___AllBlocksCleared | None = ...,
         load: Global___LoadUpdate | None = ...,
         moved: Global___BlockMoved | None = ...,
+        retained: Global___BlockRetained | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "kind", b"kind", "load", b"load", "moved", b"moved", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "kind", b"kind", "load", b"load", "moved", b"moved", "removed", b"removed", "retained", b"retained", "stored", b"stored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "kind", b"kind", "load", b"load", "moved", b"moved", "removed", b"removed", "seq", b"seq", "stored", b"stored", "time_s", b"time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "kind", b"kind", "load", b"load", "moved", b"moved", "removed", b"removed", "retained", b"retained", "seq", b"seq", "stored", b"stored", "time_s", b"time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["stored", "removed", "cleared", "load", "moved"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["stored", "removed", "cleared", "load", "moved", "retained"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -774,6 +899,8 @@ class SnapshotResponse(_message.Message):
     LOAD_FIELD_NUMBER: _builtins.int
     HOST_KEYS_FIELD_NUMBER: _builtins.int
     DISK_KEYS_FIELD_NUMBER: _builtins.int
+    RETAINED_KEYS_FIELD_NUMBER: _builtins.int
+    RETAINED_TTL_S_FIELD_NUMBER: _builtins.int
     epoch: _builtins.str
     seq: _builtins.int
     """the state below includes every event up to seq"""
@@ -793,6 +920,12 @@ class SnapshotResponse(_message.Message):
     def disk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """demoted to disk (L3)"""
 
+    @_builtins.property
+    def retained_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Retained keys (in cached_keys) and the seconds each retention has left, pairwise."""
+
+    @_builtins.property
+    def retained_ttl_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
         self,
         *,
@@ -803,10 +936,12 @@ class SnapshotResponse(_message.Message):
         load: Global___LoadUpdate | None = ...,
         host_keys: _abc.Iterable[_builtins.int] | None = ...,
         disk_keys: _abc.Iterable[_builtins.int] | None = ...,
+        retained_keys: _abc.Iterable[_builtins.int] | None = ...,
+        retained_ttl_s: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "node", b"node"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_keys", b"cached_keys", "disk_keys", b"disk_keys", "epoch", b"epoch", "host_keys", b"host_keys", "load", b"load", "node", b"node", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_keys", b"cached_keys", "disk_keys", b"disk_keys", "epoch", b"epoch", "host_keys", b"host_keys", "load", b"load", "node", b"node", "retained_keys", b"retained_keys", "retained_ttl_s", b"retained_ttl_s", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1019,6 +1154,7 @@ class PrefillResponse(_message.Message):
     KV_BYTES_FIELD_NUMBER: _builtins.int
     ENGINE_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
     STAGE_HANDLE_FIELD_NUMBER: _builtins.int
+    RETENTION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_tokens: _builtins.int
     cached_tokens: _builtins.int
@@ -1036,6 +1172,10 @@ class PrefillResponse(_message.Message):
     request's tenant): what FetchKv names. Never the client's request id, which two
     requests may share.
     """
+    @_builtins.property
+    def retention(self) -> Global___RetentionResult:
+        """the fused Tx's (PrefillRequest.tx)"""
+
     def __init__(
         self,
         *,
@@ -1047,10 +1187,11 @@ class PrefillResponse(_message.Message):
         kv_bytes: _builtins.int = ...,
         engine_transfer_params: _builtins.str = ...,
         stage_handle: _builtins.str = ...,
+        retention: Global___RetentionResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "computed_tokens", b"computed_tokens", "engine_transfer_params", b"engine_transfer_params", "kv_bytes", b"kv_bytes", "prefill_s", b"prefill_s", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "stage_handle", b"stage_handle"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "computed_tokens", b"computed_tokens", "engine_transfer_params", b"engine_transfer_params", "kv_bytes", b"kv_bytes", "prefill_s", b"prefill_s", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "retention", b"retention", "stage_handle", b"stage_handle"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1177,12 +1318,17 @@ class GenerateTimings(_message.Message):
     TRANSFER_S_FIELD_NUMBER: _builtins.int
     TRANSFER_BYTES_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    RETENTION_FIELD_NUMBER: _builtins.int
     queue_s: _builtins.float
     prefill_s: _builtins.float
     transfer_s: _builtins.float
     transfer_bytes: _builtins.int
     cached_tokens: _builtins.int
     """Prompt tokens whose KV this node reused (the fused Tx's reused blocks x block size)."""
+    @_builtins.property
+    def retention(self) -> Global___RetentionResult:
+        """the fused Tx's (GenerateRequest.tx)"""
+
     def __init__(
         self,
         *,
@@ -1191,10 +1337,11 @@ class GenerateTimings(_message.Message):
         transfer_s: _builtins.float = ...,
         transfer_bytes: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
+        retention: Global___RetentionResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "prefill_s", b"prefill_s", "queue_s", b"queue_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "prefill_s", b"prefill_s", "queue_s", b"queue_s", "retention", b"retention", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -106,6 +106,8 @@ async def test_the_document_is_valid_and_every_recorded_response_matches_it(
         await record("GET", "/admin/nodes", headers=ADMIN)
         await record("GET", "/admin/nodes")
         await record("GET", "/admin/index", headers=ADMIN)
+        await record("GET", "/admin/prompt-cache", headers=ADMIN)
+        await record("GET", "/admin/prompt-cache")
         drain = "/admin/nodes/{node}/drain"
         await record(
             "POST", drain, f"/admin/nodes/{agent.address}/drain", json={"resume": True},

@@ -46,7 +46,7 @@ NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 # service's configuration, checked separately).
 ALLOWED_LABELS: dict[str, tuple[str, ...] | None] = {
     "endpoint": cm.ENDPOINTS,
-    "outcome": (*cm.OUTCOMES, *am.TX_OUTCOMES),
+    "outcome": (*cm.OUTCOMES, *am.TX_OUTCOMES, *cm.RETENTION_OUTCOMES, *am.RETENTION_OUTCOMES),
     "reason": cm.REJECTION_REASONS,
     "source": (*cm.PROMPT_SOURCES, *am.TOKEN_SOURCES),
     "role": NODE_ROLES,

@@ -515,3 +515,19 @@ def test_a_queue_predicted_by_a_wrong_prior_shrinks_as_the_model_learns() -> Non
     learned = s.queue_s(node("p1"))
     assert learned < stale / 5
     assert learned == pytest.approx(4 * s.prefill_model(p1).estimate(8193, 0))
+
+
+def test_an_affinity_hint_wins_within_its_slack_and_loses_beyond_it() -> None:
+    """prompt_cache_key: the key's last node is preferred while its predicted TTFT is
+    within the slack of the best node's; never when it costs more than that."""
+    s = Scheduler(config())
+    slightly_busy = [node("p1"), node("p2", queued_prefill_tokens=20), node("d1", "decode")]
+    hinted = replace(request(), affinity=NodeId("p2"), affinity_slack_s=0.05)
+    assert placed(s.schedule(request(), slightly_busy, NOW)).prefill == "p1"
+    p = placed(s.schedule(hinted, slightly_busy, NOW))
+    assert p.prefill == "p2"
+    assert p.fallbacks == ("p1",)
+    busy = [node("p1"), node("p2", queued_prefill_tokens=5000), node("d1", "decode")]
+    assert placed(s.schedule(hinted, busy, NOW)).prefill == "p1"
+    gone = replace(hinted, affinity=NodeId("p9"))  # a node no longer in the fleet
+    assert placed(s.schedule(gone, slightly_busy, NOW)).prefill == "p1"

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvc.models import CORPUS_PATH, DEFAULT_MODEL_DIR
-from kvc.tokenization import ChatTemplateError, ChatTokenizer, IncrementalDetokenizer
+from kvc.tokenization import ChatMark, ChatTemplateError, ChatTokenizer, IncrementalDetokenizer
 from tools.build_tiny_llama import build
 
 MIXED_TEXT = (
@@ -414,3 +414,58 @@ def test_no_bound_where_text_can_vanish(
     assert (bound is not None) == bounded
     if bound is not None and model["type"] == "WordPiece":
         assert bound == 100 * 3  # max_input_chars_per_word, NFKC composition
+
+
+# -- prompt-cache marks ---------------------------------------------------------
+
+
+def _conversation() -> list[dict[str, object]]:
+    return [
+        {"role": "system", "content": "You are a careful assistant. " * 20},
+        {"role": "user", "content": "First question about the weather in Lisbon."},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "Part one of the follow-up.\nPart two, dynamic 12:03."},
+    ]
+
+
+def test_marks_fall_where_the_marked_content_ends() -> None:
+    tok = tokenizer()
+    messages = _conversation()
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather."}},
+        {"type": "function", "function": {"name": "get_time", "description": "Time."}},
+    ]
+    cut = len("Part one of the follow-up.")
+    marks = [
+        ChatMark(message=0),
+        ChatMark(message=2),
+        ChatMark(message=3, cut=cut),
+        ChatMark(tool=0),
+        ChatMark(tool=1),
+    ]
+    ids, counts = tok.chat_token_ids_marked(messages, marks, tools=tools)
+    assert ids == tok.chat_token_ids(messages, tools=tools)
+    text = tok.apply_chat_template(messages, tools=tools)
+    for count, marked in zip(
+        counts, ["You are a careful assistant. ", "It is sunny."], strict=False
+    ):
+        # The prefix of the prompt up to the mark decodes to text ending at or
+        # after the marked content (its closing markers included), before what follows.
+        head = tok.decode(ids[:count], skip_special_tokens=False)
+        assert marked in head
+        assert text.startswith(head)
+    system_end, turn_end, part_end, tool0, tool1 = counts
+    assert 0 < system_end < turn_end < part_end < len(ids)
+    head = tok.decode(ids[:part_end], skip_special_tokens=False)
+    assert head.rstrip().endswith("follow-up.") or head.endswith("follow-up")
+    assert "Part two" not in head
+    assert tool0 <= tool1 <= len(ids)
+    assert "get_time" not in tok.decode(ids[:tool0], skip_special_tokens=False)
+
+
+def test_a_mark_outside_the_request_is_an_error() -> None:
+    tok = tokenizer()
+    with pytest.raises(ChatTemplateError):
+        tok.chat_token_ids_marked(_conversation(), [ChatMark(message=9)])
+    with pytest.raises(ChatTemplateError):
+        tok.chat_token_ids_marked(_conversation(), [ChatMark(tool=0)])

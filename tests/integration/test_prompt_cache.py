@@ -1,0 +1,168 @@
+"""Prompt-cache breakpoints end to end in one process: real agents (gRPC on loopback)
+and the real conductor app — budgets per tenant, what the usage says, the OpenAI
+fields, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks
+
+MODEL = "tiny-llama"
+BLOCK = 32
+
+
+def system_prompt(topic: str) -> str:
+    return " ".join(f"Rule {i} for {topic}: answer briefly and stay on {topic}." for i in range(8))
+
+
+def chat(topic: str, ttl: str = "1h", question: str = "What is rule 3?") -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [
+            {
+                "role": "system",
+                "content": [
+                    {
+                        "type": "text",
+                        "text": system_prompt(topic),
+                        "cache_control": {"type": "ephemeral", "ttl": ttl},
+                    }
+                ],
+            },
+            {"role": "user", "content": question},
+        ],
+    }
+
+
+async def test_a_tenant_over_budget_is_served_without_retention_and_others_keep_theirs(
+    start_agent: AgentFactory, conductor: ConductorFactory, tmp_path: Path
+) -> None:
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text('{"tenants": {"a": {"api_keys": ["sk-a"]}, "b": {"api_keys": ["sk-b"]}}}')
+    # About 6 blocks retained for an hour is ~21,600 block-seconds: one grant per tenant.
+    agent = await start_agent("both", retention_budget_block_s=30_000.0)
+    pool = agent.service.pool
+    async with conductor([agent], tenants_file=tenants, prompt_cache_min_tokens=64) as c:
+
+        async def ask(key: str, body: dict[str, Any]) -> dict[str, Any]:
+            r = await c.client.post(
+                "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert r.status_code == 200, r.text
+            usage: dict[str, Any] = r.json()["usage"]
+            return usage
+
+        b_first = await ask("sk-b", chat("tides"))
+        assert b_first["prompt_cache"]["retention"] == "granted"
+        b_retained = {k for k, _ in pool.retained_keys()}
+        assert len(b_retained) >= 4
+        assert pool.retention_of("b")[0] == len(b_retained)
+
+        a_first = await ask("sk-a", chat("lighthouses"))
+        assert a_first["prompt_cache"]["retention"] == "granted"
+        assert a_first["prompt_cache"]["cache_write_tokens"] > 0
+        a_over = await ask("sk-a", chat("harbours"))  # a second hour-long grant: over budget
+        assert a_over["prompt_cache"] == {
+            "retention": "over_budget",
+            "cache_write_tokens": 0,
+            "cache_read_tokens": a_over["prompt_tokens_details"]["cached_tokens"],
+        }
+        assert a_over["completion_tokens"] == 2  # served all the same
+        # b's retention is untouched, and b can still use its own.
+        assert b_retained <= {k for k, _ in pool.retained_keys()}
+        assert pool.retention_of("b")[0] == len(b_retained)
+        b_again = await ask("sk-b", chat("tides", question="And rule 4?"))
+        assert b_again["prompt_tokens_details"]["cached_tokens"] >= len(b_retained) * BLOCK
+
+        books = (await c.client.get("/admin/prompt-cache")).status_code
+        assert books == 404  # operators only (no admin key configured: no admin API)
+    assert_no_locks(agent)
+
+
+async def test_the_ledger_and_metrics_count_writes_reads_and_refusals(
+    start_agent: AgentFactory, conductor: ConductorFactory, tmp_path: Path
+) -> None:
+    agent = await start_agent("both", retention_budget_block_s=0.0)  # refuse every grant
+    async with conductor(
+        [agent], prompt_cache_min_tokens=64, admin_keys=["adm"], api_keys=["sk-1"]
+    ) as c:
+        auth = {"Authorization": "Bearer sk-1"}
+        r = await c.client.post("/v1/chat/completions", json=chat("tides"), headers=auth)
+        assert r.json()["usage"]["prompt_cache"]["retention"] == "over_budget"
+        books = await c.client.get("/admin/prompt-cache", headers={"Authorization": "Bearer adm"})
+        default = books.json()["tenants"]["default"]
+        assert default["retention_requests"] == 1
+        assert default["retention_refused"] == 1
+        assert default["written_tokens"] == 0
+        metrics = (await c.client.get("/metrics")).text
+        assert 'conductor_prompt_cache_retentions_total{outcome="over_budget"} 1.0' in metrics
+    assert_no_locks(agent)
+
+
+async def test_short_breakpoints_openai_retention_and_affinity_key(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    pool = agent.service.pool
+    async with conductor([agent], prompt_cache_min_tokens=4096) as c:
+        r = await c.client.post("/v1/chat/completions", json=chat("tides"))
+        assert r.json()["usage"]["prompt_cache"]["retention"] == "below_minimum"
+        assert pool.stats().retained_blocks == 0
+    async with conductor([agent], prompt_cache_min_tokens=64) as c:
+        plain = {
+            "model": MODEL,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": system_prompt("sails")}],
+        }
+        # in_memory is automatic caching: nothing retained, nothing reported.
+        r = await c.client.post(
+            "/v1/chat/completions", json={**plain, "prompt_cache_retention": "in_memory"}
+        )
+        assert "prompt_cache" not in r.json()["usage"]
+        # 24h is longer than this deployment retains (1 h by default): refused, not shortened.
+        r = await c.client.post(
+            "/v1/chat/completions", json={**plain, "prompt_cache_retention": "24h"}
+        )
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["param"] == "prompt_cache_retention"
+        r = await c.client.post(
+            "/v1/chat/completions", json={**plain, "prompt_cache_retention": "forever"}
+        )
+        assert r.status_code == 400
+        # A completion with a key: accepted, served.
+        r = await c.client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hello there", "max_tokens": 2,
+                  "prompt_cache_key": "session-42"},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+    async with conductor([agent], prompt_cache_min_tokens=64, prompt_cache_max_ttl_s=86_400.0) as c:
+        r = await c.client.post(
+            "/v1/chat/completions", json={**plain, "prompt_cache_retention": "24h"}
+        )
+        assert r.status_code == 400, r.text  # the agent allows 1 h: refused there, clearly
+    assert_no_locks(agent)
+
+
+async def test_bad_breakpoints_are_400s(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent]) as c:
+        bad_ttl = chat("tides", ttl="10m")
+        r = await c.client.post("/v1/chat/completions", json=bad_ttl)
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "messages[0].content[0].cache_control"
+        five = chat("tides")
+        five["tools"] = [
+            {"type": "function", "function": {"name": f"t{i}"},
+             "cache_control": {"type": "ephemeral"}}
+            for i in range(5)
+        ]  # fmt: skip
+        r = await c.client.post("/v1/chat/completions", json=five)
+        assert r.status_code == 400
+        assert "A maximum of 4 blocks" in r.json()["error"]["message"]
+    assert_no_locks(agent)
