@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks
+from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, wait_until
 
 MODEL = "tiny-llama"
 BLOCK = 32
@@ -165,4 +165,32 @@ async def test_bad_breakpoints_are_400s(
         r = await c.client.post("/v1/chat/completions", json=five)
         assert r.status_code == 400
         assert "A maximum of 4 blocks" in r.json()["error"]["message"]
+    assert_no_locks(agent)
+
+
+async def test_retention_outlives_the_conductor_that_asked_for_it(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """The node owns a retention: a conductor started afterwards learns it from the
+    node's snapshot and shows it, and its requests read the retained prefix."""
+    agent = await start_agent("both")
+    async with conductor([agent], prompt_cache_min_tokens=64) as first:
+        r = await first.client.post("/v1/chat/completions", json=chat("tides"))
+        assert r.json()["usage"]["prompt_cache"]["retention"] == "granted"
+    retained = agent.service.pool.stats().retained_blocks
+    assert retained >= 4
+    async with conductor([agent], prompt_cache_min_tokens=64, admin_keys=["adm"]) as second:
+        handle = second.state.fleet.handles()[0]
+        await wait_until(lambda: len(handle.retained) == retained)  # from its snapshot
+        admin = {"Authorization": "Bearer adm"}
+        nodes = (await second.client.get("/admin/nodes", headers=admin)).json()
+        assert nodes["nodes"][0]["retained_blocks"] == retained
+        r = await second.client.post("/v1/chat/completions", json=chat("tides", question="Hm?"))
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= retained * BLOCK
+        # A new grant reaches this conductor's view through the node's events.
+        r = await second.client.post("/v1/chat/completions", json=chat("sails"))
+        assert r.json()["usage"]["prompt_cache"]["retention"] == "granted"
+        now_retained = agent.service.pool.stats().retained_blocks
+        assert now_retained > retained
+        await wait_until(lambda: len(handle.retained) == now_retained)
     assert_no_locks(agent)
