@@ -11,6 +11,7 @@ Modules
     ``profile``    hardware/model profiles: the truth for prefill, decode and transfer times
     ``trace``      Mooncake trace files, statistics, the unbounded-cache hit ratio
     ``workload``   synthetic workload generator (system prompts, sessions, Poisson arrivals)
+    ``agentic``    agentic tool-loop sessions with prompt-cache breakpoints (``prompt-cache-ttl``)
     ``instances``  prefill (BlockPool, FIFO, chunked) and decode (continuous batching) nodes
     ``cluster``    one replay: the request lifecycle driving the scheduler's hooks
     ``metrics``    per-request records and the summary statistics

@@ -12,6 +12,9 @@ reschedule, waiting, in-flight prefixes, the scheduler's books); only the I/O di
     3. ``TxAllocate`` (ALLOCATE) of every key on the chosen prefill node's ``BlockPool``.
        ``CapacityExhausted`` → ``failed(node, CAPACITY)``: the node is excluded and the
        loop decides again among the rest (as the dispatcher does on RESOURCE_EXHAUSTED).
+       With ``retention`` the tx carries the request's prompt-cache breakpoints
+       (``retain=``, trace blocks scaled to pool blocks); the pool grants or refuses
+       them (never the tx) and the replay counts its answers (``RetentionCounts``).
     4. A ``Migration``: ``TxAllocate(LOCK_ONLY)`` of the prefix on the holder; when it
        locked more than the destination already reuses, the blocks travel holder →
        destination over both NICs, ``scheduler.transfer.observe`` learns from it and the
@@ -79,10 +82,24 @@ from kvc_sim.instances import (
     TimingNoise,
     reserve_transfer,
 )
-from kvc_sim.metrics import LoadSample, RequestOutcome, RequestRecord, SimResult, top_decile_mean
+from kvc_sim.metrics import (
+    LoadSample,
+    RequestOutcome,
+    RequestRecord,
+    RetentionCounts,
+    SimResult,
+    top_decile_mean,
+)
 from kvc_sim.profile import Profile
 from kvc_sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, cached_tokens
-from node_agent.blocks.types import AllocateParams, CapacityExhausted, KvMedium, TxMode
+from node_agent.blocks.types import (
+    AllocateParams,
+    CapacityExhausted,
+    KvMedium,
+    Retention,
+    RetentionOutcome,
+    TxMode,
+)
 
 __all__ = ["MODEL", "TENANT", "Cluster", "simulate"]
 
@@ -129,6 +146,8 @@ class Cluster:
                 node, profile, capacity_blocks, config.block_tokens, self.loop.clock,
                 max_lease_s=config.lease_s, noise=self._noise(i), tiers=tiers,
                 replicas_elsewhere=replicas,
+                retention_budget_block_s=config.retention_budget_block_s,
+                max_retained_blocks=config.max_retained_blocks,
             )  # fmt: skip
             self.prefill[node] = inst
             self.index.reset_node(node, inst.epoch, 0, ())
@@ -152,6 +171,7 @@ class Cluster:
         self._migrations = 0
         self._migrated_blocks = 0
         self._resyncs = 0
+        self._retention: dict[RetentionOutcome, int] = dict.fromkeys(RetentionOutcome, 0)
 
     def _noise(self, instance: int) -> TimingNoise:
         c = self.config
@@ -204,6 +224,19 @@ class Cluster:
             wall_s=time.perf_counter() - started,
             prefill_busy_s=sum(p.busy_s for p in self.prefill.values()),
             prefill_instances=len(self.prefill),
+            retention=self._retention_counts() if self.config.retention else None,
+        )
+
+    def _retention_counts(self) -> RetentionCounts:
+        counts = self._retention
+        ratios = [s.retained_ratio for s in self._samples]
+        return RetentionCounts(
+            requests=sum(counts.values()) - counts[RetentionOutcome.NONE],
+            granted=counts[RetentionOutcome.GRANTED],
+            over_budget=counts[RetentionOutcome.OVER_BUDGET],
+            node_full=counts[RetentionOutcome.NODE_FULL],
+            retained_ratio_mean=sum(ratios) / len(ratios) if ratios else 0.0,
+            retained_ratio_max=max(ratios, default=0.0),
         )
 
     def keys_of(self, req: TraceRequest) -> tuple[BlockKey, ...]:
@@ -213,6 +246,21 @@ class Cluster:
         n_blocks = -(-req.input_tokens // self.config.block_tokens)
         keys = [BlockKey(h * sub + j) for h in req.hash_ids for j in range(sub)]
         return tuple(keys[:n_blocks])
+
+    def retain_of(self, flight: Flight, inst: PrefillInstance) -> tuple[Retention, ...]:
+        """The request's breakpoints as the pool's ``retain=`` (none without
+        ``retention``): those with a TTL of at least ``retention_min_ttl_s``, trace blocks
+        scaled to pool blocks, TTLs cut to the pool's cap."""
+        config = self.config
+        if not config.retention or not flight.req.breakpoints:
+            return ()
+        n = len(flight.keys)
+        cap_s = inst.pool.max_retention_s
+        return tuple(
+            Retention(min(blocks * self._sub, n), min(ttl_s, cap_s))
+            for blocks, ttl_s in flight.req.breakpoints
+            if ttl_s >= config.retention_min_ttl_s
+        )
 
     # ------------------------------------------------------------------ node views
     def set_available(self, node: NodeId, available: bool) -> None:
@@ -338,13 +386,16 @@ class Cluster:
             inst = self.prefill[step.prefill]
             tx_id = f"{flight.req.request_id}:{len(loop.excluded) + 1}"
             before = inst.promoted_counts()
+            retain = self.retain_of(flight, inst)
             try:
                 alloc = inst.pool.tx_allocate(
-                    AllocateParams(tx_id, TENANT, flight.keys, self.config.lease_s)
+                    AllocateParams(tx_id, TENANT, flight.keys, self.config.lease_s, retain=retain)
                 )
             except CapacityExhausted:
                 loop.failed(step.prefill, FailureKind.CAPACITY)
                 continue
+            if retain:
+                self._retention[alloc.retention] += 1
             after = inst.promoted_counts()
             load_s = inst.allocated(alloc.handles, (after[0] - before[0], after[1] - before[1]))
             self._publish(inst)
@@ -554,9 +605,11 @@ class Cluster:
             len(self.decode) * self.slo.tbt_s
         )
         used = []
+        retained = []
         for p in self.prefill.values():
             st = p.pool.stats()
             used.append((st.cached_blocks + st.allocated_blocks) / st.capacity_blocks)
+            retained.append(st.retained_blocks / st.capacity_blocks)
         self._samples.append(
             LoadSample(
                 t_s=self.loop.now_s,
@@ -565,6 +618,7 @@ class Cluster:
                 prefill_queue_tokens=sum(p.queued_tokens for p in self.prefill.values()),
                 decode_requests=sum(d.running_requests for d in self.decode.values()),
                 cache_used_ratio=sum(used) / len(used) if used else math.nan,
+                retained_ratio=sum(retained) / len(retained) if retained else 0.0,
             )
         )
         if self._to_arrive > 0 or self._in_flight > 0:

@@ -26,6 +26,18 @@ loads overlapped with compute), which the paper's scenarios use.
 ``replica_aware_eviction``: each prefill node's pool drops, instead of demoting, the
 victims the conductor's shadow sees on another node (``BlockPool``'s
 ``replicas_elsewhere``), so its lower tiers keep the fleet's last copies.
+
+Prompt-cache retention (``retention``; off: the requests' breakpoints are ignored and
+every pool is LRU-only, as before): the ALLOCATE tx on the prefill node carries the
+request's breakpoints (``TraceRequest.breakpoints``) as ``AllocateParams.retain``, so
+those leading blocks stay out of LRU eviction until their TTL runs out after their last
+use (``BlockPool``'s module docstring, "Retention"). Each pool refuses a retention (never
+the request) past ``retention_budget_block_s`` (KV block-seconds outstanding for the
+tenant; every trace request is one tenant, so per node; None: unlimited, the pool's
+default) or ``max_retained_blocks`` (blocks per node; None: half the pool, the pool's
+default). A breakpoint's TTL is cut to the pool's ``max_retention_s`` (1 hour).
+``retention_min_ttl_s``: honour only the breakpoints with at least this TTL (e.g. 3600:
+an agent's static prefix, not the 5-minute conversation marks); 0: every one.
 """
 
 from __future__ import annotations
@@ -64,6 +76,10 @@ class ClusterConfig:
     host_tier_tokens: int | None = None
     disk_tier_tokens: int | None = None
     replica_aware_eviction: bool = False
+    retention: bool = False
+    retention_budget_block_s: float | None = None
+    max_retained_blocks: int | None = None
+    retention_min_ttl_s: float = 0.0
 
     @property
     def tiered(self) -> bool:
@@ -89,3 +105,7 @@ class ClusterConfig:
             raise ValueError("host_tier_tokens and disk_tier_tokens must be >= 0")
         if self.cold_start_prefills < 0:
             raise ValueError("cold_start_prefills must be >= 0")
+        if (self.retention_budget_block_s or 0) < 0 or (self.max_retained_blocks or 0) < 0:
+            raise ValueError("retention_budget_block_s and max_retained_blocks must be >= 0")
+        if self.retention_min_ttl_s < 0:
+            raise ValueError("retention_min_ttl_s must be >= 0")

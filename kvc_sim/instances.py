@@ -52,6 +52,7 @@ from node_agent.blocks.types import (
     AllBlocksCleared,
     BlockMoved,
     BlockRemoved,
+    BlockRetained,
     BlockState,
     BlockStored,
     KvMedium,
@@ -212,9 +213,13 @@ class PrefillInstance:
         noise: TimingNoise | None = None,
         tiers: tuple[int, int] | None = None,
         replicas_elsewhere: Callable[[BlockKey], int] | None = None,
+        retention_budget_block_s: float | None = None,
+        max_retained_blocks: int | None = None,
     ) -> None:
         """``tiers``: (host, disk) tokens of the agent's lower tiers below a pool of
-        ``capacity_blocks`` (L1); None: the profile's HBM share of that pool instead."""
+        ``capacity_blocks`` (L1); None: the profile's HBM share of that pool instead.
+        ``retention_budget_block_s``, ``max_retained_blocks``: the pool's retention knobs
+        (None: its defaults)."""
         self.node_id = node_id
         self.noise = noise or TimingNoise()
         self.epoch = f"sim-{node_id}"
@@ -239,6 +244,10 @@ class PrefillInstance:
             max_finished_keys=65_536,
             lower=lower,
             replicas_elsewhere=replicas_elsewhere,
+            retention_budget_block_s=retention_budget_block_s,
+            max_retained_blocks=(
+                None if max_retained_blocks is None else min(max_retained_blocks, capacity_blocks)
+            ),
         )
         self.hbm_capacity_blocks = (
             0
@@ -256,9 +265,14 @@ class PrefillInstance:
 
     # ------------------------------------------------------------------ events
     def drain_events(self) -> list[IndexEvent]:
-        """The pool's queued block events, numbered as the agent's stream would be."""
+        """The pool's queued block events, numbered as the agent's stream would be.
+
+        ``BlockRetained`` (a retention granted or ended) is left out: the shadow index
+        does not follow retention, and leaving it out keeps the numbering gap-free."""
         out: list[IndexEvent] = []
         for event in self.pool.take_events():
+            if isinstance(event, BlockRetained):
+                continue
             self._seq += 1
             if isinstance(event, BlockStored):
                 out.append(IndexEvent(self._seq, stored=event.keys))

@@ -14,6 +14,9 @@ What it computes (definitions follow the paper, §7.1)
     * ``effective_capacity_ratio``: share of *all* requests (rejected ones included)
       served with TTFT <= the TTFT SLO and TBT <= the TBT SLO; ``effective_capacity_by_tbt``
       the same for each TBT threshold (the paper's 100/200/300 ms).
+    * ``RetentionCounts`` (clusters that honour prompt-cache breakpoints only): the
+      allocations that asked for a retention and what the pools answered, and the share
+      of the pools' blocks retained (load samples, mean over the prefill nodes).
 
 Knobs: the TTFT/TBT SLOs and TBT thresholds passed to ``summarize``. Percentiles are
 nearest-rank on the sorted sample. Complexity O(R log R) for R requests.
@@ -31,6 +34,7 @@ __all__ = [
     "LoadSample",
     "RequestOutcome",
     "RequestRecord",
+    "RetentionCounts",
     "SimResult",
     "Summary",
     "percentile",
@@ -67,6 +71,19 @@ class LoadSample:
     prefill_queue_tokens: int
     decode_requests: int
     cache_used_ratio: float  # cached + allocated blocks / capacity, mean over prefill nodes
+    retained_ratio: float = 0.0  # retained blocks / capacity, mean over prefill nodes
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionCounts:
+    """What became of the breakpoints a replay passed to the pools (``retain=``)."""
+
+    requests: int = 0  # allocations that carried breakpoints
+    granted: int = 0
+    over_budget: int = 0  # refused: the tenant's block-second budget
+    node_full: int = 0  # refused: the node retains as many blocks as it may
+    retained_ratio_mean: float = 0.0  # retained blocks / pool capacity, over load samples
+    retained_ratio_max: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +97,7 @@ class SimResult:
     wall_s: float
     prefill_busy_s: float = 0.0  # GPU seconds the prefill nodes spent computing
     prefill_instances: int = 0
+    retention: RetentionCounts | None = None  # None: breakpoints ignored (LRU only)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

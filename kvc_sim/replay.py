@@ -13,10 +13,13 @@ Flow
      "trace_stats": {...}, "paper": "what the paper reports",
      "policies": {RUN: {hit_ratio, ttft_mean_s, ttft_p50_s, ttft_p90_s, ttft_p99_s,
                         tbt_p90_s, rejected, wasted_prefill_s, prefill_gpu_s,
-                        effective_capacity_ratio, ..., "sweep": [...]}},
+                        effective_capacity_ratio, ..., "sweep": [...],
+                        "retention": {requests, granted, over_budget, node_full,
+                                      retained_ratio_mean, retained_ratio_max}}},
      "versus_baseline": {RUN: {hit_ratio_x, prefill_gpu_change, ttft_mean_change, ...}}}
 
-Non-finite numbers (a metric over no requests) are written as ``null``.
+Non-finite numbers (a metric over no requests) are written as ``null``. ``retention``
+appears only for runs whose cluster honours prompt-cache breakpoints (``retention``).
 
 Knobs: ``ReplayOptions``. Complexity: runs x speeds simulations.
 """
@@ -200,6 +203,8 @@ def _run_one(
                 "kvcache_balancing_threshold": sched.kvcache_balancing_threshold,
                 **asdict(summary),
             }
+            if result.retention is not None:
+                block["retention"] = asdict(result.retention)
             _write_requests_csv(out_dir / f"requests_{run.name}.csv", result)
         if len(speeds) > 1:
             sweep.append(

@@ -11,6 +11,17 @@ so equal ids mean equal prefixes and a flat key map is a prefix index. The last 
 the trailing partial block (``len(hash_ids) == ceil(input_length / 512)``); it can be
 reused only by a prompt carrying the same id, i.e. the same partial content.
 
+Prompt-cache breakpoints (our extension, optional; Mooncake traces have none)::
+
+    {..., "hash_ids": [...], "breakpoints": [[24, 3600], [61, 300]]}
+
+``breakpoints``: the client's cache breakpoints, each ``[blocks, ttl_s]``: keep the
+prompt's first ``blocks`` trace blocks (``1 <= blocks <= len(hash_ids)``) cached for
+``ttl_s`` (> 0) seconds after their last use (Anthropic's ``cache_control`` with its
+TTL). ``TraceRequest.breakpoints``; written only when a request has some, so a trace
+without them is byte-for-byte a Mooncake trace. The simulator honours them when its
+cluster says so (``ClusterConfig.retention``); ``kvc_sim/agentic.py`` generates them.
+
 Hit ratio accounting (shared by the simulator and ``theoretical_hit_ratio``): a prompt of
 ``n`` tokens whose first ``k`` blocks are reused has ``min(k * 512, n - 1)`` cached tokens
 (at least one token is always computed, to produce the first output token).
@@ -57,6 +68,8 @@ class TraceRequest:
     input_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...]
+    # Prompt-cache breakpoints: (leading trace blocks, ttl_s), see the module docstring.
+    breakpoints: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +112,24 @@ def _parse(line: str, lineno: int) -> TraceRequest:
         input_tokens=n_in,
         output_tokens=n_out,
         hash_ids=tuple(ids),
+        breakpoints=_parse_breakpoints(raw.get("breakpoints", []), len(ids), lineno),
     )
+
+
+def _parse_breakpoints(raw: object, n_blocks: int, lineno: int) -> tuple[tuple[int, float], ...]:
+    if not isinstance(raw, list):
+        raise TraceError(f"line {lineno}: breakpoints must be a list of [blocks, ttl_s]")
+    out: list[tuple[int, float]] = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2):
+            raise TraceError(f"line {lineno}: a breakpoint is [blocks, ttl_s], got {item!r}")
+        blocks, ttl_s = item
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= n_blocks:
+            raise TraceError(f"line {lineno}: breakpoint blocks must lie in [1, {n_blocks}]")
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not ttl_s > 0:
+            raise TraceError(f"line {lineno}: breakpoint ttl_s must be a number > 0")
+        out.append((blocks, float(ttl_s)))
+    return tuple(out)
 
 
 def read_trace(path: Path | str, limit: int | None = None) -> list[TraceRequest]:
@@ -125,6 +155,8 @@ def write_trace(path: Path | str, requests: Iterable[TraceRequest]) -> None:
                 "output_length": r.output_tokens,
                 "hash_ids": list(r.hash_ids),
             }
+            if r.breakpoints:
+                row["breakpoints"] = [[blocks, ttl_s] for blocks, ttl_s in r.breakpoints]
             fh.write(json.dumps(row) + "\n")
 
 

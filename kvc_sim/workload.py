@@ -22,6 +22,7 @@ Block ids
 
 Knobs
     ``SyntheticSpec`` (counts, lengths, mix, rate, seed). Same spec → same workload.
+    (Session-structured agentic tool loops with prompt-cache breakpoints: ``agentic``.)
 
 Complexity
     O(total blocks) time and memory.
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 from kvc_sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["SyntheticSpec", "generate"]
+__all__ = ["PrefixBlocks", "Segment", "SyntheticSpec", "generate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +63,17 @@ class SyntheticSpec:
             raise ValueError("system_prompts must be > 0")
 
 
-_Segment = tuple[int, int]  # (segment id, tokens)
+Segment = tuple[int, int]  # (segment id, tokens)
 
 
-class _Blocks:
-    """Interns prefix-chained block ids from segment lists."""
+class PrefixBlocks:
+    """Interns prefix-chained block ids from segment lists (see "Block ids" above)."""
 
     def __init__(self, block_tokens: int) -> None:
         self._bt = block_tokens
         self._ids: dict[tuple[int, tuple[tuple[int, int, int], ...]], int] = {}
 
-    def ids(self, segments: list[_Segment]) -> tuple[int, ...]:
+    def ids(self, segments: list[Segment]) -> tuple[int, ...]:
         bt = self._bt
         out: list[int] = []
         parent = -1
@@ -110,23 +111,23 @@ def generate(spec: SyntheticSpec) -> list[TraceRequest]:
     """``spec.requests`` requests in arrival order (see the module docstring)."""
     rng = random.Random(spec.seed)
     next_segment = iter(range(1, 1 << 62))
-    blocks = _Blocks(spec.block_tokens)
+    blocks = PrefixBlocks(spec.block_tokens)
     systems = [(next(next_segment), spec.system_prompt_tokens) for _ in range(spec.system_prompts)]
 
     def uniform(bounds: tuple[int, int]) -> int:
         return rng.randint(bounds[0], bounds[1])
 
-    streams: list[list[tuple[list[_Segment], int]]] = []  # per stream: (prompt, output)
+    streams: list[list[tuple[list[Segment], int]]] = []  # per stream: (prompt, output)
     total = 0
     while total < spec.requests:
         kind = rng.random()
-        stream: list[tuple[list[_Segment], int]] = []
+        stream: list[tuple[list[Segment], int]] = []
         if kind < spec.agent_share:
             system = systems[_zipf_pick(rng, len(systems))]
             user = (next(next_segment), uniform(spec.user_tokens))
             stream.append(([system, user], uniform(spec.answer_tokens)))
         elif kind < spec.agent_share + spec.chat_share:
-            history: list[_Segment] = []
+            history: list[Segment] = []
             for _ in range(uniform(spec.chat_turns)):
                 history = [*history, (next(next_segment), uniform(spec.user_tokens))]
                 answer = uniform(spec.answer_tokens)
