@@ -72,6 +72,7 @@ class TokenDelta:
     text: str
     finish_reason: str | None  # "stop" | "length" on the last delta
     usage: UsageCounts | None  # on the last delta
+    stop_sequence: str = ""  # the stop string that ended the generation (last delta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,7 @@ def _to_delta(msg: pb.GenerateResponse, placed: Placed) -> TokenDelta:
         text=msg.text,
         finish_reason=_FINISH_NAMES.get(msg.finish_reason),
         usage=usage,
+        stop_sequence=msg.stop_sequence,
     )
 
 

@@ -203,6 +203,7 @@ class Generation:
                 first = False
             if step.finish_reason is not None:
                 msg.finish_reason = _FINISH[step.finish_reason]
+                msg.stop_sequence = step.stop_sequence
                 msg.usage.CopyFrom(
                     pb.GenerateUsage(
                         prompt_tokens=len(prompt),

@@ -18,6 +18,7 @@ class StopCheck:
 
     emit: str
     stopped: bool
+    matched: str = ""  # the stop string that matched (when ``stopped``)
 
 
 class StopStringMatcher:
@@ -32,11 +33,13 @@ class StopStringMatcher:
         if not self._stop:
             return StopCheck(emit=delta, stopped=False)
         text = self._pending + delta
-        # Earliest match wins: it is the first point the client must not pass.
-        cut = min((i for s in self._stop if (i := text.find(s)) >= 0), default=-1)
-        if cut >= 0:
+        # Earliest match wins: it is the first point the client must not pass (two
+        # strings matching there: the first one listed).
+        found = [(i, n) for n, s in enumerate(self._stop) if (i := text.find(s)) >= 0]
+        if found:
+            cut, which = min(found)
             self._pending = ""
-            return StopCheck(emit=text[:cut], stopped=True)
+            return StopCheck(emit=text[:cut], stopped=True, matched=self._stop[which])
         hold = self._held_suffix_len(text)
         self._pending = text[len(text) - hold :] if hold else ""
         return StopCheck(emit=text[: len(text) - hold], stopped=False)

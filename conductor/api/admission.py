@@ -64,6 +64,7 @@ class Admitted:
     account: RequestAccount
     stream: GenerationStream
     headers: dict[str, str]  # the tenant's x-ratelimit-* headers
+    stop_sequence: str = ""  # after ``collect``: the stop string that ended it, if one did
 
     def finish(self, outcome: str, usage: UsageCounts | None) -> None:
         self.account.close(outcome, self.stream, usage)
@@ -86,6 +87,7 @@ class Admitted:
                 if delta.finish_reason is not None:
                     finish = delta.finish_reason
                     usage = delta.usage
+                    self.stop_sequence = delta.stop_sequence
             outcome = "success"
         except ConductorError:
             outcome = "upstream_error"

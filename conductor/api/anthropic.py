@@ -19,9 +19,11 @@ on system, text, ``tool_use`` and ``tool_result`` blocks, on tools and at the to
 ``cache_creation_input_tokens`` and ``cache_creation`` by TTL. Text blocks become chat
 content parts, joined by newlines in the prompt as vLLM joins them.
 
-Refused with 422 rather than ignored, until they are built: ``stop_sequences`` (the
-matched sequence is not reported back yet), ``output_config``, image and document
-blocks, extended thinking. Other fields are logged once per name, as on the OpenAI
+``stop_sequences`` (at most four, as on the chat route) stop the generation; the one
+that matched comes back as ``stop_reason: "stop_sequence"`` with ``stop_sequence``.
+
+Refused with 422 rather than ignored, until they are built: ``output_config``, image
+and document blocks, extended thinking. Other fields are logged once per name, as on the OpenAI
 routes.
 """
 
@@ -38,7 +40,13 @@ from pydantic import Field, ValidationError
 from conductor.api.deps import StateDep, TenantDep, request_id
 from conductor.api.openai import log_unknown_fields, start_chat
 from conductor.api.openapi_doc import GENERATION_ERRORS, errors, streamed
-from conductor.api.schemas import _ABSENT, ChatCompletionRequest, OpenAIRequest, _ResponseModel
+from conductor.api.schemas import (
+    _ABSENT,
+    MAX_STOP_SEQUENCES,
+    ChatCompletionRequest,
+    OpenAIRequest,
+    _ResponseModel,
+)
 from conductor.api.sse import GenerationResponse
 from conductor.api.tool_calls import Call
 from conductor.errors import ConductorError, InvalidRequest, UnprocessableEntity
@@ -218,8 +226,12 @@ def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
 
 def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat request a Messages request stands for (422 for what is not built)."""
-    if body.stop_sequences:
-        raise _refuse("stop_sequences", "the matched sequence is not reported back yet")
+    if body.stop_sequences and len(body.stop_sequences) > MAX_STOP_SEQUENCES:
+        raise UnprocessableEntity(
+            f"'stop_sequences' may hold at most {MAX_STOP_SEQUENCES} strings here.",
+            param="stop_sequences",
+            code="unsupported_value",
+        )
     if body.thinking is not None:
         raise _refuse("thinking", "extended thinking is not built")
     if body.output_config is not None:
@@ -260,6 +272,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k,
+        "stop": body.stop_sequences or None,
         "tools": tools,
         "tool_choice": choice,
         "parallel_tool_calls": parallel,
@@ -368,11 +381,13 @@ async def messages(
             blocks.append({"type": "text", "text": said})
         blocks += [_tool_use(c) for c in made]
         reason = "tool_calls" if made else finish
+        matched = adm.stop_sequence if reason == "stop" else ""
         answer = MessagesResponse(
             id=message_id,
             content=blocks,
             model=model,
-            stop_reason=_STOP_REASONS.get(reason, "end_turn"),
+            stop_reason="stop_sequence" if matched else _STOP_REASONS.get(reason, "end_turn"),
+            stop_sequence=matched or None,
             usage=_usage(usage),
         )
         return JSONResponse(answer.model_dump(), headers={"X-Request-Id": rid, **adm.headers})
@@ -434,13 +449,16 @@ async def messages(
                 text_open = False
             reason = "tool_calls" if calls else delta.finish_reason
             final = _usage(delta.usage) if delta.usage is not None else None
+            matched = delta.stop_sequence if reason == "stop" else ""
             out.append(
                 _event(
                     "message_delta",
                     {
                         "delta": {
-                            "stop_reason": _STOP_REASONS.get(reason, "end_turn"),
-                            "stop_sequence": None,
+                            "stop_reason": "stop_sequence"
+                            if matched
+                            else _STOP_REASONS.get(reason, "end_turn"),
+                            "stop_sequence": matched or None,
                         },
                         "usage": final.model_dump() if final else {"output_tokens": 0},
                     },

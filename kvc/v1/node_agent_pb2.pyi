@@ -1356,10 +1356,15 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    STOP_SEQUENCE_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """text delta for these tokens (stop strings trimmed)"""
     finish_reason: Global___FinishReason.ValueType
     """set on the last message only"""
+    stop_sequence: _builtins.str
+    """The stop string (SamplingParams.stop) that ended the generation: last message, and
+    only with finish_reason STOP; "" otherwise (EOS, a stop token id, the length).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -1378,10 +1383,11 @@ class GenerateResponse(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___GenerateUsage | None = ...,
         timings: Global___GenerateTimings | None = ...,
+        stop_sequence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "stop_sequence", b"stop_sequence", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

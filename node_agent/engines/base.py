@@ -76,6 +76,7 @@ class GenerationStep:
     text: str
     finish_reason: str | None = None  # "stop" | "length" on the last step
     cached_tokens: int | None = None  # engine-reported prefix-cache hit (last step)
+    stop_sequence: str = ""  # the stop string that ended it (last step; "" otherwise)
 
 
 @dataclass(frozen=True, slots=True)

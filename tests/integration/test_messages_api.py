@@ -113,7 +113,7 @@ async def test_a_multi_turn_conversation_reads_its_prefix_from_the_cache_with_an
         ({"model": MODEL, "max_tokens": 4, "temperature": 1.5,
           "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error",
          "temperature"),
-        ({"model": MODEL, "max_tokens": 4, "stop_sequences": ["\n"],
+        ({"model": MODEL, "max_tokens": 4, "stop_sequences": ["a", "b", "c", "d", "e"],
           "messages": [{"role": "user", "content": "x"}]}, 422, "invalid_request_error",
          "stop_sequences"),
         ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
@@ -161,4 +161,34 @@ async def test_errors_come_in_anthropics_shape(
         assert error["error"]["type"] == kind
         assert needle in error["error"]["message"]
         assert error["request_id"] == resp.headers["x-request-id"]
+    assert_no_locks(agent)
+
+
+async def test_a_matched_stop_sequence_is_reported_as_anthropic_does(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    async with conductor([agent]) as c, over_http(c.app) as base, sdk(base) as client:
+        ask: dict[str, Any] = {
+            "model": MODEL,
+            "max_tokens": 24,
+            "extra_body": {"temperature": 0.0},
+            "messages": [{"role": "user", "content": QUESTION}],
+        }
+        free = await client.messages.create(**ask)
+        text = "".join(b.text for b in free.content if b.type == "text")
+        assert len(text) >= 8, text
+        stop = text[4:7]  # it occurs first at 4 or earlier
+        expected = text[: text.index(stop)]
+        stopped = await client.messages.create(**ask, stop_sequences=["never-said-zz", stop])
+        assert stopped.stop_reason == "stop_sequence"
+        assert stopped.stop_sequence == stop
+        assert "".join(b.text for b in stopped.content if b.type == "text") == expected
+        async with client.messages.stream(**ask, stop_sequences=[stop]) as stream:
+            final = await stream.get_final_message()
+        assert final.stop_reason == "stop_sequence"
+        assert final.stop_sequence == stop
+        # Ended by its length: no stop sequence.
+        assert free.stop_reason == "max_tokens"
+        assert free.stop_sequence is None
     assert_no_locks(agent)

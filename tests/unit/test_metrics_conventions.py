@@ -136,7 +136,7 @@ def test_every_rejection_reason_the_code_records_is_declared() -> None:
     assert set(typing.get_args(RejectReason)) <= set(cm.REJECTION_REASONS)
     code = "\n".join(p.read_text() for p in (ROOT / "conductor").rglob("*.py"))
     literals = set(re.findall(r'rejections\.labels\("([a-z_]+)"\)', code))
-    literals |= set(re.findall(r'reason="([a-z_]+)"', code))
+    literals |= set(re.findall(r'\breason="([a-z_]+)"', code))
     literals |= set(re.findall(r'\.refuse\("([a-z_]+)"\)', code))
     assert literals, "found no recording site: the pattern is stale"
     assert literals <= set(cm.REJECTION_REASONS), literals - set(cm.REJECTION_REASONS)

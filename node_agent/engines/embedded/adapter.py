@@ -248,7 +248,12 @@ class EmbeddedEngineAdapter:
                     return
                 check = stops.push(detok.push(token))
                 if check.stopped:
-                    yield GenerationStep(token_ids=(token,), text=check.emit, finish_reason="stop")
+                    yield GenerationStep(
+                        token_ids=(token,),
+                        text=check.emit,
+                        finish_reason="stop",
+                        stop_sequence=check.matched,
+                    )
                     return
                 if produced >= budget:
                     text = check.emit + stops.push(detok.flush()).emit + stops.flush()

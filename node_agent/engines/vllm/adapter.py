@@ -623,13 +623,23 @@ class VllmEngineAdapter:
             check = stops.push(detok.push(token))
             text += check.emit
             if check.stopped:
-                return GenerationStep(token_ids=ids, text=text, finish_reason="stop")
+                return GenerationStep(
+                    token_ids=ids, text=text, finish_reason="stop", stop_sequence=check.matched
+                )
         if finish is None:
             return GenerationStep(token_ids=ids, text=text)
         if finish not in ("stop", "length"):
             raise EngineError(f"vLLM finished the request with {finish!r}")
         text += stops.push(detok.flush()).emit + stops.flush()
-        return GenerationStep(token_ids=ids, text=text, finish_reason=str(finish))
+        # vLLM names the stop string it matched itself in stop_reason (a token id there
+        # is a stop_token_ids hit, which is no stop sequence).
+        matched = choice.get("stop_reason")
+        return GenerationStep(
+            token_ids=ids,
+            text=text,
+            finish_reason=str(finish),
+            stop_sequence=matched if finish == "stop" and isinstance(matched, str) else "",
+        )
 
 
 def _describe(exc: httpx.HTTPError) -> str:
