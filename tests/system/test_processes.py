@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -78,13 +78,23 @@ def stop(procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> list[
 
 
 class System:
-    def __init__(self, tmp: Path, drain_delay_s: float = 0.0) -> None:
+    """A prefill agent, a decode agent and a conductor, each with extra flags if given."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        drain_delay_s: float = 0.0,
+        *,
+        prefill_args: Sequence[str] = (),
+        conductor_args: Sequence[str] = (),
+    ) -> None:
         self.http_port, self.prefill_port, self.decode_port = free_port(), free_port(), free_port()
         self.base = f"http://127.0.0.1:{self.http_port}"
         self.logs = [tmp / "prefill.log", tmp / "decode.log", tmp / "conductor.log"]
         agent = ["agent", "--host", "127.0.0.1", "--threads", "1"]
+        prefill = [*agent, *prefill_args, "--role", "prefill", "--port", str(self.prefill_port)]
         self.procs = [
-            spawn([*agent, "--role", "prefill", "--port", str(self.prefill_port)], self.logs[0]),
+            spawn(prefill, self.logs[0]),
             spawn([*agent, "--role", "decode", "--port", str(self.decode_port)], self.logs[1]),
             spawn(
                 [
@@ -95,6 +105,7 @@ class System:
                     f"127.0.0.1:{self.prefill_port},127.0.0.1:{self.decode_port}",
                     "--drain-delay-s",
                     str(drain_delay_s),
+                    *conductor_args,
                 ],
                 self.logs[2],
             ),

@@ -12,7 +12,6 @@ does not (so the flood really evicts).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, cast
 
 import anthropic
@@ -20,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.system.test_processes import free_port, spawn, stop, wait_ready
+from tests.system.test_processes import System, stop, wait_ready
 
 pytestmark = pytest.mark.system
 
@@ -31,36 +30,13 @@ MIN_TOKENS = 128  # the conductor's --prompt-cache-min-tokens here (Anthropic: 1
 ADMIN_KEY = "adm-prompt-cache-test"
 
 
-class Fleet:
-    def __init__(self, tmp: Path) -> None:
-        self.http_port, prefill, decode = free_port(), free_port(), free_port()
-        self.base = f"http://127.0.0.1:{self.http_port}"
-        self.logs = [tmp / "prefill.log", tmp / "decode.log", tmp / "conductor.log"]
-        agent = ["agent", "--host", "127.0.0.1", "--threads", "1"]
-        pool = ["--capacity-blocks", str(CAPACITY_BLOCKS)]
-        self.procs = [
-            spawn([*agent, *pool, "--role", "prefill", "--port", str(prefill)], self.logs[0]),
-            spawn([*agent, "--role", "decode", "--port", str(decode)], self.logs[1]),
-            spawn(
-                [
-                    "conductor",
-                    "--port",
-                    str(self.http_port),
-                    "--agents",
-                    f"127.0.0.1:{prefill},127.0.0.1:{decode}",
-                    "--prompt-cache-min-tokens",
-                    str(MIN_TOKENS),
-                    "--admin-keys",
-                    ADMIN_KEY,
-                ],
-                self.logs[2],
-            ),
-        ]
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    f = Fleet(tmp_path_factory.mktemp("prompt-cache"))
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    f = System(
+        tmp_path_factory.mktemp("prompt-cache"),
+        prefill_args=["--capacity-blocks", str(CAPACITY_BLOCKS)],
+        conductor_args=["--prompt-cache-min-tokens", str(MIN_TOKENS), "--admin-keys", ADMIN_KEY],
+    )
     try:
         wait_ready(f.base, f.procs, f.logs)
         yield f
@@ -87,7 +63,7 @@ def flood(base: str, rounds: int = 10) -> None:
         assert r.status_code == 200, r.text
 
 
-def test_openai_sdk_breakpoint_survives_a_flood(fleet: Fleet) -> None:
+def test_openai_sdk_breakpoint_survives_a_flood(fleet: System) -> None:
     client = openai.OpenAI(base_url=f"{fleet.base}/v1", api_key="unused", max_retries=0)
 
     def turn(topic: str, history: list[dict[str, Any]], breakpoint_: bool) -> Any:
@@ -134,7 +110,7 @@ def test_openai_sdk_breakpoint_survives_a_flood(fleet: Fleet) -> None:
     )
 
 
-def test_anthropic_sdk_breakpoint_survives_a_flood(fleet: Fleet) -> None:
+def test_anthropic_sdk_breakpoint_survives_a_flood(fleet: System) -> None:
     client = anthropic.Anthropic(base_url=fleet.base, api_key="unused", max_retries=0)
 
     def turn(topic: str, history: list[dict[str, Any]], breakpoint_: bool) -> Any:

@@ -28,6 +28,7 @@ from kvc_sim.trace import TraceError, TraceRequest, read_trace, write_trace
 from kvc_sim.workload import SyntheticSpec
 from kvc_sim.workload import generate as generate_synthetic
 from node_agent.blocks.types import Retention
+from tests.unit.test_sim_cluster import check_consistent
 
 SLO = Slo(ttft_s=30.0, tbt_s=0.1)
 NODE = NodeId("prefill-00")
@@ -58,15 +59,6 @@ def run(reqs: list[TraceRequest], **config: Any) -> tuple[Cluster, SimResult]:
     )
     cluster = Cluster(p, cluster_config, sched(p), SLO, reqs)
     return cluster, cluster.run(reqs)
-
-
-def check_consistent(cluster: Cluster) -> None:
-    """Shadow index == every pool's cached keys, gap-free streams, pool invariants."""
-    for node, inst in cluster.prefill.items():
-        inst.pool.check_invariants()
-        assert inst.pool.stats().open_txs == 0
-        assert cluster.index.node_keys(node) == frozenset(inst.pool.cached_keys())
-        assert cluster.index.position(node) == (inst.epoch, inst.last_seq)
 
 
 # ------------------------------------------------------------------ the workload
