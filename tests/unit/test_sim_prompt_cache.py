@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from conductor.core.policies import Policy
 from conductor.core.prefix_index import NodeId
-from conductor.core.scheduler import Admission, SchedulerConfig, Slo
+from conductor.core.scheduler import Slo
 from kvc.block_keys import BlockKey
 from kvc_sim.agentic import AgenticSpec, AgenticTurn, generate, generate_turns, hit_ratio_by_kind
 from kvc_sim.cluster import Cluster
@@ -28,7 +27,7 @@ from kvc_sim.trace import TraceError, TraceRequest, read_trace, write_trace
 from kvc_sim.workload import SyntheticSpec
 from kvc_sim.workload import generate as generate_synthetic
 from node_agent.blocks.types import Retention
-from tests.unit.test_sim_cluster import check_consistent
+from tests.unit.test_sim_cluster import check_consistent, sched
 
 SLO = Slo(ttft_s=30.0, tbt_s=0.1)
 NODE = NodeId("prefill-00")
@@ -38,18 +37,6 @@ SPEC = AgenticSpec(sessions=40, session_rate_per_s=0.5, apps=4, oneshot_rate_per
 
 def profile() -> Profile:
     return load_profile("llama3-70b-8xa800")
-
-
-def sched(p: Profile) -> SchedulerConfig:
-    return SchedulerConfig(
-        policy=Policy.KV_CENTRIC,
-        admission=Admission.NONE,
-        prefill_prior=p.prefill_prior(),
-        decode_prior=p.decode_prior(),
-        transfer_bandwidth_bytes_per_s=p.network.nic_bytes_per_s,
-        transfer_latency_s=p.network.latency_s,
-        output_length_prior_tokens=150,
-    )
 
 
 def run(reqs: list[TraceRequest], **config: Any) -> tuple[Cluster, SimResult]:
