@@ -278,3 +278,26 @@ def _prompt_order(key: int) -> int:
     ids = TOKENIZER.chat_token_ids([{"role": "user", "content": PROMPT}])
     order = compute_block_keys(ids, tenant=TENANT, model=MODEL, block_size=BLOCK_SIZE)
     return [int(k) for k in order].index(key)
+
+
+async def test_a_vllm_node_answers_breakpoints_unsupported_and_serves(
+    start_node: StartNode, conductor: ConductorFactory
+) -> None:
+    """vLLM evicts from its own cache: the agent cannot promise a retention, so it says
+    so (the request is served with vLLM's automatic caching)."""
+    agent, _engine = await start_node("both", "none")
+    async with conductor([agent], prompt_cache_min_tokens=32) as c:
+        body = chat_body(PROMPT, max_tokens=2)
+        body["messages"][-1]["cache_control"] = {"type": "ephemeral", "ttl": "1h"}
+        r = await c.client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_cache"] == {
+            "retention": "unsupported",
+            "cache_write_tokens": 0,
+            "cache_read_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+        }
+    assert agent.service.pool.stats().retained_blocks == 0
+    registry = agent.service.metrics.registry
+    assert registry.get_sample_value("node_agent_retentions_total", {"outcome": "unsupported"}) == 1
+    assert_no_locks(agent)
