@@ -23,8 +23,9 @@ from conductor.errors import (
     UnprocessableEntity,
     UpstreamError,
 )
-from kvc.sampling import Sampling
+from kvc.sampling import Sampling, TokenLogprob
 from kvc.v1 import node_agent_pb2 as pb
+from kvc.wire import logprobs_from_pb
 
 _FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
@@ -73,6 +74,7 @@ class TokenDelta:
     finish_reason: str | None  # "stop" | "length" on the last delta
     usage: UsageCounts | None  # on the last delta
     stop_sequence: str = ""  # the stop string that ended the generation (last delta)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,7 @@ def _to_delta(msg: pb.GenerateResponse, placed: Placed) -> TokenDelta:
         finish_reason=_FINISH_NAMES.get(msg.finish_reason),
         usage=usage,
         stop_sequence=msg.stop_sequence,
+        logprobs=logprobs_from_pb(msg.logprobs) if msg.logprobs else (),
     )
 
 

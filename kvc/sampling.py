@@ -10,6 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (and vLLM's default max_logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model (its raw output: before
+    temperature, penalties or any other sampling rule, as vLLM reports by default), and
+    the most likely alternatives asked for, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
@@ -31,3 +43,6 @@ class Sampling:
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability
     min_tokens: int = 0  # no EOS or stop token before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # end like EOS; the token is not returned
+    # Per generated token, its log-probability and this many most likely alternatives
+    # (0..MAX_TOP_LOGPROBS); None: none reported.
+    logprobs: int | None = None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -32,7 +33,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 __all__ = [
     "ChatMark",
@@ -222,6 +223,24 @@ def _load_chat_templates(model_dir: Path, tokenizer_config: Mapping[str, Any]) -
                 if isinstance(name, str) and isinstance(template, str):
                     templates[name] = template
     return templates
+
+
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in character of each byte (GPT-2's scheme:
+    printable Latin-1 bytes stand for themselves, the rest for 256, 257, ...), inverted."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    codes = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, codes, strict=True)}
+
+
+_BYTE_OF_CHAR: Final = _byte_level_table()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 @dataclass(frozen=True, slots=True)
@@ -626,6 +645,22 @@ class ChatTokenizer:
         assert prompt is not None
         add = True if add_special_tokens is None else add_special_tokens
         return self.encode(prompt, add_special_tokens=add)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: exact for byte-level BPE and byte-fallback
+        tokens (a piece of a multi-byte character is its own bytes), else the UTF-8 of
+        its decoded text."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self._tokenizer.decoder, decoders.ByteLevel):
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:
+                pass  # an added token written in plain text
+        if (m := _BYTE_TOKEN.fullmatch(piece)) is not None:
+            return bytes([int(m.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """Each id's token string (``""`` for an id the vocabulary does not name)."""

@@ -8,10 +8,11 @@ server, and the mapping of node roles (``kvc.roles``) to the wire's ``NodeRole``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
 
 from kvc.roles import NodeRole
-from kvc.sampling import Sampling
+from kvc.sampling import Sampling, TokenLogprob
 from kvc.v1 import node_agent_pb2 as pb
 
 #: Full name of the agent's gRPC service, also its name in the gRPC health service.
@@ -49,7 +50,26 @@ def sampling_to_pb(sampling: Sampling) -> pb.SamplingParams:
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
+    if sampling.logprobs is not None:
+        message.logprobs = sampling.logprobs
     return message
+
+
+def logprobs_to_pb(entries: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            logprob=e.logprob,
+            top_ids=[t for t, _ in e.top],
+            top_logprobs=[lp for _, lp in e.top],
+        )
+        for e in entries
+    ]
+
+
+def logprobs_from_pb(entries: Sequence[pb.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(e.logprob, tuple(zip(e.top_ids, e.top_logprobs, strict=True))) for e in entries
+    )
 
 
 def sampling_from_pb(message: pb.SamplingParams) -> Sampling:
@@ -69,4 +89,5 @@ def sampling_from_pb(message: pb.SamplingParams) -> Sampling:
         min_p=message.min_p,
         min_tokens=message.min_tokens,
         stop_token_ids=tuple(message.stop_token_ids),
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
     )

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
-from kvc.wire import sampling_from_pb
+from kvc.wire import logprobs_to_pb, sampling_from_pb
 from node_agent.agent_state import AgentState
 from node_agent.blocks.types import BlockPoolError, InvalidArgument, TxExpired
 from node_agent.engines.base import GenerateJob, PrefillJob
@@ -195,6 +195,8 @@ class Generation:
             produced += len(step.token_ids)
             state.metrics.generated_tokens.inc(len(step.token_ids))
             msg = pb.GenerateResponse(token_ids=list(step.token_ids), text=step.text)
+            if step.logprobs:
+                msg.logprobs.extend(logprobs_to_pb(step.logprobs))
             if first:
                 if engine.info.owns_kv_cache and not timings.prefill_s:
                     # The engine prefilled inside generate: its time to first token.

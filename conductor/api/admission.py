@@ -6,7 +6,7 @@ is a status code with the OpenAI error envelope.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from conductor.api.accounting import RequestAccount
 from conductor.api.limits import check_tenant_rate
@@ -22,7 +22,7 @@ from conductor.errors import (
 from conductor.generation import Breakpoint, GenerationRequest, GenerationStream, UsageCounts
 from conductor.state import AppState
 from conductor.tenants import Tenant
-from kvc.sampling import Sampling
+from kvc.sampling import Sampling, TokenLogprob
 
 GenerationBody = ChatCompletionRequest | CompletionRequest
 
@@ -46,7 +46,16 @@ def sampling_for(
         min_p=body.min_p or 0.0,
         min_tokens=body.min_tokens or 0,
         stop_token_ids=tuple(body.stop_token_ids or ()),
+        logprobs=_logprobs(body),
     )
+
+
+def _logprobs(body: GenerationBody) -> int | None:
+    """How many alternatives per token to report (chat: ``logprobs`` + ``top_logprobs``;
+    completions: ``logprobs``, the count); None: no logprobs."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
 
 
 def _structured(body: GenerationBody) -> str:
@@ -65,6 +74,8 @@ class Admitted:
     stream: GenerationStream
     headers: dict[str, str]  # the tenant's x-ratelimit-* headers
     stop_sequence: str = ""  # after ``collect``: the stop string that ended it, if one did
+    # After ``collect``, when the request asked for logprobs: (token id, its entry).
+    logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)
 
     def finish(self, outcome: str, usage: UsageCounts | None) -> None:
         self.account.close(outcome, self.stream, usage)
@@ -84,6 +95,8 @@ class Admitted:
         try:
             async for delta in self.stream:
                 parts.append(delta.text)
+                if delta.logprobs:
+                    self.logprobs.extend(zip(delta.token_ids, delta.logprobs, strict=True))
                 if delta.finish_reason is not None:
                     finish = delta.finish_reason
                     usage = delta.usage

@@ -13,7 +13,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,11 +32,14 @@ from conductor.api.schemas import (
     ChatCompletionMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatCompletionTokenLogprob,
     ChoiceDelta,
+    ChoiceLogprobs,
     ChunkChoice,
     CompletionChoice,
     CompletionChunk,
     CompletionChunkChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     FunctionCall,
@@ -46,6 +49,7 @@ from conductor.api.schemas import (
     PromptCacheUsage,
     ToolCall,
     ToolCallDelta,
+    TopLogprob,
     Usage,
     chunk_json,
     new_chat_completion_id,
@@ -64,7 +68,8 @@ from conductor.errors import (
 from conductor.generation import Breakpoint, TokenDelta, UsageCounts
 from conductor.state import AppState
 from conductor.tenants import Tenant
-from kvc.tokenization import ChatTemplateError, TextTooLong
+from kvc.sampling import TokenLogprob
+from kvc.tokenization import ChatTemplateError, ChatTokenizer, TextTooLong
 
 log = logging.getLogger("conductor.api")
 
@@ -104,13 +109,49 @@ def check_model(state: AppState, model: str) -> None:
         raise ModelNotFound(model)
 
 
-def _reject_unsupported(n: int, logprobs: Any) -> None:
+def _reject_unsupported(n: int) -> None:
     if n != 1:
         raise UnprocessableEntity("Only n=1 is supported.", param="n", code="unsupported_value")
-    if logprobs is not None and logprobs is not False:
-        raise UnprocessableEntity(
-            "logprobs are not supported yet.", param="logprobs", code="unsupported_value"
+
+
+def _token_text(tokenizer: ChatTokenizer, token_id: int) -> tuple[str, list[int]]:
+    raw = tokenizer.token_bytes(token_id)
+    return raw.decode("utf-8", "replace"), list(raw)
+
+
+def chat_logprobs(
+    tokenizer: ChatTokenizer, pairs: Iterable[tuple[int, TokenLogprob]]
+) -> ChoiceLogprobs:
+    """OpenAI's chat ``logprobs`` for generated (token id, entry) pairs."""
+    content = []
+    for token_id, entry in pairs:
+        text, raw = _token_text(tokenizer, token_id)
+        top = []
+        for alt, logprob in entry.top:
+            alt_text, alt_raw = _token_text(tokenizer, alt)
+            top.append(TopLogprob(token=alt_text, logprob=logprob, bytes=alt_raw))
+        content.append(
+            ChatCompletionTokenLogprob(
+                token=text, logprob=entry.logprob, bytes=raw, top_logprobs=top
+            )
         )
+    return ChoiceLogprobs(content=content)
+
+
+def completion_logprobs(
+    tokenizer: ChatTokenizer, pairs: Iterable[tuple[int, TokenLogprob]], offset: int = 0
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy completions' ``logprobs`` for (token id, entry) pairs whose text starts
+    at ``offset`` in the completion; returns it and the offset after them."""
+    out = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+    for token_id, entry in pairs:
+        text = _token_text(tokenizer, token_id)[0]
+        out.text_offset.append(offset)
+        offset += len(text)
+        out.tokens.append(text)
+        out.token_logprobs.append(entry.logprob)
+        out.top_logprobs.append({_token_text(tokenizer, a)[0]: lp for a, lp in entry.top})
+    return out, offset
 
 
 def _check_token_ids(body: ChatCompletionRequest | CompletionRequest, vocab: int) -> None:
@@ -475,7 +516,7 @@ async def start_chat(
     route's, which translates into one)."""
     rid = request_id(request)
     check_model(state, body.model)
-    _reject_unsupported(body.n, body.logprobs)
+    _reject_unsupported(body.n)
     _refuse_what_chat_cannot_honour(body, state)
     _check_token_ids(body, state.tokenizer.vocab_size)
     max_ttl_s = state.settings.prompt_cache_max_ttl_s
@@ -572,6 +613,9 @@ async def chat_completions(
                 ChatCompletionChoice(
                     index=0,
                     message=ChatCompletionMessage(content=content, tool_calls=calls),
+                    logprobs=chat_logprobs(state.tokenizer, adm.logprobs)
+                    if body.logprobs
+                    else None,
                     finish_reason=finish,
                 )
             ],
@@ -594,20 +638,30 @@ async def chat_completions(
             return None
         text = delta.text
         finish = delta.finish_reason
+        logprobs = None
+        if delta.logprobs:
+            pairs = zip(delta.token_ids, delta.logprobs, strict=True)
+            logprobs = chat_logprobs(state.tokenizer, pairs)
         if reader is None:
-            if not text and finish is None:
+            if not text and finish is None and logprobs is None:
                 return None
             return chunk([ChunkChoice(index=0, delta=ChoiceDelta(content=text or None),
-                                      finish_reason=finish)])  # fmt: skip
+                                      logprobs=logprobs, finish_reason=finish)])  # fmt: skip
         # As OpenAI streams calls: the text first, then per call one delta naming it (id,
         # type, function name, empty arguments) and one with its arguments; the finish
-        # reason in a chunk of its own.
+        # reason in a chunk of its own. This delta's logprobs ride on its first chunk
+        # (an empty delta when the text is held back).
         said, made = reader.read(text, last=finish is not None)
         first_index = reader.called - len(made)
         parts: list[ChoiceDelta] = [ChoiceDelta(content=said)] if said else []
         for i, call in enumerate(made):
             parts += _tool_call_deltas(first_index + i, call)
-        out = [chunk([ChunkChoice(index=0, delta=part)]) for part in parts]
+        if logprobs is not None and not parts:
+            parts = [ChoiceDelta()]
+        out = [
+            chunk([ChunkChoice(index=0, delta=part, logprobs=logprobs if i == 0 else None)])
+            for i, part in enumerate(parts)
+        ]
         if finish is not None:
             finish = "tool_calls" if reader.called else finish
             out.append(chunk([ChunkChoice(index=0, delta=ChoiceDelta(), finish_reason=finish)]))
@@ -628,7 +682,7 @@ async def completions(
     rid = request_id(request)
     log_unknown_fields(rid, body.unknown_fields())
     check_model(state, body.model)
-    _reject_unsupported(body.n, body.logprobs)
+    _reject_unsupported(body.n)
     _refuse_what_completion_cannot_honour(body, state)
     _check_token_ids(body, state.tokenizer.vocab_size)
     whole_ttl_s = retention_ttl_s(
@@ -674,12 +728,22 @@ async def completions(
             id=completion_id,
             created=created,
             model=model,
-            choices=[CompletionChoice(text=text, index=0, finish_reason=finish)],
+            choices=[
+                CompletionChoice(
+                    text=text,
+                    index=0,
+                    logprobs=None
+                    if body.logprobs is None
+                    else completion_logprobs(state.tokenizer, adm.logprobs)[0],
+                    finish_reason=finish,
+                )
+            ],
             usage=_usage_model(usage),
         )
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": rid, **adm.headers})
 
     include_usage = body.include_usage
+    offset = 0  # of the next token in the completion text (logprobs.text_offset)
 
     def make_chunk(delta: TokenDelta | None, usage: UsageCounts | None) -> str | None:
         if delta is None:
@@ -693,7 +757,12 @@ async def completions(
                 )
                 return sse_data(chunk_json(c, include_usage))
             return None
-        if not delta.text and delta.finish_reason is None:
+        nonlocal offset
+        logprobs = None
+        if delta.logprobs:
+            pairs = zip(delta.token_ids, delta.logprobs, strict=True)
+            logprobs, offset = completion_logprobs(state.tokenizer, pairs, offset)
+        if not delta.text and delta.finish_reason is None and logprobs is None:
             return None
         c = CompletionChunk(
             id=completion_id,
@@ -703,6 +772,7 @@ async def completions(
                 CompletionChunkChoice(
                     text=delta.text,
                     index=0,
+                    logprobs=logprobs,
                     finish_reason=delta.finish_reason,
                 )
             ],

@@ -504,10 +504,40 @@ class ToolCallDelta(_ResponseModel):
     function: FunctionCallDelta | None = _ABSENT
 
 
+class TopLogprob(_ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatCompletionTokenLogprob(_ResponseModel):
+    """One generated token: its text, log-probability, UTF-8 bytes (a piece of a
+    multi-byte character has only its own) and the most likely alternatives asked for."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_ResponseModel):
+    content: list[ChatCompletionTokenLogprob] | None
+    refusal: list[ChatCompletionTokenLogprob] | None = None
+
+
+class CompletionLogprobs(_ResponseModel):
+    """The legacy completions' shape: parallel lists, one entry per generated token."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
 class ChatCompletionChoice(_ResponseModel):
     index: int
     message: ChatCompletionMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -533,7 +563,7 @@ class ChoiceDelta(_ResponseModel):
 class ChunkChoice(_ResponseModel):
     index: int
     delta: ChoiceDelta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -557,7 +587,7 @@ class ChatCompletionChunk(_ResponseModel):
 class CompletionChoice(_ResponseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: CompletionFinishReason
 
 
@@ -574,7 +604,7 @@ class CompletionResponse(_ResponseModel):
 class CompletionChunkChoice(_ResponseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: CompletionFinishReason | None = None
 
 

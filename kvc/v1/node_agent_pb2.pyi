@@ -1036,6 +1036,7 @@ class SamplingParams(_message.Message):
     MIN_P_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 = greedy"""
     top_p: _builtins.float
@@ -1062,6 +1063,10 @@ class SamplingParams(_message.Message):
     """
     min_p: _builtins.float
     min_tokens: _builtins.int
+    logprobs: _builtins.int
+    """Report each generated token's log-probability and this many most likely
+    alternatives (0-20; GenerateResponse.logprobs); unset: none.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -1087,13 +1092,19 @@ class SamplingParams(_message.Message):
         min_p: _builtins.float = ...,
         min_tokens: _builtins.int = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "response_format", b"response_format", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "response_format", b"response_format", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
@@ -1348,6 +1359,37 @@ class GenerateTimings(_message.Message):
 Global___GenerateTimings: _TypeAlias = GenerateTimings  # noqa: Y015
 
 @_typing.final
+class TokenLogprob(_message.Message):
+    """A generated token's log-probability and its most likely alternatives (token ids and
+    log-probabilities, pairwise, most likely first): SamplingParams.logprobs.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    logprob: _builtins.float
+    @_builtins.property
+    def top_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        logprob: _builtins.float = ...,
+        top_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "top_ids", b"top_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
 class GenerateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1357,6 +1399,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     STOP_SEQUENCE_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """text delta for these tokens (stop strings trimmed)"""
     finish_reason: Global___FinishReason.ValueType
@@ -1375,6 +1418,10 @@ class GenerateResponse(_message.Message):
     def timings(self) -> Global___GenerateTimings:
         """set on the first message"""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """With SamplingParams.logprobs: one per token_ids entry, in order."""
+
     def __init__(
         self,
         *,
@@ -1384,10 +1431,11 @@ class GenerateResponse(_message.Message):
         usage: Global___GenerateUsage | None = ...,
         timings: Global___GenerateTimings | None = ...,
         stop_sequence: _builtins.str = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "stop_sequence", b"stop_sequence", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "stop_sequence", b"stop_sequence", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

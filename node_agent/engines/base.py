@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from kvc.block_keys import BlockKey
-from kvc.sampling import Sampling
+from kvc.sampling import Sampling, TokenLogprob
 from node_agent.errors import PromptRejected
 from node_agent.kv import KvCodec, KvContent, KvLayout
 
@@ -77,6 +77,7 @@ class GenerationStep:
     finish_reason: str | None = None  # "stop" | "length" on the last step
     cached_tokens: int | None = None  # engine-reported prefix-cache hit (last step)
     stop_sequence: str = ""  # the stop string that ended it (last step; "" otherwise)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the sampling asks
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,8 @@ def envelope(resp: Any) -> dict[str, Any]:
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, None, None),
         (chat_body(model="gpt-9"), 404, "model", "model_not_found"),
         (chat_body(n=2), 422, "n", "unsupported_value"),
-        (chat_body(logprobs=True), 422, "logprobs", "unsupported_value"),
+        (chat_body(top_logprobs=2), 400, "top_logprobs", None),  # needs logprobs: true
+        (chat_body(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
         (
             chat_body(
                 tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"

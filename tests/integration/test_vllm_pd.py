@@ -102,6 +102,14 @@ class StandInVllm:
         for i, token in enumerate(ids):
             choice: dict[str, Any] = {"index": 0, "text": "", "token_ids": [token]}
             choice["finish_reason"] = last if i == len(ids) - 1 else None
+            if body.get("logprobs") is not None:  # vLLM adds the sampled token's own
+                top = {f"token_id:{7 + k}": -1.0 - k for k in range(body["logprobs"])}
+                choice["logprobs"] = {
+                    "text_offset": [0],
+                    "tokens": [f"token_id:{token}"],
+                    "token_logprobs": [-0.5],
+                    "top_logprobs": [{**top, f"token_id:{token}": -0.5}],
+                }
             events.append({"choices": [choice]})
         n = len(ids)
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
@@ -231,6 +239,13 @@ SCHEMA = {
 # or is refused with 422 naming it: none is accepted and dropped. Values are exact in
 # float32 (the wire's type), so they arrive unchanged.
 HONOURED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    (
+        "chat",
+        {"logprobs": True, "top_logprobs": 2},
+        {"logprobs": 2, "return_tokens_as_token_ids": True},
+    ),
+    ("chat", {"logprobs": True}, {"logprobs": 0}),
+    ("completions", {"logprobs": 3}, {"logprobs": 3, "return_tokens_as_token_ids": True}),
     ("chat", {"temperature": 0.25}, {"temperature": 0.25}),
     ("chat", {"top_p": 0.5}, {"top_p": 0.5}),
     ("chat", {"max_tokens": 3}, {"max_tokens": 3}),
@@ -277,7 +292,6 @@ HONOURED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 ]
 REFUSED: list[tuple[str, dict[str, Any], int, str]] = [
     ("chat", {"n": 2}, 422, "n"),
-    ("chat", {"logprobs": True, "top_logprobs": 2}, 422, "logprobs"),
     (
         "chat",
         {"response_format": {"type": "json_schema", "json_schema": {}}},
@@ -317,7 +331,7 @@ REFUSED: list[tuple[str, dict[str, Any], int, str]] = [
     ("completions", {"response_format": {"type": "xml"}}, 400, "response_format"),
     ("completions", {"suffix": "tail"}, 422, "suffix"),
     ("completions", {"echo": True}, 422, "echo"),
-    ("completions", {"logprobs": 0}, 422, "logprobs"),
+    ("completions", {"logprobs": 6}, 400, "logprobs"),  # OpenAI's bound: 5
     ("completions", {"n": 3}, 422, "n"),
 ]
 
@@ -625,4 +639,38 @@ async def test_a_forced_tool_call_is_guided_decoding_on_vllm(
         cut = r.json()["choices"][0]
         assert cut["message"].get("tool_calls") is None
         assert cut["message"]["content"] == tok.decode(tok.encode(output)[:3])
+    assert_no_locks(both)
+
+
+async def test_logprobs_from_vllm_come_back_in_openais_shapes(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]], conductor: ConductorFactory
+) -> None:
+    """vLLM's completions logprobs (token_id:N keys, the sampled token added to the
+    alternatives) become chat's ``logprobs.content`` and the legacy parallel lists, the
+    alternatives cut to the count asked, most likely first."""
+    (*_, both), _ = vllm_agents
+    tok = ChatTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    async with conductor([both]) as c:
+        r = await c.client.post(
+            "/v1/chat/completions", json=chat_body("one two", max_tokens=2, logprobs=True,
+                                                   top_logprobs=2),
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert len(content) == 2
+        first = content[0]
+        assert first["logprob"] == -0.5
+        assert first["token"] == tok.token_bytes(300).decode("utf-8", "replace")
+        assert first["bytes"] == list(tok.token_bytes(300))
+        assert [t["logprob"] for t in first["top_logprobs"]] == [-0.5, -1.0]
+        assert first["top_logprobs"][1]["token"] == tok.token_bytes(7).decode("utf-8", "replace")
+        r = await c.client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "one two", "max_tokens": 2, "logprobs": 1},
+        )
+        legacy = r.json()["choices"][0]["logprobs"]
+        assert legacy["token_logprobs"] == [-0.5, -0.5]
+        assert [len(t) for t in legacy["top_logprobs"]] == [1, 1]
+        assert legacy["text_offset"][0] == 0
+        assert legacy["text_offset"][1] == len(legacy["tokens"][0])
     assert_no_locks(both)

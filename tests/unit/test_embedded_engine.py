@@ -297,3 +297,21 @@ def test_loads_a_hugging_face_folder_with_real_weights(
     actual, _ = loaded.forward(prompt)
     assert torch.equal(expected, actual)
     assert ChatTokenizer.from_dir(folder).vocab_size == model.vocab_size
+
+
+def test_logprobs_are_of_the_raw_logits_whatever_the_sampling_rules() -> None:
+    logits = torch.tensor([2.0, 0.0, 1.0, -1.0])
+    expected = torch.log_softmax(logits, dim=-1)
+    for rules in (
+        Sampling(logprobs=2),
+        Sampling(logprobs=2, temperature=0.3, logit_bias=((1, 50.0),), top_k=1),
+    ):
+        sampler = Sampler(rules)
+        entry = sampler.logprob(logits, 1)
+        assert entry.logprob == pytest.approx(float(expected[1]))
+        assert [t for t, _ in entry.top] == [0, 2]
+        assert [lp for _, lp in entry.top] == pytest.approx(
+            [float(expected[0]), float(expected[2])]
+        )
+    assert Sampler(Sampling(logprobs=0)).logprob(logits, 3).top == ()
+    assert len(Sampler(Sampling(logprobs=20)).logprob(logits, 3).top) == 4  # the whole vocabulary

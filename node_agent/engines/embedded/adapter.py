@@ -237,14 +237,18 @@ class EmbeddedEngineAdapter:
                 lambda: self._model.forward((last,), past)
             )
             produced = 0
+            want_logprobs = sampling.logprobs is not None
             while True:
                 logits, kv = state
                 early = produced < sampling.min_tokens
                 token = sampler.sample(logits, ban=enders if early else frozenset())
                 produced += 1
+                lp = (sampler.logprob(logits, token),) if want_logprobs else ()
                 if token in enders:
                     tail = stops.flush() + detok.flush()
-                    yield GenerationStep(token_ids=(token,), text=tail, finish_reason="stop")
+                    yield GenerationStep(
+                        token_ids=(token,), text=tail, finish_reason="stop", logprobs=lp
+                    )
                     return
                 check = stops.push(detok.push(token))
                 if check.stopped:
@@ -253,13 +257,16 @@ class EmbeddedEngineAdapter:
                         text=check.emit,
                         finish_reason="stop",
                         stop_sequence=check.matched,
+                        logprobs=lp,
                     )
                     return
                 if produced >= budget:
                     text = check.emit + stops.push(detok.flush()).emit + stops.flush()
-                    yield GenerationStep(token_ids=(token,), text=text, finish_reason="length")
+                    yield GenerationStep(
+                        token_ids=(token,), text=text, finish_reason="length", logprobs=lp
+                    )
                     return
-                yield GenerationStep(token_ids=(token,), text=check.emit)
+                yield GenerationStep(token_ids=(token,), text=check.emit, logprobs=lp)
                 state = await self._on_engine(partial(self._model.forward, (token,), kv))
         finally:
             self._running -= 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvc.sampling import Sampling
+from kvc.sampling import Sampling, TokenLogprob
 
 __all__ = ["GREEDY_BELOW", "Sampler"]
 
@@ -57,6 +57,20 @@ class Sampler:
         if self._penalised:
             self._counts[token] = self._counts.get(token, 0) + 1
         return token
+
+    def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
+        """``token``'s log-probability under the model's raw output (before temperature,
+        penalties and the other rules, as vLLM reports by default) and the
+        ``params.logprobs`` most likely tokens."""
+        logp = torch.log_softmax(
+            logits.detach().reshape(-1).to(device="cpu", dtype=torch.float32), dim=-1
+        )
+        k = min(self.params.logprobs or 0, logp.numel())
+        top: tuple[tuple[int, float], ...] = ()
+        if k:
+            values, ids = torch.topk(logp, k)
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        return TokenLogprob(float(logp[token].item()), top)
 
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         scores = logits.detach().reshape(-1).to(device="cpu", dtype=torch.float32)

@@ -53,7 +53,7 @@ from typing import Any, Final
 
 import httpx
 
-from kvc.sampling import Sampling
+from kvc.sampling import Sampling, TokenLogprob
 from kvc.tokenization import ChatTokenizer, IncrementalDetokenizer
 from node_agent.engines.base import (
     DecodeProbe,
@@ -390,6 +390,9 @@ class VllmEngineAdapter:
             body["min_tokens"] = sampling.min_tokens
         if sampling.stop_token_ids:
             body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.logprobs is not None:
+            body["logprobs"] = sampling.logprobs
+            body["return_tokens_as_token_ids"] = True  # "token_id:N" keys: no re-tokenizing
         salt = self._salt(tenant)
         if salt is not None:
             body["cache_salt"] = salt
@@ -489,6 +492,7 @@ class VllmEngineAdapter:
                 done = False
                 async for batch in sse_payload_batches(response.aiter_bytes()):
                     ids: list[int] = []
+                    lps: list[TokenLogprob] = []
                     text = ""
                     for data in batch:
                         chunk = json.loads(data)
@@ -496,12 +500,13 @@ class VllmEngineAdapter:
                             raise EngineError(f"vLLM failed the request: {chunk['error']}")
                         ended_here = False
                         for choice in chunk.get("choices") or []:
-                            step = self._step(choice, detok, stops)
+                            step = self._step(choice, detok, stops, sampling.logprobs)
                             if step is None:
                                 continue
                             first_token()
                             if step.finish_reason is None:
                                 ids += step.token_ids
+                                lps += step.logprobs
                                 text += step.text
                                 continue
                             final = step
@@ -518,7 +523,7 @@ class VllmEngineAdapter:
                             done = True
                             break
                     if ids:
-                        yield GenerationStep(token_ids=tuple(ids), text=text)
+                        yield GenerationStep(token_ids=tuple(ids), text=text, logprobs=tuple(lps))
                     if done:
                         break
         except StreamClientError as exc:
@@ -612,22 +617,31 @@ class VllmEngineAdapter:
         )
 
     def _step(
-        self, choice: Mapping[str, Any], detok: IncrementalDetokenizer, stops: StopStringMatcher
+        self,
+        choice: Mapping[str, Any],
+        detok: IncrementalDetokenizer,
+        stops: StopStringMatcher,
+        logprobs: int | None = None,
     ) -> GenerationStep | None:
         ids = tuple(int(t) for t in choice.get("token_ids") or ())
         finish = choice.get("finish_reason")
         if not ids and finish is None:
             return None
+        lps = _logprobs_of(choice, len(ids), logprobs) if logprobs is not None else ()
         text = ""
         for token in ids:
             check = stops.push(detok.push(token))
             text += check.emit
             if check.stopped:
                 return GenerationStep(
-                    token_ids=ids, text=text, finish_reason="stop", stop_sequence=check.matched
+                    token_ids=ids,
+                    text=text,
+                    finish_reason="stop",
+                    stop_sequence=check.matched,
+                    logprobs=lps,
                 )
         if finish is None:
-            return GenerationStep(token_ids=ids, text=text)
+            return GenerationStep(token_ids=ids, text=text, logprobs=lps)
         if finish not in ("stop", "length"):
             raise EngineError(f"vLLM finished the request with {finish!r}")
         text += stops.push(detok.flush()).emit + stops.flush()
@@ -639,7 +653,39 @@ class VllmEngineAdapter:
             text=text,
             finish_reason=str(finish),
             stop_sequence=matched if finish == "stop" and isinstance(matched, str) else "",
+            logprobs=lps,
         )
+
+
+def _token_id(key: str) -> int:
+    """vLLM's ``token_id:N`` (``return_tokens_as_token_ids``)."""
+    prefix, _, number = key.partition(":")
+    if prefix != "token_id" or not number.isdigit():
+        raise EngineError(f"vLLM named a logprob token {key!r}, not token_id:N")
+    return int(number)
+
+
+def _logprobs_of(choice: Mapping[str, Any], n_ids: int, k: int) -> tuple[TokenLogprob, ...]:
+    """The ``n_ids`` tokens' entries of a completions choice's ``logprobs`` (``tokens``,
+    ``token_logprobs``, ``top_logprobs``), the alternatives cut to the ``k`` most likely
+    (vLLM adds the sampled token to them when it is not among them)."""
+    if n_ids == 0:
+        return ()
+    block = choice.get("logprobs")
+    if not isinstance(block, Mapping):
+        raise EngineError("vLLM answered without the logprobs asked for")
+    values = block.get("token_logprobs") or []
+    tops = block.get("top_logprobs") or []
+    if len(values) != n_ids or len(tops) != n_ids:
+        raise EngineError(f"vLLM gave {len(values)} logprobs for {n_ids} tokens")
+    out = []
+    for value, top in zip(values, tops, strict=True):
+        pairs = sorted(
+            ((_token_id(key), float(lp)) for key, lp in (top or {}).items()),
+            key=lambda p: -p[1],
+        )
+        out.append(TokenLogprob(float(value), tuple(pairs[:k])))
+    return tuple(out)
 
 
 def _describe(exc: httpx.HTTPError) -> str:
