@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import grpc
 
@@ -75,6 +76,7 @@ class TokenDelta:
     usage: UsageCounts | None  # on the last delta
     stop_sequence: str = ""  # the stop string that ended the generation (last delta)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked for
+    index: int = 0  # the choice it belongs to (n > 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,3 +245,81 @@ class GenerationStream:
         if not self._finished:
             self._call.cancel()
         self._on_close(self._gaps_s, self._tokens, self._finish_reason)
+
+
+class TokenStream(Protocol):
+    """What the HTTP layer reads: one generation, or the choices of an ``n > 1``."""
+
+    placed: Placed
+
+    def __aiter__(self) -> TokenStream: ...
+
+    async def __anext__(self) -> TokenDelta: ...
+
+    @property
+    def mean_gap_s(self) -> float | None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class ChoiceStreams:
+    """The ``n`` generations of one request (OpenAI's ``n``) as one stream: deltas in the
+    order they arrive, each tagged with its choice ``index``; each choice's last delta
+    has its finish reason, and the last of them all the request's usage (the prompt
+    once, the completions summed, the prefix reuse of choice 0). ``aclose()``, or any
+    choice failing, ends them all."""
+
+    def __init__(self, streams: Sequence[GenerationStream]) -> None:
+        self._streams = list(streams)
+        self.placed = self._streams[0].placed
+        self._reads: dict[int, asyncio.Future[TokenDelta]] = {}
+        self._done: set[int] = set()
+        self._usages: dict[int, UsageCounts] = {}
+
+    def __aiter__(self) -> ChoiceStreams:
+        return self
+
+    @property
+    def mean_gap_s(self) -> float | None:
+        gaps = [g for s in self._streams if (g := s.mean_gap_s) is not None]
+        return sum(gaps) / len(gaps) if gaps else None
+
+    async def __anext__(self) -> TokenDelta:
+        while len(self._done) < len(self._streams):
+            for i, stream in enumerate(self._streams):
+                if i not in self._done and i not in self._reads:
+                    self._reads[i] = asyncio.ensure_future(anext(stream))
+            try:
+                ready, _ = await asyncio.wait(
+                    self._reads.values(), return_when=asyncio.FIRST_COMPLETED
+                )
+                i = min(j for j, read in self._reads.items() if read in ready)
+                delta = self._reads.pop(i).result()
+            except StopAsyncIteration:
+                self._done.add(i)
+                continue
+            except BaseException:
+                await self.aclose()
+                raise
+            if delta.finish_reason is None:
+                return replace(delta, index=i)
+            self._done.add(i)
+            if delta.usage is not None:
+                self._usages[i] = delta.usage
+            last = len(self._done) == len(self._streams)
+            return replace(delta, index=i, usage=self._usage() if last else None)
+        raise StopAsyncIteration
+
+    def _usage(self) -> UsageCounts | None:
+        first = self._usages.get(0)
+        if first is None:
+            return None
+        completion = sum(u.completion_tokens for u in self._usages.values())
+        return replace(first, completion_tokens=completion)
+
+    async def aclose(self) -> None:
+        for read in self._reads.values():
+            read.cancel()
+        self._reads.clear()
+        for stream in self._streams:
+            await stream.aclose()

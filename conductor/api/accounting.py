@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from conductor.errors import ConductorError, RateLimited, ServiceUnavailable
-from conductor.generation import GenerationStream, UsageCounts
+from conductor.generation import TokenStream, UsageCounts
 from conductor.metrics import rejection_reason
 from conductor.state import AppState
 
@@ -63,7 +63,7 @@ class RequestAccount:
     def close(
         self,
         outcome: str,
-        stream: GenerationStream | None = None,
+        stream: TokenStream | None = None,
         usage: UsageCounts | None = None,
     ) -> None:
         """Count the request once; with its ``stream``, the duration, TBT and tokens too."""
@@ -93,7 +93,7 @@ class RequestAccount:
             if migrated:
                 m.migrations.inc()
 
-    def _prompt_cache(self, usage: UsageCounts, cached: int, stream: GenerationStream) -> None:
+    def _prompt_cache(self, usage: UsageCounts, cached: int, stream: TokenStream) -> None:
         """Prompt-cache books: the tenant's ledger, and bounded-label totals."""
         m = self.state.metrics
         if usage.retention != "none":

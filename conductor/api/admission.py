@@ -5,8 +5,9 @@ is a status code with the OpenAI error envelope.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from conductor.api.accounting import RequestAccount
 from conductor.api.limits import check_tenant_rate
@@ -19,7 +20,14 @@ from conductor.errors import (
     RateLimited,
     ServiceUnavailable,
 )
-from conductor.generation import Breakpoint, GenerationRequest, GenerationStream, UsageCounts
+from conductor.generation import (
+    Breakpoint,
+    ChoiceStreams,
+    GenerationRequest,
+    GenerationStream,
+    TokenStream,
+    UsageCounts,
+)
 from conductor.state import AppState
 from conductor.tenants import Tenant
 from kvc.sampling import Sampling, TokenLogprob
@@ -67,15 +75,26 @@ def _structured(body: GenerationBody) -> str:
 
 
 @dataclass(slots=True)
+class ChoiceResult:
+    """One choice of a generation run to its end (``Admitted.collect``)."""
+
+    text: str = ""
+    finish: str = "stop"
+    stop_sequence: str = ""  # the stop string that ended it, if one did
+    # When the request asked for logprobs: (token id, its entry), in order.
+    logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Admitted:
-    """A generation that has its first token; its account closes exactly once."""
+    """A generation (its ``n`` choices) that has its first token; its account closes
+    exactly once."""
 
     account: RequestAccount
-    stream: GenerationStream
+    stream: TokenStream
     headers: dict[str, str]  # the tenant's x-ratelimit-* headers
-    stop_sequence: str = ""  # after ``collect``: the stop string that ended it, if one did
-    # After ``collect``, when the request asked for logprobs: (token id, its entry).
-    logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)
+    n: int = 1
+    choices: list[ChoiceResult] = field(default_factory=list)  # filled by ``collect``
 
     def finish(self, outcome: str, usage: UsageCounts | None) -> None:
         self.account.close(outcome, self.stream, usage)
@@ -87,20 +106,23 @@ class Admitted:
         self.finish("cancelled", None)
 
     async def collect(self) -> tuple[str, str, UsageCounts]:
-        """Run a non-streamed generation to its end: (text, finish_reason, usage)."""
-        parts: list[str] = []
-        finish = "stop"
+        """Run a non-streamed generation to its end: (text, finish_reason) of choice 0
+        and the usage; every choice's in ``choices``."""
+        self.choices = [ChoiceResult() for _ in range(self.n)]
+        parts: list[list[str]] = [[] for _ in range(self.n)]
         usage: UsageCounts | None = None
         outcome = "cancelled"
         try:
             async for delta in self.stream:
-                parts.append(delta.text)
+                choice = self.choices[delta.index]
+                parts[delta.index].append(delta.text)
                 if delta.logprobs:
-                    self.logprobs.extend(zip(delta.token_ids, delta.logprobs, strict=True))
+                    choice.logprobs.extend(zip(delta.token_ids, delta.logprobs, strict=True))
                 if delta.finish_reason is not None:
-                    finish = delta.finish_reason
+                    choice.finish = delta.finish_reason
+                    choice.stop_sequence = delta.stop_sequence
+                if delta.usage is not None:
                     usage = delta.usage
-                    self.stop_sequence = delta.stop_sequence
             outcome = "success"
         except ConductorError:
             outcome = "upstream_error"
@@ -109,7 +131,9 @@ class Admitted:
             await self.stream.aclose()
             self.finish(outcome, usage)
         assert usage is not None
-        return "".join(parts), finish, usage
+        for choice, texts in zip(self.choices, parts, strict=True):
+            choice.text = "".join(texts)
+        return self.choices[0].text, self.choices[0].finish, usage
 
 
 async def admit(
@@ -183,7 +207,8 @@ async def _admit(
             param=prompt_param,
         )
     max_tokens = max_tokens_requested or min(state.settings.default_max_tokens, room)
-    rate_headers = await check_tenant_rate(account, tenant, len(prompt_ids) + max_tokens)
+    n = body.n
+    rate_headers = await check_tenant_rate(account, tenant, len(prompt_ids) + n * max_tokens)
     if state.inflight >= state.settings.max_inflight_requests:
         account.refuse("conductor_overloaded")
         state.dispatcher.refusals.log(
@@ -197,16 +222,54 @@ async def _admit(
             reason="conductor_overloaded",
         )
     account.enter()
-    stream = await state.dispatcher.start(
-        GenerationRequest(
-            request_id=request_id,
-            tenant=tenant.name,
-            prompt_ids=tuple(prompt_ids),
-            sampling=sampling_for(body, max_tokens, response_format),
-            slo=slo,
-            breakpoints=breakpoints,
-            cache_key=cache_key,
-        )
+    sampling = sampling_for(body, max_tokens, response_format)
+    request = GenerationRequest(
+        request_id=request_id,
+        tenant=tenant.name,
+        prompt_ids=tuple(prompt_ids),
+        sampling=sampling,
+        slo=slo,
+        breakpoints=breakpoints,
+        cache_key=cache_key,
     )
+    stream: TokenStream
+    if n == 1:
+        stream = await state.dispatcher.start(request)
+    else:
+        stream = ChoiceStreams(await _start_choices(state, request, n))
     account.first_token()
-    return Admitted(account=account, stream=stream, headers=rate_headers)
+    return Admitted(account=account, stream=stream, headers=rate_headers, n=n)
+
+
+async def _start_choices(
+    state: AppState, request: GenerationRequest, n: int
+) -> list[GenerationStream]:
+    """Start the ``n`` choices of one request side by side, each its own generation
+    (``request_id.i``; with a seed, choice i samples with ``seed + i``: repeatable and
+    not all alike). One failing to start closes the others and is the request's error."""
+    seed = request.sampling.seed
+    requests = [
+        replace(
+            request,
+            request_id=request.request_id if i == 0 else f"{request.request_id}.{i}",
+            sampling=request.sampling
+            if seed is None
+            else replace(request.sampling, seed=_wrap_seed(seed + i)),
+        )
+        for i in range(n)
+    ]
+    started = await asyncio.gather(
+        *(state.dispatcher.start(r) for r in requests), return_exceptions=True
+    )
+    streams = [s for s in started if isinstance(s, GenerationStream)]
+    failed = [s for s in started if isinstance(s, BaseException)]
+    if failed:
+        for stream in streams:
+            await stream.aclose()
+        raise failed[0]
+    return streams
+
+
+def _wrap_seed(seed: int) -> int:
+    """A seed in vLLM's signed 64-bit range."""
+    return (seed + 2**63) % 2**64 - 2**63

@@ -381,7 +381,7 @@ async def messages(
             blocks.append({"type": "text", "text": said})
         blocks += [_tool_use(c) for c in made]
         reason = "tool_calls" if made else finish
-        matched = adm.stop_sequence if reason == "stop" else ""
+        matched = adm.choices[0].stop_sequence if reason == "stop" else ""
         answer = MessagesResponse(
             id=message_id,
             content=blocks,

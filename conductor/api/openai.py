@@ -109,9 +109,14 @@ def check_model(state: AppState, model: str) -> None:
         raise ModelNotFound(model)
 
 
+MAX_CHOICES = 16  # n: each choice is a generation of its own on the fleet
+
+
 def _reject_unsupported(n: int) -> None:
-    if n != 1:
-        raise UnprocessableEntity("Only n=1 is supported.", param="n", code="unsupported_value")
+    if n > MAX_CHOICES:
+        raise UnprocessableEntity(
+            f"n is at most {MAX_CHOICES} here.", param="n", code="unsupported_value"
+        )
 
 
 def _token_text(tokenizer: ChatTokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -505,8 +510,13 @@ class StartedChat:
     """A chat generation admitted: its first token exists."""
 
     admitted: Admitted
-    reader: _ToolCallReader | None  # reads tool calls out of the text, when tools may be
+    # One per choice: reads tool calls out of its text, when tools may be called.
+    readers: list[_ToolCallReader | None]
     prompt_tokens: int
+
+    @property
+    def reader(self) -> _ToolCallReader | None:
+        return self.readers[0]
 
 
 async def start_chat(
@@ -574,7 +584,8 @@ async def start_chat(
         breakpoints=tuple(breakpoints),
         cache_key=body.prompt_cache_key or "",
     )
-    return StartedChat(adm, _ToolCallReader.for_request(body, state), len(prompt_ids))
+    readers = [_ToolCallReader.for_request(body, state) for _ in range(adm.n)]
+    return StartedChat(adm, readers, len(prompt_ids))
 
 
 @router.post(
@@ -591,34 +602,37 @@ async def chat_completions(
     rid = request_id(request)
     log_unknown_fields(rid, body.unknown_fields())
     chat = await start_chat(body, request, state, tenant, "chat_completions")
-    adm, reader = chat.admitted, chat.reader
+    adm, readers = chat.admitted, chat.readers
     completion_id = new_chat_completion_id()
     created = int(time.time())
     model = state.model_name
     if not body.stream:
-        text, finish, usage = await adm.collect()
-        content: str | None = text
-        calls: list[ToolCall] | None = None
-        if reader is not None:
-            said, made = reader.read(text, last=True)
-            content = said or None
-            calls = [_tool_call(c) for c in made] or None
-            if reader.called:
-                finish = "tool_calls"
+        _, _, usage = await adm.collect()
+        choices = []
+        for index, (result, reader) in enumerate(zip(adm.choices, readers, strict=True)):
+            content: str | None = result.text
+            calls: list[ToolCall] | None = None
+            finish = result.finish
+            if reader is not None:
+                said, made = reader.read(result.text, last=True)
+                content = said or None
+                calls = [_tool_call(c) for c in made] or None
+                if reader.called:
+                    finish = "tool_calls"
+            logprobs = chat_logprobs(state.tokenizer, result.logprobs) if body.logprobs else None
+            choices.append(
+                ChatCompletionChoice(
+                    index=index,
+                    message=ChatCompletionMessage(content=content, tool_calls=calls),
+                    logprobs=logprobs,
+                    finish_reason=finish,
+                )
+            )
         response = ChatCompletionResponse(
             id=completion_id,
             created=created,
             model=model,
-            choices=[
-                ChatCompletionChoice(
-                    index=0,
-                    message=ChatCompletionMessage(content=content, tool_calls=calls),
-                    logprobs=chat_logprobs(state.tokenizer, adm.logprobs)
-                    if body.logprobs
-                    else None,
-                    finish_reason=finish,
-                )
-            ],
+            choices=choices,
             usage=_usage_model(usage),
         )
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": rid, **adm.headers})
@@ -638,6 +652,8 @@ async def chat_completions(
             return None
         text = delta.text
         finish = delta.finish_reason
+        index = delta.index
+        reader = readers[index]
         logprobs = None
         if delta.logprobs:
             pairs = zip(delta.token_ids, delta.logprobs, strict=True)
@@ -645,7 +661,7 @@ async def chat_completions(
         if reader is None:
             if not text and finish is None and logprobs is None:
                 return None
-            return chunk([ChunkChoice(index=0, delta=ChoiceDelta(content=text or None),
+            return chunk([ChunkChoice(index=index, delta=ChoiceDelta(content=text or None),
                                       logprobs=logprobs, finish_reason=finish)])  # fmt: skip
         # As OpenAI streams calls: the text first, then per call one delta naming it (id,
         # type, function name, empty arguments) and one with its arguments; the finish
@@ -659,15 +675,19 @@ async def chat_completions(
         if logprobs is not None and not parts:
             parts = [ChoiceDelta()]
         out = [
-            chunk([ChunkChoice(index=0, delta=part, logprobs=logprobs if i == 0 else None)])
+            chunk([ChunkChoice(index=index, delta=part, logprobs=logprobs if i == 0 else None)])
             for i, part in enumerate(parts)
         ]
         if finish is not None:
             finish = "tool_calls" if reader.called else finish
-            out.append(chunk([ChunkChoice(index=0, delta=ChoiceDelta(), finish_reason=finish)]))
+            done = ChunkChoice(index=index, delta=ChoiceDelta(), finish_reason=finish)
+            out.append(chunk([done]))
         return "".join(out) or None
 
-    first = chunk([ChunkChoice(index=0, delta=ChoiceDelta(role="assistant", content=""))])
+    first = "".join(
+        chunk([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
+        for i in range(adm.n)
+    )
     return GenerationResponse(adm, make_chunk, first, rid)
 
 
@@ -723,27 +743,28 @@ async def completions(
     created = int(time.time())
     model = state.model_name
     if not body.stream:
-        text, finish, usage = await adm.collect()
+        _, _, usage = await adm.collect()
         response = CompletionResponse(
             id=completion_id,
             created=created,
             model=model,
             choices=[
                 CompletionChoice(
-                    text=text,
-                    index=0,
+                    text=result.text,
+                    index=index,
                     logprobs=None
                     if body.logprobs is None
-                    else completion_logprobs(state.tokenizer, adm.logprobs)[0],
-                    finish_reason=finish,
+                    else completion_logprobs(state.tokenizer, result.logprobs)[0],
+                    finish_reason=result.finish,
                 )
+                for index, result in enumerate(adm.choices)
             ],
             usage=_usage_model(usage),
         )
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": rid, **adm.headers})
 
     include_usage = body.include_usage
-    offset = 0  # of the next token in the completion text (logprobs.text_offset)
+    offsets = [0] * adm.n  # of each choice's next token in its text (logprobs.text_offset)
 
     def make_chunk(delta: TokenDelta | None, usage: UsageCounts | None) -> str | None:
         if delta is None:
@@ -757,11 +778,12 @@ async def completions(
                 )
                 return sse_data(chunk_json(c, include_usage))
             return None
-        nonlocal offset
         logprobs = None
         if delta.logprobs:
             pairs = zip(delta.token_ids, delta.logprobs, strict=True)
-            logprobs, offset = completion_logprobs(state.tokenizer, pairs, offset)
+            logprobs, offsets[delta.index] = completion_logprobs(
+                state.tokenizer, pairs, offsets[delta.index]
+            )
         if not delta.text and delta.finish_reason is None and logprobs is None:
             return None
         c = CompletionChunk(
@@ -771,7 +793,7 @@ async def completions(
             choices=[
                 CompletionChunkChoice(
                     text=delta.text,
-                    index=0,
+                    index=delta.index,
                     logprobs=logprobs,
                     finish_reason=delta.finish_reason,
                 )

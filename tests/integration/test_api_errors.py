@@ -35,7 +35,8 @@ def envelope(resp: Any) -> dict[str, Any]:
         (chat_body(stream_options={"include_usage": True}), 400, "stream_options", None),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, None, None),
         (chat_body(model="gpt-9"), 404, "model", "model_not_found"),
-        (chat_body(n=2), 422, "n", "unsupported_value"),
+        (chat_body(n=17), 422, "n", "unsupported_value"),
+        (chat_body(n=0), 400, "n", None),
         (chat_body(top_logprobs=2), 400, "top_logprobs", None),  # needs logprobs: true
         (chat_body(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
         (

@@ -79,7 +79,7 @@ async def test_the_document_is_valid_and_every_recorded_response_matches_it(
         await record("POST", chat, json=chat_body(temperature=9), headers=KEY)
         await record("POST", chat, json=chat_body())
         await record("POST", chat, json=chat_body(model="gpt-9"), headers=KEY)
-        await record("POST", chat, json=chat_body(n=2), headers=KEY)
+        await record("POST", chat, json=chat_body(n=17), headers=KEY)
         await record("POST", chat, json=chat_body("x" * 70_000), headers=KEY)
         prompt = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3}
         await record("POST", completions, json=prompt, headers=KEY)
@@ -92,7 +92,7 @@ async def test_the_document_is_valid_and_every_recorded_response_matches_it(
         await record("POST", messages, json={**ask, "max_tokens": 0}, headers=KEY)
         await record("POST", messages, json=ask)
         await record("POST", messages, json={**ask, "model": "claude-9"}, headers=KEY)
-        await record("POST", messages, json={**ask, "stop_sequences": ["x"]}, headers=KEY)
+        await record("POST", messages, json={**ask, "stop_sequences": list("abcde")}, headers=KEY)
         await record("GET", "/v1/models", headers=KEY)
         await record("GET", "/v1/models", json=None)
         await record("GET", "/v1/models/{model}", f"/v1/models/{MODEL}", headers=KEY)

@@ -291,7 +291,7 @@ HONOURED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ),
 ]
 REFUSED: list[tuple[str, dict[str, Any], int, str]] = [
-    ("chat", {"n": 2}, 422, "n"),
+    ("chat", {"n": 17}, 422, "n"),
     (
         "chat",
         {"response_format": {"type": "json_schema", "json_schema": {}}},
@@ -332,7 +332,7 @@ REFUSED: list[tuple[str, dict[str, Any], int, str]] = [
     ("completions", {"suffix": "tail"}, 422, "suffix"),
     ("completions", {"echo": True}, 422, "echo"),
     ("completions", {"logprobs": 6}, 400, "logprobs"),  # OpenAI's bound: 5
-    ("completions", {"n": 3}, 422, "n"),
+    ("completions", {"n": 20}, 422, "n"),
 ]
 
 

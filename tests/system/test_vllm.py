@@ -465,6 +465,36 @@ def test_a2_structured_output_through_the_conductor_is_json(fleet: Fleet) -> Non
     )
 
 
+def test_a3_logprobs_come_from_vllm_in_openais_shapes(fleet: Fleet) -> None:
+    """The adapter asks vLLM for logprobs by token id and hands them back per token:
+    greedy, the token taken is the most likely one under the raw output."""
+    client = OpenAI(base_url=f"{fleet.base}/v1", api_key="unused", timeout=120, max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert reply.usage is not None
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None
+    content = logprobs.content or []
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert abs(entry.logprob - entry.top_logprobs[0].logprob) < 1e-4
+        assert entry.token == entry.top_logprobs[0].token
+    legacy = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0, logprobs=1
+    )
+    lp = legacy.choices[0].logprobs
+    assert lp is not None
+    assert len(lp.token_logprobs or []) == len(lp.tokens or []) == legacy.usage.completion_tokens  # type: ignore[union-attr]
+
+
 def test_b_mirror_survives_a_subscriber_restart(fleet: Fleet) -> None:
     agent_a = fleet.procs["agent-a"]
     agent_a.send_signal(signal.SIGTERM)

@@ -1,0 +1,108 @@
+"""OpenAI's ``n``: several choices of one request, each its own generation on the fleet,
+streamed interleaved by index or answered together; usage counts the prompt once."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.conftest import (
+    AgentFactory,
+    ConductorFactory,
+    assert_no_locks,
+    chat_body,
+    wait_until,
+)
+
+MODEL = "tiny-llama"
+
+
+async def test_chat_choices_streamed_and_not(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    ask = chat_body(
+        "Tell me about lighthouses.", max_tokens=5, ignore_eos=True, n=3, seed=11, temperature=1.0
+    )
+    async with conductor([agent]) as c:
+        r = await c.client.post("/v1/chat/completions", json=ask)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        choices = answer["choices"]
+        assert [ch["index"] for ch in choices] == [0, 1, 2]
+        assert all(ch["finish_reason"] == "length" for ch in choices)
+        texts = [ch["message"]["content"] for ch in choices]
+        assert len(set(texts)) > 1  # seed + i per choice: not all alike
+        usage = answer["usage"]
+        assert usage["completion_tokens"] == 15
+        single = await c.client.post("/v1/chat/completions", json={**ask, "n": 1, "max_tokens": 5})
+        assert usage["prompt_tokens"] == single.json()["usage"]["prompt_tokens"]  # once
+        # Choice 0 with the request's seed is the n=1 answer with that seed.
+        assert texts[0] == single.json()["choices"][0]["message"]["content"]
+
+        streamed: dict[int, str] = {}
+        finishes: dict[int, str] = {}
+        roles: list[int] = []
+        final_usage: dict[str, Any] | None = None
+        body = {**ask, "stream": True, "stream_options": {"include_usage": True}}
+        async with c.client.stream("POST", "/v1/chat/completions", json=body) as s:
+            async for line in s.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    final_usage = event["usage"]
+                for ch in event["choices"]:
+                    if ch["delta"].get("role"):
+                        roles.append(ch["index"])
+                    streamed[ch["index"]] = streamed.get(ch["index"], "") + (
+                        ch["delta"].get("content") or ""
+                    )
+                    if ch["finish_reason"]:
+                        finishes[ch["index"]] = ch["finish_reason"]
+        assert roles == [0, 1, 2]
+        assert [streamed[i] for i in range(3)] == texts  # seeded: the same answers
+        assert finishes == {0: "length", 1: "length", 2: "length"}
+        assert final_usage is not None
+        assert final_usage["completion_tokens"] == 15
+    assert_no_locks(agent)
+
+
+async def test_completion_choices_with_logprobs(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 4,
+        "n": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+    }
+    async with conductor([agent]) as c:
+        r = await c.client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [ch["index"] for ch in choices] == [0, 1]
+        assert choices[0]["text"] == choices[1]["text"]  # greedy: alike
+        assert all(len(ch["logprobs"]["tokens"]) == 4 for ch in choices)
+        assert r.json()["usage"]["completion_tokens"] == 8
+    assert_no_locks(agent)
+
+
+async def test_a_choice_that_cannot_start_fails_the_request_and_leaks_nothing(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both", max_running=2)  # room for two of the three
+    async with conductor([agent], max_waiting_requests=0) as c:
+        r = await c.client.post(
+            "/v1/chat/completions", json=chat_body("hi", max_tokens=4, n=3, ignore_eos=True)
+        )
+        # The third choice finds no decode slot (no queue here): the whole request is
+        # refused, and the two choices that had started are closed.
+        assert r.status_code == 429, r.text
+        assert r.headers["x-kvc-reject-reason"] == "no_decode_node"
+        await wait_until(lambda: agent.engine.load().running_requests == 0)
+    assert_no_locks(agent)
