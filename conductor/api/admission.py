@@ -63,7 +63,17 @@ def _logprobs(body: GenerationBody) -> int | None:
     completions: ``logprobs``, the count); None: no logprobs."""
     if isinstance(body, ChatCompletionRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
+    if body.logprobs is None and generations(body) > body.n:
+        return 0  # best_of ranks the generations by their tokens' logprobs
     return body.logprobs
+
+
+def generations(body: GenerationBody) -> int:
+    """Generations to run: ``n``, or for a completion ``best_of`` (the best ``n`` of them
+    are answered)."""
+    if isinstance(body, ChatCompletionRequest):
+        return body.n
+    return max(body.n, body.best_of or 1)
 
 
 def _structured(body: GenerationBody) -> str:
@@ -207,7 +217,7 @@ async def _admit(
             param=prompt_param,
         )
     max_tokens = max_tokens_requested or min(state.settings.default_max_tokens, room)
-    n = body.n
+    n = generations(body)
     rate_headers = await check_tenant_rate(account, tenant, len(prompt_ids) + n * max_tokens)
     if state.inflight >= state.settings.max_inflight_requests:
         account.refuse("conductor_overloaded")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -21,7 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from conductor.api.admission import Admitted, admit
+from conductor.api.admission import Admitted, ChoiceResult, admit
 from conductor.api.deps import StateDep, TenantDep, request_id
 from conductor.api.limits import request_slo
 from conductor.api.openapi_doc import GENERATION_ERRORS, errors, streamed
@@ -372,13 +373,20 @@ def _refuse_what_chat_cannot_honour(body: ChatCompletionRequest, state: AppState
 
 def _refuse_what_completion_cannot_honour(body: CompletionRequest, state: AppState) -> None:
     _check_response_format(body.response_format, state)
-    if body.echo:
+    if body.echo and body.logprobs is not None:
         raise UnprocessableEntity(
-            "echo is not supported yet.", param="echo", code="unsupported_value"
+            "echo with logprobs needs the prompt's logprobs, which no engine here reports.",
+            param="echo",
+            code="unsupported_value",
         )
-    if body.best_of is not None and body.best_of != 1:
+    best_of = body.best_of or body.n
+    if best_of < body.n:
+        raise InvalidRequest("best_of must be at least n.", param="best_of")
+    if best_of > body.n and body.stream:  # the best are known only at the end
+        raise InvalidRequest("best_of cannot be streamed.", param="best_of")
+    if best_of > MAX_CHOICES:
         raise UnprocessableEntity(
-            "Only best_of=1 is supported.", param="best_of", code="unsupported_value"
+            f"best_of is at most {MAX_CHOICES} here.", param="best_of", code="unsupported_value"
         )
     if body.suffix:
         raise UnprocessableEntity(
@@ -742,6 +750,10 @@ async def completions(
     completion_id = new_completion_id()
     created = int(time.time())
     model = state.model_name
+    # echo: the prompt's text leads each choice (vLLM's and OpenAI's legacy behaviour).
+    echoed = "" if not body.echo else prompt if isinstance(prompt, str) else (
+        state.tokenizer.decode(prompt_ids)
+    )  # fmt: skip
     if not body.stream:
         _, _, usage = await adm.collect()
         response = CompletionResponse(
@@ -750,14 +762,14 @@ async def completions(
             model=model,
             choices=[
                 CompletionChoice(
-                    text=result.text,
+                    text=echoed + result.text,
                     index=index,
                     logprobs=None
                     if body.logprobs is None
                     else completion_logprobs(state.tokenizer, result.logprobs)[0],
                     finish_reason=result.finish,
                 )
-                for index, result in enumerate(adm.choices)
+                for index, result in enumerate(_best(adm.choices, body.n))
             ],
             usage=_usage_model(usage),
         )
@@ -801,7 +813,36 @@ async def completions(
         )
         return sse_data(chunk_json(c, include_usage))
 
-    return GenerationResponse(adm, make_chunk, None, rid)
+    first = None
+    if echoed:
+        first = "".join(
+            sse_data(
+                chunk_json(
+                    CompletionChunk(
+                        id=completion_id,
+                        created=created,
+                        model=model,
+                        choices=[CompletionChunkChoice(text=echoed, index=i)],
+                    ),
+                    include_usage,
+                )
+            )
+            for i in range(adm.n)
+        )
+    return GenerationResponse(adm, make_chunk, first, rid)
+
+
+def _best(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
+    """``best_of``: the ``n`` generations with the highest mean log-probability per
+    token, best first (all of them, in order, when there are only ``n``)."""
+    if len(results) <= n:
+        return results
+
+    def mean_logprob(result: ChoiceResult) -> float:
+        values = [entry.logprob for _, entry in result.logprobs]
+        return sum(values) / len(values) if values else -math.inf
+
+    return sorted(results, key=mean_logprob, reverse=True)[:n]
 
 
 @router.get("/v1/models", responses=errors(401))

@@ -106,3 +106,64 @@ async def test_a_choice_that_cannot_start_fails_the_request_and_leaks_nothing(
         assert r.headers["x-kvc-reject-reason"] == "no_decode_node"
         await wait_until(lambda: agent.engine.load().running_requests == 0)
     assert_no_locks(agent)
+
+
+async def test_best_of_answers_the_most_likely_and_echo_leads_with_the_prompt(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "seed": 5,
+        "ignore_eos": True,
+    }
+    async with conductor([agent]) as c:
+        many = await c.client.post("/v1/completions", json={**body, "n": 4, "logprobs": 0})
+        ranked = sorted(
+            many.json()["choices"],
+            key=lambda ch: sum(ch["logprobs"]["token_logprobs"]) / 4,
+            reverse=True,
+        )
+        best = await c.client.post("/v1/completions", json={**body, "best_of": 4, "n": 2})
+        assert best.status_code == 200, best.text
+        answer = best.json()
+        # The same four seeded generations, the two most likely answered, best first.
+        assert [ch["text"] for ch in answer["choices"]] == [ch["text"] for ch in ranked[:2]]
+        assert [ch["index"] for ch in answer["choices"]] == [0, 1]
+        assert all(ch["logprobs"] is None for ch in answer["choices"])  # not asked for
+        assert answer["usage"]["completion_tokens"] == 16  # every generation counts
+
+        echoed = await c.client.post("/v1/completions", json={**body, "echo": True})
+        plain = await c.client.post("/v1/completions", json=body)
+        assert echoed.json()["choices"][0]["text"] == (
+            "Once upon a time" + plain.json()["choices"][0]["text"]
+        )
+        text = ""
+        async with c.client.stream(
+            "POST", "/v1/completions", json={**body, "echo": True, "stream": True}
+        ) as s:
+            async for line in s.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += "".join(ch["text"] for ch in json.loads(line[6:])["choices"])
+        assert text == echoed.json()["choices"][0]["text"]
+    assert_no_locks(agent)
+
+
+async def test_completion_choices_stream(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both")
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "n": 2, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    async with conductor([agent]) as c:
+        seen: set[int] = set()
+        async with c.client.stream("POST", "/v1/completions", json=body) as s:
+            assert s.status_code == 200
+            async for line in s.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    seen.update(ch["index"] for ch in json.loads(line[6:])["choices"])
+        assert seen == {0, 1}
+    assert_no_locks(agent)

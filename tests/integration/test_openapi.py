@@ -84,7 +84,7 @@ async def test_the_document_is_valid_and_every_recorded_response_matches_it(
         prompt = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3}
         await record("POST", completions, json=prompt, headers=KEY)
         await record("POST", completions, json={**prompt, **stream}, headers=KEY)
-        await record("POST", completions, json={**prompt, "echo": True}, headers=KEY)
+        await record("POST", completions, json={**prompt, "echo": True, "logprobs": 1}, headers=KEY)
         messages = "/v1/messages"
         ask = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
         await record("POST", messages, json=ask, headers={"x-api-key": "k1"})

@@ -277,6 +277,8 @@ HONOURED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("completions", {"logit_bias": {"9": 0.5}}, {"logit_bias": {"9": 0.5}}),
     ("completions", {"seed": 3, "stop": "q"}, {"seed": 3, "stop": ["q"]}),
     ("completions", {"best_of": 1}, {}),
+    ("completions", {"best_of": 2}, {"logprobs": 0}),  # ranked by the tokens' logprobs
+    ("completions", {"echo": True}, {}),  # the conductor leads with the prompt's text
     ("chat", {"top_k": 5, "min_p": 0.25}, {"top_k": 5, "min_p": 0.25}),
     ("chat", {"top_k": -1}, {}),  # vLLM's "off"
     (
@@ -323,14 +325,16 @@ REFUSED: list[tuple[str, dict[str, Any], int, str]] = [
     ("chat", {"logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("chat", {"logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ("chat", {"frequency_penalty": 2.5}, 400, "frequency_penalty"),
-    ("completions", {"best_of": 2}, 422, "best_of"),
+    ("completions", {"best_of": 20}, 422, "best_of"),
+    ("completions", {"best_of": 1, "n": 2}, 400, "best_of"),
+    ("completions", {"best_of": 2, "stream": True}, 400, "best_of"),
     ("chat", {"top_k": -2}, 400, "top_k"),
     ("chat", {"min_p": 1.5}, 400, "min_p"),
     ("completions", {"stop_token_ids": [10**9]}, 400, "stop_token_ids"),
     ("completions", {"min_tokens": 3, "max_tokens": 2}, 400, "min_tokens"),
     ("completions", {"response_format": {"type": "xml"}}, 400, "response_format"),
     ("completions", {"suffix": "tail"}, 422, "suffix"),
-    ("completions", {"echo": True}, 422, "echo"),
+    ("completions", {"echo": True, "logprobs": 1}, 422, "echo"),
     ("completions", {"logprobs": 6}, 400, "logprobs"),  # OpenAI's bound: 5
     ("completions", {"n": 20}, 422, "n"),
 ]
