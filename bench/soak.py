@@ -101,7 +101,7 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, prefixes: list[str
                 {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
                 {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": 2**64},
                 {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
-                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3},
+                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 17},
             ])  # fmt: skip
             resp = await client.post("/v1/chat/completions", json=bad)
             tally.add("bad", str(resp.status_code))

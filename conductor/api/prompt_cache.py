@@ -96,11 +96,26 @@ def _part_texts(content: list[Any]) -> list[str]:
     return [p.get("text") or "" if isinstance(p, dict) else "" for p in content]
 
 
+def _any_marks(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None) -> bool:
+    for message in messages:
+        if "cache_control" in message:
+            return True
+        content = message.get("content")
+        if isinstance(content, list) and any(
+            isinstance(part, dict) and "cache_control" in part for part in content
+        ):
+            return True
+    return any(isinstance(tool, dict) and "cache_control" in tool for tool in tools or ())
+
+
 def read_marks(
     messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None, max_ttl_s: float
 ) -> CacheMarks:
     """Take the ``cache_control`` fields out of a chat request: its marks in prompt
     order (tools, then messages), their TTLs, and the cleaned request."""
+    if not _any_marks(messages, tools):  # the common case: nothing to copy
+        plain_tools = None if tools is None else list(tools)
+        return CacheMarks(list(messages), plain_tools, [], [])
     marks: list[ChatMark] = []
     ttls: list[float] = []
     where_of: list[str] = []
