@@ -475,6 +475,8 @@ class BlockPool:
         self._engine_host.clear()
         self._deadlines.clear()
         self._retention_heap.clear()
+        for block in self._blocks:  # their heap entries are gone with the heap
+            block.retain_heaped_s = 0.0
         self._events.append(AllBlocksCleared())
         return aborted
 

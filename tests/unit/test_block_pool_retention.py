@@ -188,3 +188,21 @@ def test_bad_retention_is_invalid_and_changes_nothing(
     with pytest.raises(InvalidArgument):
         pool.tx_allocate(AllocateParams("a", "t", keys(1, 2), 5.0, mode=mode, retain=retain))
     assert pool.stats() == before
+
+
+def test_a_retention_granted_after_a_reset_still_ends() -> None:
+    """``clear()`` empties the deadline heap: a block retained again afterwards must get
+    an entry of its own, or its retention would never end."""
+    clock = Clock()
+    pool = BlockPool(8, clock)
+    ks = keys(100, 2)
+    run(pool, "a", ks, retain=(Retention(2, 3.0),))
+    clock.now_s = 1.0
+    pool.clear()
+    clock.now_s = 2.0
+    run(pool, "b", ks, retain=(Retention(2, 5.0),))
+    clock.now_s = 100.0
+    pool.expire_leases()
+    pool.check_invariants()
+    assert pool.stats().retained_blocks == 0
+    assert pool.stats().evictable_blocks == 2

@@ -307,6 +307,19 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert self.pool.tx_abort(tx_id).expired
         assert snapshot(self.pool) == before
 
+    @rule()
+    def reset(self) -> None:
+        """An engine reset: every open tx aborted, every block and retention gone."""
+        self._expire_now()
+        aborted = self.pool.clear()
+        assert set(aborted) == set(self.model.open)
+        for tx_id in aborted:
+            event("reset with open txs")
+            del self.model.open[tx_id]
+            self.model.aborted[tx_id] = self.pool.tx_abort(tx_id)  # the remembered answer
+        self.promised.clear()
+        assert self.pool.stats().cached_blocks == 0
+
     @rule(dt_s=st.sampled_from([0.25, 0.5, 1.0, 3.0]))
     def advance_clock(self, dt_s: float) -> None:
         self.clock.now_s += dt_s
