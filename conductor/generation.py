@@ -126,15 +126,18 @@ def cache_writes(
     breakpoints: Sequence[Breakpoint], cached_tokens: int, retention: str
 ) -> dict[float, int]:
     """Prompt tokens written to the cache under each TTL: from the cached prefix up to
-    each breakpoint, the segment before a breakpoint taking its TTL (TTLs do not grow
-    along the prompt). Nothing unless the retention was granted."""
+    each breakpoint, a segment under the longest TTL of the breakpoints at or after it
+    (what the node retains it for: a template may render the marks in another order
+    than the request lists them). Nothing unless the retention was granted."""
     if retention != "granted":
         return {}
+    ordered = sorted(breakpoints, key=lambda b: b.tokens)
     out: dict[float, int] = {}
     start = cached_tokens
-    for bp in sorted(breakpoints, key=lambda b: b.tokens):
+    for i, bp in enumerate(ordered):
         if bp.tokens > start:
-            out[bp.ttl_s] = out.get(bp.ttl_s, 0) + bp.tokens - start
+            ttl = max(b.ttl_s for b in ordered[i:])
+            out[ttl] = out.get(ttl, 0) + bp.tokens - start
             start = bp.tokens
     return out
 

@@ -564,13 +564,15 @@ class ChatTokenizer:
         """``chat_token_ids`` plus, per mark, how many leading prompt tokens end at or
         before it (a prompt-cache breakpoint's position).
 
-        A mark's character position is found by rendering the request cut at the mark
-        and again with a probe character just past it: where the two part ways is where
-        the marked content ends in the rendered prompt, whatever the template wraps
-        around it; the cut render must also agree with the full one up to there (a
-        template that rewrites earlier text for later messages gets the shorter, agreed
-        prefix). Characters become tokens by the full prompt's offsets: a token that
-        straddles the position is not counted. Costs up to two extra renders per mark.
+        A message mark's character position is found by rendering the whole request
+        again with a probe character inserted at the mark: where that render parts ways
+        with the plain one is where the marked content ends in the rendered prompt,
+        whatever the template wraps around it (the conversation is never truncated, so
+        templates that check its shape render it as they do the request). A tool mark
+        renders the tools up to it, with and without a probe tool after it, and keeps
+        the shorter prefix the plain render agrees with. Characters become tokens by the
+        full prompt's offsets: a token that straddles the position is not counted. Costs
+        one or two extra renders per mark.
         """
         full = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         if limit is not None and (bound := self.min_tokens(full)) > limit:
@@ -603,25 +605,22 @@ class ChatTokenizer:
         index = mark.message
         if index is None or not 0 <= index < len(messages):
             raise ChatTemplateError(f"mark on messages[{index}], which does not exist")
-        if mark.cut is None:  # the whole turn, its closing markers included
-            cut = render(messages[: index + 1], add_generation_prompt=False, tools=tools)
-            return _common_prefix(cut, full)
         message = dict(messages[index])
         text = _normalise_content(message.get("content"), index)
-        if not isinstance(text, str) or not 0 <= mark.cut <= len(text):
+        if not isinstance(text, str):  # no text (an assistant's calls only): the whole turn
+            turn = render(messages[: index + 1], add_generation_prompt=False, tools=tools)
+            return _common_prefix(turn, full)
+        at = len(text) if mark.cut is None else mark.cut
+        if not 0 <= at <= len(text):
             raise ChatTemplateError(f"mark cuts messages[{index}] outside its text")
-        head = list(messages[:index])
-        cut = render(
-            [*head, {**message, "content": text[: mark.cut]}],
-            add_generation_prompt=False,
-            tools=tools,
-        )
-        probe = render(
-            [*head, {**message, "content": text[: mark.cut] + _MARK_PROBE}],
-            add_generation_prompt=False,
-            tools=tools,
-        )
-        return min(_common_prefix(cut, probe), _common_prefix(cut, full))
+        # The whole request with a probe character at the mark: a template that checks
+        # the conversation (a user turn after the system prompt...) sees it all.
+        probed = [
+            *messages[:index],
+            {**message, "content": text[:at] + _MARK_PROBE + text[at:]},
+            *messages[index + 1 :],
+        ]
+        return _common_prefix(render(probed, add_generation_prompt=True, tools=tools), full)
 
     def api_token_ids(
         self,

@@ -268,16 +268,27 @@ async def _start_choices(
         )
         for i in range(n)
     ]
-    started = await asyncio.gather(
-        *(state.dispatcher.start(r) for r in requests), return_exceptions=True
-    )
-    streams = [s for s in started if isinstance(s, GenerationStream)]
-    failed = [s for s in started if isinstance(s, BaseException)]
-    if failed:
-        for stream in streams:
-            await stream.aclose()
-        raise failed[0]
-    return streams
+    tasks = [asyncio.ensure_future(state.dispatcher.start(r)) for r in requests]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:  # this request cancelled: nothing it started may run on
+        await _discard(tasks)
+        raise
+    errors = [e for t in tasks if t.done() and not t.cancelled() and (e := t.exception())]
+    if errors:
+        await _discard(tasks)
+        raise errors[0]
+    return [task.result() for task in tasks]
+
+
+async def _discard(tasks: list[asyncio.Task[GenerationStream]]) -> None:
+    """Cancel the choices still starting and close those that started."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is None:
+            await task.result().aclose()
 
 
 def _wrap_seed(seed: int) -> int:

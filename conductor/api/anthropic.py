@@ -241,7 +241,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         messages.append({"role": "system", "content": _text_parts(body.system, "system")})
     for i, message in enumerate(body.messages):
         messages.extend(_message(i, message))
-    if body.cache_control is not None:  # automatic caching: a breakpoint at the end
+    if body.cache_control is not None and messages:  # a breakpoint at the end
         messages[-1] = {**messages[-1], "cache_control": body.cache_control}
     tools = None
     if body.tools is not None:

@@ -121,3 +121,11 @@ def test_the_ledger_is_bounded() -> None:
         "retained_tokens": 64,
         "retention_refused": 1,
     }
+
+
+def test_a_segment_is_written_under_the_longest_ttl_that_retains_it() -> None:
+    """The template may render a 5-minute system mark before a 1-hour tools mark: the
+    node keeps the system prompt an hour (the longest TTL covering it), so it is a
+    1-hour write."""
+    bps = [Breakpoint(9, 300.0), Breakpoint(102, 3600.0)]
+    assert cache_writes(bps, 0, "granted") == {3600.0: 102}

@@ -469,3 +469,23 @@ def test_a_mark_outside_the_request_is_an_error() -> None:
         tok.chat_token_ids_marked(_conversation(), [ChatMark(message=9)])
     with pytest.raises(ChatTemplateError):
         tok.chat_token_ids_marked(_conversation(), [ChatMark(tool=0)])
+
+
+def test_marks_work_with_a_template_that_checks_the_whole_conversation() -> None:
+    """Templates that refuse a conversation without a user turn (Qwen3's do) render a
+    mark on the system prompt: the request is never cut short to find it."""
+    strict = (
+        "{% if messages | selectattr('role', 'equalto', 'user') | list | length == 0 %}"
+        "{{ raise_exception('No user query found in messages.') }}{% endif %}"
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tok = ChatTokenizer(tokenizer().tokenizer, chat_templates={"default": strict})
+    messages = [
+        {"role": "system", "content": "Rules. " * 30},
+        {"role": "user", "content": "Hi"},
+    ]
+    ids, (count,) = tok.chat_token_ids_marked(messages, [ChatMark(message=0)])
+    head = tok.decode(ids[:count], skip_special_tokens=False)
+    assert head.rstrip().endswith("Rules.")
+    assert "Hi" not in head

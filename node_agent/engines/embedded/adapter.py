@@ -245,9 +245,14 @@ class EmbeddedEngineAdapter:
                 produced += 1
                 lp = (sampler.logprob(logits, token),) if want_logprobs else ()
                 if token in enders:
-                    tail = stops.flush() + detok.flush()
+                    # The detokenizer's held bytes may complete a stop string still.
+                    ending = stops.push(detok.flush())
                     yield GenerationStep(
-                        token_ids=(token,), text=tail, finish_reason="stop", logprobs=lp
+                        token_ids=(token,),
+                        text=ending.emit + ("" if ending.stopped else stops.flush()),
+                        finish_reason="stop",
+                        stop_sequence=ending.matched,
+                        logprobs=lp,
                     )
                     return
                 check = stops.push(detok.push(token))
@@ -261,9 +266,13 @@ class EmbeddedEngineAdapter:
                     )
                     return
                 if produced >= budget:
-                    text = check.emit + stops.push(detok.flush()).emit + stops.flush()
+                    ending = stops.push(detok.flush())  # a stop string completed at the end
                     yield GenerationStep(
-                        token_ids=(token,), text=text, finish_reason="length", logprobs=lp
+                        token_ids=(token,),
+                        text=check.emit + ending.emit + ("" if ending.stopped else stops.flush()),
+                        finish_reason="stop" if ending.stopped else "length",
+                        stop_sequence=ending.matched,
+                        logprobs=lp,
                     )
                     return
                 yield GenerationStep(token_ids=(token,), text=check.emit, logprobs=lp)

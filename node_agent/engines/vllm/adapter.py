@@ -644,7 +644,16 @@ class VllmEngineAdapter:
             return GenerationStep(token_ids=ids, text=text, logprobs=lps)
         if finish not in ("stop", "length"):
             raise EngineError(f"vLLM finished the request with {finish!r}")
-        text += stops.push(detok.flush()).emit + stops.flush()
+        last = stops.push(detok.flush())  # held bytes may complete a stop string
+        if last.stopped:
+            return GenerationStep(
+                token_ids=ids,
+                text=text + last.emit,
+                finish_reason="stop",
+                stop_sequence=last.matched,
+                logprobs=lps,
+            )
+        text += last.emit + stops.flush()
         # vLLM names the stop string it matched itself in stop_reason (a token id there
         # is a stop_token_ids hit, which is no stop sequence).
         matched = choice.get("stop_reason")
