@@ -598,6 +598,7 @@ _RETENTION_NAMES = {
     pb.RETENTION_STATUS_OVER_BUDGET: "over_budget",
     pb.RETENTION_STATUS_NODE_FULL: "node_full",
     pb.RETENTION_STATUS_UNSUPPORTED: "unsupported",
+    pb.RETENTION_STATUS_TOO_LONG: "too_long",
 }
 
 

@@ -35,7 +35,14 @@ ENDPOINTS = ("chat_completions", "completions", "messages")
 
 PROMPT_SOURCES = ("local", "migrated", "computed")
 # What became of a request's prompt-cache breakpoints (conductor.api.prompt_cache).
-RETENTION_OUTCOMES = ("granted", "over_budget", "node_full", "unsupported", "below_minimum")
+RETENTION_OUTCOMES = (
+    "granted",
+    "over_budget",
+    "node_full",
+    "unsupported",
+    "too_long",
+    "below_minimum",
+)
 PREDICTED_QUANTITIES = ("ttft", "tbt")  # what a prediction-ratio sample compares
 # predicted / actual: 1 is perfect; < 1 optimistic (admits too much), > 1 pessimistic.
 _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2, 4, 10)

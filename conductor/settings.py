@@ -67,8 +67,8 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
         gt=0,
         le=86_400,
         description="Longest retention a request may ask (cache_control ttl, "
-        "prompt_cache_retention '24h'); longer is 422. Agents must allow it too "
-        "(their --max-retention-s)",
+        "prompt_cache_retention '24h'); longer is 422. A node that retains for less "
+        "(its --max-retention-s) serves the request and answers retention too_long",
         json_schema_extra=_HTTP,
     )
     prompt_cache_affinity_slack_s: float = Field(

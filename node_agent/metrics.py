@@ -68,7 +68,7 @@ TRANSFER_DIRECTIONS = ("sent", "received")
 TRANSFER_KINDS = ("handoff", "migration")  # prefill → decode; prefix pulled between nodes
 TOKEN_SOURCES = ("computed", "cached")
 EVENT_KINDS = ("stored", "removed", "moved", "retained", "cleared", "load")
-RETENTION_OUTCOMES = ("granted", "over_budget", "node_full", "unsupported")
+RETENTION_OUTCOMES = ("granted", "over_budget", "node_full", "unsupported", "too_long")
 TIER_MEDIA = ("host", "disk")  # the lower KV tiers (L2, L3); the pool itself is "device"
 
 MAX_CONNECTIONS = 16  # concurrent scrapes of /metrics; more get a 503
@@ -144,7 +144,7 @@ class AgentMetrics:
         self.retentions = Counter(
             "node_agent_retentions",
             "Retentions asked in transactions, by outcome (granted, over_budget, "
-            "node_full, unsupported); a refused one never refuses its transaction.",
+            "node_full, unsupported, too_long); a refused one never refuses its transaction.",
             ("outcome",),
             registry=r,
         )

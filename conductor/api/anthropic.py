@@ -303,7 +303,7 @@ class MessagesUsage(_ResponseModel):
     cache_read_input_tokens: int = 0
     cache_creation: CacheCreation | None = _ABSENT
     # This conductor's extension, when breakpoints were asked: what became of them
-    # (granted, over_budget, node_full, unsupported, below_minimum).
+    # (granted, over_budget, node_full, unsupported, too_long, below_minimum).
     cache_retention: str | None = _ABSENT
 
 

@@ -29,7 +29,8 @@ Where a breakpoint falls
 Answers
     OpenAI routes: ``usage.prompt_tokens_details.cached_tokens`` (reads) as always, and
     when the request asked for retention an extension object ``usage.prompt_cache``:
-    ``{"retention": granted | over_budget | node_full | unsupported | below_minimum,
+    ``{"retention": granted | over_budget | node_full | unsupported | too_long |
+    below_minimum,
     "cache_write_tokens", "cache_read_tokens"}``. Messages API: Anthropic's
     ``cache_creation_input_tokens``, ``cache_read_input_tokens`` and ``cache_creation``
     (``ephemeral_5m_input_tokens``, ``ephemeral_1h_input_tokens``), plus the same

@@ -440,7 +440,8 @@ class PromptCacheUsage(_ResponseModel):
     retention (``cache_control``, ``prompt_cache_retention``)."""
 
     # granted | over_budget (the tenant's budget) | node_full | unsupported (the engine
-    # evicts on its own: vLLM) | below_minimum (shorter than the deployment retains)
+    # evicts on its own: vLLM) | too_long (a TTL past the node's longest) | below_minimum
+    # (shorter than the deployment retains)
     retention: str
     cache_write_tokens: int  # prompt tokens written to the cache at granted breakpoints
     cache_read_tokens: int  # prompt tokens read from the cache (= cached_tokens)

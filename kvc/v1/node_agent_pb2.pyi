@@ -93,6 +93,8 @@ class _RetentionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reten
     """the node retains as many blocks as it may"""
     RETENTION_STATUS_UNSUPPORTED: _RetentionStatus.ValueType  # 4
     """the engine evicts on its own (vLLM)"""
+    RETENTION_STATUS_TOO_LONG: _RetentionStatus.ValueType  # 5
+    """a TTL longer than the node's --max-retention-s"""
 
 class RetentionStatus(_RetentionStatus, metaclass=_RetentionStatusEnumTypeWrapper): ...
 
@@ -105,6 +107,8 @@ RETENTION_STATUS_NODE_FULL: RetentionStatus.ValueType  # 3
 """the node retains as many blocks as it may"""
 RETENTION_STATUS_UNSUPPORTED: RetentionStatus.ValueType  # 4
 """the engine evicts on its own (vLLM)"""
+RETENTION_STATUS_TOO_LONG: RetentionStatus.ValueType  # 5
+"""a TTL longer than the node's --max-retention-s"""
 Global___RetentionStatus: _TypeAlias = RetentionStatus  # noqa: Y015
 
 class _KvMedium:

@@ -106,7 +106,8 @@ Retention (prompt-cache breakpoints: ``AllocateParams.retain``)
       blocks of the seconds left, plus what this grant adds, would pass
       ``retention_budget_block_s`` (KV block-seconds per tenant; None: unlimited);
     * ``NODE_FULL``: more than ``max_retained_blocks`` blocks would be retained
-      (default half the pool, so automatic caching and new work always keep room).
+      (default half the pool, so automatic caching and new work always keep room);
+    * ``TOO_LONG``: a TTL longer than ``max_retention_s``.
 
     Granted, the blocks are retained from the allocation on (an aborted tx's fresh
     blocks are freed with their retention); every later hit on a retained block (either
@@ -306,6 +307,7 @@ class BlockPool:
         self.retentions_refused: dict[RetentionOutcome, int] = {
             RetentionOutcome.OVER_BUDGET: 0,
             RetentionOutcome.NODE_FULL: 0,
+            RetentionOutcome.TOO_LONG: 0,
         }
         self._clock = clock
         self._max_finished_txs = max_finished_txs
@@ -1172,7 +1174,9 @@ class BlockPool:
                 fresh += 1
         outcome = RetentionOutcome.GRANTED
         budget = self.retention_budget_block_s
-        if self._retained + fresh > self.max_retained_blocks:
+        if max(ttls) > self.max_retention_s:
+            outcome = RetentionOutcome.TOO_LONG
+        elif self._retained + fresh > self.max_retained_blocks:
             outcome = RetentionOutcome.NODE_FULL
         elif budget is not None:
             mine = self._retention_by_tenant.get(tenant)
@@ -1433,7 +1437,5 @@ class BlockPool:
             ttl = r.ttl_s
             if isinstance(ttl, bool) or not isinstance(ttl, int | float):
                 raise InvalidArgument(f"retain.ttl_s must be a number, got {ttl!r}")
-            if not 0 < ttl <= self.max_retention_s:
-                raise InvalidArgument(
-                    f"retain.ttl_s must lie in (0, {self.max_retention_s}], got {ttl}"
-                )
+            if not 0 < ttl < math.inf:  # longer than this node retains: refused, not invalid
+                raise InvalidArgument(f"retain.ttl_s must be finite and > 0, got {ttl}")

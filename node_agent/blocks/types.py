@@ -138,6 +138,7 @@ class RetentionOutcome(enum.Enum):
     GRANTED = "granted"
     OVER_BUDGET = "over_budget"  # the tenant's retention budget would be exceeded
     NODE_FULL = "node_full"  # the node retains as many blocks as it may
+    TOO_LONG = "too_long"  # a TTL longer than the node retains
     UNSUPPORTED = "unsupported"  # the engine evicts on its own (vLLM): not promised
 
 

@@ -122,6 +122,15 @@ def test_refreshing_ones_own_retention_costs_only_the_extension() -> None:
     assert pool.retention_of("t") == (4, 400.0)
 
 
+def test_a_ttl_past_the_nodes_longest_is_refused_not_invalid() -> None:
+    pool = BlockPool(8, Clock(), max_retention_s=600.0)
+    assert run(pool, "a", keys(100, 2), retain=(Retention(2, 3600.0),)) is (
+        RetentionOutcome.TOO_LONG
+    )
+    assert pool.stats().retained_blocks == 0
+    assert pool.match_prefix(keys(100, 2)) == 2  # served and cached all the same
+
+
 def test_the_node_keeps_room_for_automatic_caching() -> None:
     clock = Clock()
     pool = BlockPool(8, clock)  # at most half the pool retained by default
@@ -176,7 +185,7 @@ def test_the_engine_dropping_a_retained_block_ends_its_retention() -> None:
         ((Retention(0, 10.0),), TxMode.ALLOCATE),
         ((Retention(3, 10.0),), TxMode.ALLOCATE),  # more blocks than keys
         ((Retention(1, 0.0),), TxMode.ALLOCATE),
-        ((Retention(1, 7200.0),), TxMode.ALLOCATE),  # past max_retention_s
+        ((Retention(1, float("inf")),), TxMode.ALLOCATE),
         ((Retention(1, 10.0),), TxMode.LOCK_ONLY),
     ],
 )
