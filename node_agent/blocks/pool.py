@@ -110,7 +110,8 @@ Retention (prompt-cache breakpoints: ``AllocateParams.retain``)
     * ``TOO_LONG``: a TTL longer than ``max_retention_s``.
 
     Granted, the blocks are retained from the allocation on (an aborted tx's fresh
-    blocks are freed with their retention); every later hit on a retained block (either
+    blocks are freed with their retention; one another open tx shares keeps it, charged
+    as granted, and is cached when that tx commits); every later hit on a retained block (either
     mode) restarts its TTL, free of charge, as Anthropic's cache does. A retention
     never outlives its block's content: ``clear()`` and an engine eviction
     (``mirror_removed``) end it. When it runs out (``_expire_due``, lazily at each
