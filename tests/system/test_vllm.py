@@ -248,8 +248,15 @@ class Fleet:
         return nodes
 
     def snapshot(self, port: int) -> set[int]:
+        """The agent's cached keys; none while it is not listening yet (a restarted
+        agent: the conductor may still call the old one usable until its next poll)."""
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            snap = pb_grpc.NodeAgentStub(channel).Snapshot(pb.SnapshotRequest(), timeout=10)
+            try:
+                snap = pb_grpc.NodeAgentStub(channel).Snapshot(pb.SnapshotRequest(), timeout=10)
+            except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                    return set()
+                raise
             return set(snap.cached_keys)
 
     def stop_all(self) -> None:
@@ -505,7 +512,9 @@ def test_b_mirror_survives_a_subscriber_restart(fleet: Fleet) -> None:
     _warm_directly(fleet.vllm_a, ids)
     fleet.start_agent_a()  # a new subscriber: it replays vLLM's buffer from seq 0
     fleet.wait_agents_usable(fleet.agent_a_port)
-    _wait_for(lambda: set(keys) <= fleet.snapshot(fleet.agent_a_port), "replayed mirror")
+    _wait_for(
+        lambda: set(keys) <= fleet.snapshot(fleet.agent_a_port), "replayed mirror", timeout_s=60.0
+    )
     mirrored_now = len(fleet.snapshot(fleet.agent_a_port))
     _wait_for(  # the conductor's shadow re-snapshots the restarted agent (backoff ≤ 5 s)
         lambda: fleet.conductor_keys(fleet.agent_a_port) >= mirrored_now,
