@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,23 @@ def chat_body(content: str = "Hello there!", **extra: Any) -> dict[str, Any]:
     }
     body.update(extra)
     return body
+
+
+def completion_body(prompt: str = "Once upon a time", **extra: Any) -> dict[str, Any]:
+    """A legacy completion request: greedy, 12 tokens, unless ``extra`` says otherwise."""
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, **extra}
+
+
+async def streamed_events(client: httpx.AsyncClient, path: str, body: Any) -> list[Any]:
+    """POST ``body`` with ``stream: true`` and return its SSE data events as JSON,
+    ``[DONE]`` left out."""
+    events: list[Any] = []
+    async with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
 
 
 def tool_result_turns(call_id: str, name: str, arguments: str, result: str) -> list[dict[str, Any]]:

@@ -3,7 +3,6 @@ streamed interleaved by index or answered together; usage counts the prompt once
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from tests.conftest import (
@@ -11,10 +10,10 @@ from tests.conftest import (
     ConductorFactory,
     assert_no_locks,
     chat_body,
+    completion_body,
+    streamed_events,
     wait_until,
 )
-
-MODEL = "tiny-llama"
 
 
 async def test_chat_choices_streamed_and_not(
@@ -43,23 +42,17 @@ async def test_chat_choices_streamed_and_not(
         streamed: dict[int, str] = {}
         finishes: dict[int, str] = {}
         roles: list[int] = []
-        final_usage: dict[str, Any] | None = None
-        body = {**ask, "stream": True, "stream_options": {"include_usage": True}}
-        async with c.client.stream("POST", "/v1/chat/completions", json=body) as s:
-            async for line in s.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if event.get("usage"):
-                    final_usage = event["usage"]
-                for ch in event["choices"]:
-                    if ch["delta"].get("role"):
-                        roles.append(ch["index"])
-                    streamed[ch["index"]] = streamed.get(ch["index"], "") + (
-                        ch["delta"].get("content") or ""
-                    )
-                    if ch["finish_reason"]:
-                        finishes[ch["index"]] = ch["finish_reason"]
+        body = {**ask, "stream_options": {"include_usage": True}}
+        events = await streamed_events(c.client, "/v1/chat/completions", body)
+        final_usage: dict[str, Any] | None = events[-1]["usage"]
+        for event in events:
+            for ch in event["choices"]:
+                if ch["delta"].get("role"):
+                    roles.append(ch["index"])
+                text = ch["delta"].get("content") or ""
+                streamed[ch["index"]] = streamed.get(ch["index"], "") + text
+                if ch["finish_reason"]:
+                    finishes[ch["index"]] = ch["finish_reason"]
         assert roles == [0, 1, 2]
         assert [streamed[i] for i in range(3)] == texts  # seeded: the same answers
         assert finishes == {0: "length", 1: "length", 2: "length"}
@@ -72,15 +65,7 @@ async def test_completion_choices_with_logprobs(
     start_agent: AgentFactory, conductor: ConductorFactory
 ) -> None:
     agent = await start_agent("both")
-    body = {
-        "model": MODEL,
-        "prompt": "Once upon a time",
-        "max_tokens": 4,
-        "n": 2,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 1,
-    }
+    body = completion_body(max_tokens=4, n=2, ignore_eos=True, logprobs=1)
     async with conductor([agent]) as c:
         r = await c.client.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
@@ -112,14 +97,7 @@ async def test_best_of_answers_the_most_likely_and_echo_leads_with_the_prompt(
     start_agent: AgentFactory, conductor: ConductorFactory
 ) -> None:
     agent = await start_agent("both")
-    body = {
-        "model": MODEL,
-        "prompt": "Once upon a time",
-        "max_tokens": 4,
-        "temperature": 1.0,
-        "seed": 5,
-        "ignore_eos": True,
-    }
+    body = completion_body(max_tokens=4, temperature=1.0, seed=5, ignore_eos=True)
     async with conductor([agent]) as c:
         many = await c.client.post("/v1/completions", json={**body, "n": 4, "logprobs": 0})
         ranked = sorted(
@@ -141,13 +119,8 @@ async def test_best_of_answers_the_most_likely_and_echo_leads_with_the_prompt(
         assert echoed.json()["choices"][0]["text"] == (
             "Once upon a time" + plain.json()["choices"][0]["text"]
         )
-        text = ""
-        async with c.client.stream(
-            "POST", "/v1/completions", json={**body, "echo": True, "stream": True}
-        ) as s:
-            async for line in s.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    text += "".join(ch["text"] for ch in json.loads(line[6:])["choices"])
+        events = await streamed_events(c.client, "/v1/completions", {**body, "echo": True})
+        text = "".join(ch["text"] for event in events for ch in event["choices"])
         assert text == echoed.json()["choices"][0]["text"]
     assert_no_locks(agent)
 
@@ -156,14 +129,9 @@ async def test_completion_choices_stream(
     start_agent: AgentFactory, conductor: ConductorFactory
 ) -> None:
     agent = await start_agent("both")
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "n": 2, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = completion_body("Hello", max_tokens=3, n=2, ignore_eos=True)
     async with conductor([agent]) as c:
-        seen: set[int] = set()
-        async with c.client.stream("POST", "/v1/completions", json=body) as s:
-            assert s.status_code == 200
-            async for line in s.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    seen.update(ch["index"] for ch in json.loads(line[6:])["choices"])
+        events = await streamed_events(c.client, "/v1/completions", body)
+        seen = {ch["index"] for event in events for ch in event["choices"]}
         assert seen == {0, 1}
     assert_no_locks(agent)

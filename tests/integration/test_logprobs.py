@@ -3,13 +3,16 @@ completions, in OpenAI's shapes."""
 
 from __future__ import annotations
 
-import json
 import math
-from typing import Any
 
-from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, chat_body
-
-MODEL = "tiny-llama"
+from tests.conftest import (
+    AgentFactory,
+    ConductorFactory,
+    assert_no_locks,
+    chat_body,
+    completion_body,
+    streamed_events,
+)
 
 
 async def test_chat_logprobs_streamed_and_not(
@@ -17,12 +20,7 @@ async def test_chat_logprobs_streamed_and_not(
 ) -> None:
     agent = await start_agent("both")
     ask = chat_body(
-        "Count the lighthouses.",
-        max_tokens=6,
-        temperature=0,
-        ignore_eos=True,
-        logprobs=True,
-        top_logprobs=3,
+        "Count the lighthouses.", max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=3
     )
     async with conductor([agent]) as c:
         r = await c.client.post("/v1/chat/completions", json=ask)
@@ -33,10 +31,9 @@ async def test_chat_logprobs_streamed_and_not(
         for entry in content:
             tops = entry["top_logprobs"]
             assert len(tops) == 3
-            assert [t["logprob"] for t in tops] == sorted(
-                (t["logprob"] for t in tops), reverse=True
-            )
-            assert sum(math.exp(t["logprob"]) for t in tops) <= 1.0 + 1e-5
+            values = [t["logprob"] for t in tops]
+            assert values == sorted(values, reverse=True)
+            assert sum(math.exp(v) for v in values) <= 1.0 + 1e-5
             # Greedy on the raw logits: the token taken is the most likely one.
             assert entry["token"] == tops[0]["token"]
             assert math.isclose(entry["logprob"], tops[0]["logprob"], abs_tol=1e-5)
@@ -45,15 +42,14 @@ async def test_chat_logprobs_streamed_and_not(
         joined = b"".join(bytes(e["bytes"]) for e in content).decode("utf-8", "replace")
         assert joined.startswith(text) or text in joined  # special tokens leave no text
 
-        streamed: list[dict[str, Any]] = []
-        async with c.client.stream(
-            "POST", "/v1/chat/completions", json={**ask, "stream": True}
-        ) as s:
-            async for line in s.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    for ch in json.loads(line[6:])["choices"]:
-                        if ch.get("logprobs"):
-                            streamed += ch["logprobs"]["content"]
+        events = await streamed_events(c.client, "/v1/chat/completions", ask)
+        streamed = [
+            entry
+            for event in events
+            for ch in event["choices"]
+            if ch.get("logprobs")
+            for entry in ch["logprobs"]["content"]
+        ]
         assert streamed == content
 
         plain = await c.client.post("/v1/chat/completions", json=chat_body("hi", max_tokens=2))
@@ -65,14 +61,7 @@ async def test_completion_logprobs_are_parallel_lists(
     start_agent: AgentFactory, conductor: ConductorFactory
 ) -> None:
     agent = await start_agent("both")
-    body = {
-        "model": MODEL,
-        "prompt": "Once upon a time",
-        "max_tokens": 5,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 2,
-    }
+    body = completion_body(max_tokens=5, ignore_eos=True, logprobs=2)
     async with conductor([agent]) as c:
         r = await c.client.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
@@ -83,12 +72,13 @@ async def test_completion_logprobs_are_parallel_lists(
         assert offsets[0] == 0
         steps = zip(offsets[:-1], offsets[1:], lp["tokens"][:-1], strict=True)
         assert all(b - a == len(t) for a, b, t in steps)
-        streamed: list[float] = []
-        async with c.client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
-            async for line in s.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    for ch in json.loads(line[6:])["choices"]:
-                        if ch.get("logprobs"):
-                            streamed += ch["logprobs"]["token_logprobs"]
+        events = await streamed_events(c.client, "/v1/completions", body)
+        streamed = [
+            value
+            for event in events
+            for ch in event["choices"]
+            if ch.get("logprobs")
+            for value in ch["logprobs"]["token_logprobs"]
+        ]
         assert streamed == lp["token_logprobs"]
     assert_no_locks(agent)
