@@ -307,6 +307,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         retain = tuple(Retention(r.blocks, r.ttl_s) for r in request.retain)
         # An engine that evicts on its own (vLLM) cannot keep a promise made here.
         unsupported = bool(retain) and self.engine_evicts
+        retry = bool(retain) and self._tx_open(request.tx_id)  # answered (and counted) before
         params = AllocateParams(
             tx_id=request.tx_id,
             tenant=request.tenant,
@@ -326,7 +327,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 lower.unstage(keys)
         if unsupported:
             result = replace(result, retention=RetentionOutcome.UNSUPPORTED)
-        if result.retention is not RetentionOutcome.NONE:
+        if result.retention is not RetentionOutcome.NONE and not retry:
             self.metrics.retentions.labels(result.retention.value).inc()
         return result
 

@@ -7,6 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from kvc.v1 import node_agent_pb2 as pb
+from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, wait_until
 
 MODEL = "tiny-llama"
@@ -195,4 +199,31 @@ async def test_retention_outlives_the_conductor_that_asked_for_it(
         now_retained = agent.service.pool.stats().retained_blocks
         assert now_retained > retained
         await wait_until(lambda: len(handle.retained) == now_retained)
+    assert_no_locks(agent)
+
+
+async def test_a_retried_allocation_answers_its_retention_again_and_counts_it_once(
+    start_agent: AgentFactory,
+) -> None:
+    agent = await start_agent("both")
+    registry = agent.service.metrics.registry
+    request = pb.TxAllocateRequest(
+        tx_id="tx-retry",
+        tenant="t",
+        block_keys=[11, 12, 13],
+        lease_s=5.0,
+        mode=pb.TX_MODE_ALLOCATE,
+        retain=[pb.Retention(blocks=2, ttl_s=60.0)],
+    )
+    async with grpc.aio.insecure_channel(agent.address) as channel:
+        stub = pb_grpc.NodeAgentStub(channel)
+        first = await stub.TxAllocate(request)
+        again = await stub.TxAllocate(request)  # a conductor's retry of the same call
+        assert first.retention == again.retention
+        assert first.retention.status == pb.RETENTION_STATUS_GRANTED
+        assert first.retention.retained_blocks == 2
+        granted = {"outcome": "granted"}
+        assert registry.get_sample_value("node_agent_retentions_total", granted) == 1
+        await stub.TxCommit(pb.TxCommitRequest(tx_id="tx-retry"))
+    assert agent.service.pool.stats().retained_blocks == 2
     assert_no_locks(agent)
