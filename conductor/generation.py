@@ -57,8 +57,8 @@ class UsageCounts:
     completion_tokens: int
     cached_tokens: int
     # What became of the request's breakpoints on the prefill node: "none" (none asked),
-    # "granted", "over_budget", "node_full", "unsupported" (RetentionStatus), or
-    # "below_minimum" (every breakpoint shorter than the conductor retains).
+    # "granted", "over_budget", "node_full", "unsupported", "too_long" (RetentionStatus),
+    # or "below_minimum" (every breakpoint shorter than the conductor retains).
     retention: str = "none"
     # Prompt tokens written to the cache at granted breakpoints, per TTL (seconds).
     cache_writes: tuple[tuple[float, int], ...] = ()
