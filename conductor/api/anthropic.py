@@ -48,7 +48,7 @@ from conductor.api.schemas import (
     _ResponseModel,
 )
 from conductor.api.sse import GenerationResponse
-from conductor.api.tool_calls import Call
+from conductor.api.tool_calls import Call, CallArguments, CallEnd, CallStart, Content, collect
 from conductor.errors import ConductorError, InvalidRequest, UnprocessableEntity
 from conductor.generation import TokenDelta, UsageCounts
 
@@ -345,10 +345,14 @@ def _tool_use(call: Call) -> dict[str, Any]:
         arguments = {}
     return {
         "type": "tool_use",
-        "id": call.id.replace("call_", "toolu_", 1),
+        "id": _tool_use_id(call.id),
         "name": call.name,
         "input": arguments if isinstance(arguments, dict) else {},
     }
+
+
+def _tool_use_id(call_id: str) -> str:
+    return call_id.replace("call_", "toolu_", 1)
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
@@ -376,7 +380,7 @@ async def messages(
     if not body.stream:
         text, finish, usage = await adm.collect()
         blocks: list[dict[str, Any]] = []
-        said, made = reader.read(text, last=True) if reader is not None else (text, [])
+        said, made = collect(reader.read(text, last=True)) if reader is not None else (text, [])
         if said:
             blocks.append({"type": "text", "text": said})
         blocks += [_tool_use(c) for c in made]
@@ -401,48 +405,46 @@ async def messages(
         if delta is None:
             return None
         out: list[str] = []
-        said, made = (
-            (delta.text, [])
+        events = (
+            [Content(delta.text)]
             if reader is None
             else reader.read(delta.text, last=delta.finish_reason is not None)
         )
-        if said:
-            if not text_open:
-                index += 1
-                text_open = True
+        # Text blocks and tool_use blocks in the order written; a call's input streams
+        # as ``input_json_delta`` fragments as its arguments are written.
+        for event in events:
+            if isinstance(event, Content):
+                if not event.text:
+                    continue
+                if not text_open:
+                    index += 1
+                    text_open = True
+                    out.append(
+                        _event(
+                            "content_block_start",
+                            {"index": index, "content_block": {"type": "text", "text": ""}},
+                        )
+                    )
                 out.append(
                     _event(
-                        "content_block_start",
-                        {"index": index, "content_block": {"type": "text", "text": ""}},
+                        "content_block_delta",
+                        {"index": index, "delta": {"type": "text_delta", "text": event.text}},
                     )
                 )
-            out.append(
-                _event(
-                    "content_block_delta",
-                    {"index": index, "delta": {"type": "text_delta", "text": said}},
-                )
-            )
-        for call in made:
-            if text_open:
+            elif isinstance(event, CallStart):
+                if text_open:
+                    out.append(_event("content_block_stop", {"index": index}))
+                    text_open = False
+                index += 1
+                calls += 1
+                block = {"type": "tool_use", "id": _tool_use_id(event.id), "name": event.name,
+                         "input": {}}  # fmt: skip
+                out.append(_event("content_block_start", {"index": index, "content_block": block}))
+            elif isinstance(event, CallArguments):
+                fragment = {"type": "input_json_delta", "partial_json": event.text}
+                out.append(_event("content_block_delta", {"index": index, "delta": fragment}))
+            elif isinstance(event, CallEnd):
                 out.append(_event("content_block_stop", {"index": index}))
-                text_open = False
-            index += 1
-            calls += 1
-            block = {**_tool_use(call), "input": {}}
-            out.append(_event("content_block_start", {"index": index, "content_block": block}))
-            out.append(
-                _event(
-                    "content_block_delta",
-                    {
-                        "index": index,
-                        "delta": {
-                            "type": "input_json_delta",
-                            "partial_json": call.arguments or "{}",
-                        },
-                    },
-                )
-            )
-            out.append(_event("content_block_stop", {"index": index}))
         if delta.finish_reason is not None:
             if text_open:
                 out.append(_event("content_block_stop", {"index": index}))

@@ -58,7 +58,18 @@ from conductor.api.schemas import (
     sse_data,
 )
 from conductor.api.sse import GenerationResponse
-from conductor.api.tool_calls import Call, Content, Event, ToolCallParser, make_call
+from conductor.api.tool_calls import (
+    Call,
+    CallArguments,
+    CallEnd,
+    CallStart,
+    Content,
+    Event,
+    ToolCallParser,
+    call_events,
+    collect,
+    make_call,
+)
 from conductor.api.tool_calls import new_parser as new_tool_parser
 from conductor.errors import (
     ContextLengthExceeded,
@@ -400,7 +411,8 @@ class _ToolCallReader:
     ``tool_choice`` forced the call through guided decoding — from the JSON the output
     is (a named function's arguments, or an array of ``{"name", "parameters"}``); JSON
     that does not parse (cut by max_tokens) stays text. ``parallel_tool_calls: false``
-    keeps the first call."""
+    keeps the first call. A streamed answer's parser is incremental: a call's arguments
+    stream as they are written."""
 
     def __init__(
         self, parser: ToolCallParser | None, parallel: bool, forced_name: str | None = None
@@ -409,6 +421,7 @@ class _ToolCallReader:
         self._parallel = parallel
         self._forced_name = forced_name
         self._held = ""  # forced mode: the whole output, read at the end
+        self._dropping = False  # inside a call that parallel_tool_calls=false drops
         self.called = 0  # calls handed out so far
 
     @classmethod
@@ -423,21 +436,32 @@ class _ToolCallReader:
             return cls(None, parallel)
         if state.tool_parser is None:
             return None
-        return cls(new_tool_parser(state.tool_parser), parallel)
+        return cls(new_tool_parser(state.tool_parser, incremental=body.stream), parallel)
 
-    def read(self, text: str, *, last: bool) -> tuple[str, list[Call]]:
+    def read(self, text: str, *, last: bool) -> list[Event]:
+        """What ``text`` (the next delta; ``last`` at the generation's end) adds:
+        content and calls' starts, argument fragments and ends, in order."""
         if self._parser is None:
             events = self._forced(text, last)
         else:
             events = self._parser.feed(text) if text else []
             if last:
                 events += self._parser.finish()
-        said = "".join(e.text for e in events if isinstance(e, Content))
-        made = [e for e in events if isinstance(e, Call)]
-        if not self._parallel:
-            made = made[: max(0, 1 - self.called)]
-        self.called += len(made)
-        return said, made
+        kept: list[Event] = []
+        for event in events:
+            if isinstance(event, CallStart):
+                if not self._parallel and self.called:
+                    self._dropping = True
+                    continue
+                self.called += 1
+            elif self._dropping and isinstance(event, CallArguments | CallEnd):
+                self._dropping = not isinstance(event, CallEnd)
+                continue
+            kept.append(event)
+        return kept
+
+    def finish_reason(self, finish: str) -> str:
+        return "tool_calls" if self.called else finish
 
     def _forced(self, text: str, last: bool) -> list[Event]:
         self._held += text
@@ -450,7 +474,7 @@ class _ToolCallReader:
             return [Content(held)]
         if self._forced_name is not None:
             call = make_call(self._forced_name, data)
-            return [call] if call is not None else [Content(held)]
+            return call_events(call) if call is not None else [Content(held)]
         items = data if isinstance(data, list) else []
         calls = [
             make_call(i.get("name"), i.get("parameters")) if isinstance(i, dict) else None
@@ -458,22 +482,36 @@ class _ToolCallReader:
         ]
         if not calls or any(c is None for c in calls):
             return [Content(held)]
-        return [c for c in calls if c is not None]
+        return [e for c in calls if c is not None for e in call_events(c)]
 
 
 def _tool_call(call: Call) -> ToolCall:
     return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
-def _tool_call_deltas(index: int, call: Call) -> list[ChoiceDelta]:
-    head = ToolCallDelta(
-        index=index,
-        id=call.id,
-        type="function",
-        function=FunctionCallDelta(name=call.name, arguments=""),
-    )
-    body = ToolCallDelta(index=index, function=FunctionCallDelta(arguments=call.arguments))
-    return [ChoiceDelta(tool_calls=[head]), ChoiceDelta(tool_calls=[body])]
+def _chat_deltas(events: list[Event], first_call: int) -> list[ChoiceDelta]:
+    """Streamed as OpenAI streams calls: text as it comes; per call one delta naming it
+    (id, type, function name, empty arguments), then its arguments fragment by fragment.
+    ``first_call`` is the index of the first call that starts in ``events``."""
+    parts: list[ChoiceDelta] = []
+    call = first_call - 1
+    for event in events:
+        if isinstance(event, Content):
+            if event.text:
+                parts.append(ChoiceDelta(content=event.text))
+        elif isinstance(event, CallStart):
+            call += 1
+            head = ToolCallDelta(
+                index=call,
+                id=event.id,
+                type="function",
+                function=FunctionCallDelta(name=event.name, arguments=""),
+            )
+            parts.append(ChoiceDelta(tool_calls=[head]))
+        elif isinstance(event, CallArguments):
+            fragment = ToolCallDelta(index=call, function=FunctionCallDelta(arguments=event.text))
+            parts.append(ChoiceDelta(tool_calls=[fragment]))
+    return parts
 
 
 # Text up to this many characters is tokenized on the event loop, longer text in a worker
@@ -622,11 +660,10 @@ async def chat_completions(
             calls: list[ToolCall] | None = None
             finish = result.finish
             if reader is not None:
-                said, made = reader.read(result.text, last=True)
+                said, made = collect(reader.read(result.text, last=True))
                 content = said or None
                 calls = [_tool_call(c) for c in made] or None
-                if reader.called:
-                    finish = "tool_calls"
+                finish = reader.finish_reason(finish)
             logprobs = chat_logprobs(state.tokenizer, result.logprobs) if body.logprobs else None
             choices.append(
                 ChatCompletionChoice(
@@ -671,15 +708,12 @@ async def chat_completions(
                 return None
             return chunk([ChunkChoice(index=index, delta=ChoiceDelta(content=text or None),
                                       logprobs=logprobs, finish_reason=finish)])  # fmt: skip
-        # As OpenAI streams calls: the text first, then per call one delta naming it (id,
-        # type, function name, empty arguments) and one with its arguments; the finish
-        # reason in a chunk of its own. This delta's logprobs ride on its first chunk
-        # (an empty delta when the text is held back).
-        said, made = reader.read(text, last=finish is not None)
-        first_index = reader.called - len(made)
-        parts: list[ChoiceDelta] = [ChoiceDelta(content=said)] if said else []
-        for i, call in enumerate(made):
-            parts += _tool_call_deltas(first_index + i, call)
+        # Text and calls in the order written (``_chat_deltas``); the finish reason in a
+        # chunk of its own. This delta's logprobs ride on its first chunk (an empty delta
+        # when the text is held back).
+        started = reader.called
+        events = reader.read(text, last=finish is not None)
+        parts = _chat_deltas(events, started)
         if logprobs is not None and not parts:
             parts = [ChoiceDelta()]
         out = [
@@ -687,7 +721,7 @@ async def chat_completions(
             for i, part in enumerate(parts)
         ]
         if finish is not None:
-            finish = "tool_calls" if reader.called else finish
+            finish = reader.finish_reason(finish)
             done = ChunkChoice(index=index, delta=ChoiceDelta(), finish_reason=finish)
             out.append(chunk([done]))
         return "".join(out) or None

@@ -69,6 +69,7 @@ class StandInVllm:
         self.completions: list[tuple[str, dict[str, Any]]] = []
         self.fail_with: httpx.HTTPError | None = None  # raised by the next completion
         self.replies: list[list[int]] = []  # token ids the next streams answer, in order
+        self.event_per_read = False  # stream each SSE event as its own read, as tokens come
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -116,8 +117,22 @@ class StandInVllm:
         events.append(
             {"choices": [], "usage": {**usage, "prompt_tokens_details": {"cached_tokens": 64}}}
         )
-        sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+        reads = [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
+        headers = {"content-type": "text/event-stream"}
+        if self.event_per_read:
+            return httpx.Response(200, stream=_Reads(reads), headers=headers)
+        return httpx.Response(200, content=b"".join(reads), headers=headers)
+
+
+class _Reads(httpx.AsyncByteStream):
+    """A body that arrives in the given pieces, one read each."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self._pieces = pieces
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for piece in self._pieces:
+            yield piece
 
 
 @pytest.fixture
@@ -462,10 +477,14 @@ async def test_a_function_calling_loop_with_the_openai_sdk(
         assert json.loads(call.function.arguments) == {"city": "Oslo"}
         assert call.id.startswith("call_")
 
+        # Streamed with the tokens arriving one by one, as a real engine sends them: the
+        # call's arguments come fragment by fragment, as OpenAI streams them.
         engine.replies.append(tok.encode(call_text))
+        engine.event_per_read = True
         stream = await ask(stream=True)
         text, finish = "", None
         streamed: dict[int, dict[str, str]] = {}
+        fragments = 0
         async for chunk in stream:
             for ch in chunk.choices:
                 text += ch.delta.content or ""
@@ -474,12 +493,15 @@ async def test_a_function_calling_loop_with_the_openai_sdk(
                     if part.function is not None:
                         entry["name"] += part.function.name or ""
                         entry["arguments"] += part.function.arguments or ""
+                        fragments += bool(part.function.arguments)
                 finish = ch.finish_reason or finish
+        engine.event_per_read = False
         assert finish == "tool_calls"
         assert text == "Checking."
         assert list(streamed) == [0]
         assert streamed[0]["name"] == "get_weather"
         assert json.loads(streamed[0]["arguments"]) == {"city": "Oslo"}
+        assert fragments > 2
 
         messages += tool_result_turns(
             call.id, "get_weather", call.function.arguments, '{"sky": "clear", "c": 21}'
@@ -533,10 +555,15 @@ async def test_tool_use_with_the_anthropic_sdk(
         assert use.id.startswith("toolu_")
 
         engine.replies.append(tok.encode(call_text))
+        engine.event_per_read = True  # tokens one by one: the input streams in fragments
         async with client.messages.stream(
             model=MODEL, max_tokens=64, messages=cast(Any, turns), tools=cast(Any, [tool])
         ) as stream:
+            fragments = [e.partial_json async for e in stream if e.type == "input_json"]
             final = await stream.get_final_message()
+        engine.event_per_read = False
+        assert len(fragments) > 2
+        assert json.loads("".join(fragments)) == {"city": "Oslo"}
         assert final.stop_reason == "tool_use"
         assert [b.type for b in final.content] == ["text", "tool_use"]
         assert final.content[1].input == {"city": "Oslo"}  # type: ignore[union-attr]
