@@ -398,10 +398,9 @@ async def messages(
 
     index = -1  # the content block being streamed
     text_open = False
-    calls = 0
 
     def make_event(delta: TokenDelta | None, usage: UsageCounts | None) -> str | None:
-        nonlocal index, text_open, calls
+        nonlocal index, text_open
         if delta is None:
             return None
         out: list[str] = []
@@ -436,7 +435,6 @@ async def messages(
                     out.append(_event("content_block_stop", {"index": index}))
                     text_open = False
                 index += 1
-                calls += 1
                 block = {"type": "tool_use", "id": _tool_use_id(event.id), "name": event.name,
                          "input": {}}  # fmt: skip
                 out.append(_event("content_block_start", {"index": index, "content_block": block}))
@@ -449,7 +447,9 @@ async def messages(
             if text_open:
                 out.append(_event("content_block_stop", {"index": index}))
                 text_open = False
-            reason = "tool_calls" if calls else delta.finish_reason
+            reason = (
+                delta.finish_reason if reader is None else reader.finish_reason(delta.finish_reason)
+            )
             final = _usage(delta.usage) if delta.usage is not None else None
             matched = delta.stop_sequence if reason == "stop" else ""
             out.append(

@@ -422,6 +422,7 @@ class _ToolCallReader:
         self._forced_name = forced_name
         self._held = ""  # forced mode: the whole output, read at the end
         self._dropping = False  # inside a call that parallel_tool_calls=false drops
+        self._cut = False  # a streamed call's arguments were cut short
         self.called = 0  # calls handed out so far
 
     @classmethod
@@ -457,11 +458,15 @@ class _ToolCallReader:
             elif self._dropping and isinstance(event, CallArguments | CallEnd):
                 self._dropping = not isinstance(event, CallEnd)
                 continue
+            elif isinstance(event, CallEnd) and not event.complete:
+                self._cut = True
             kept.append(event)
         return kept
 
     def finish_reason(self, finish: str) -> str:
-        return "tool_calls" if self.called else finish
+        """``tool_calls`` once a call was made — unless one was cut short, when the
+        generation's own reason (``length``) says its arguments are incomplete."""
+        return "tool_calls" if self.called and not self._cut else finish
 
     def _forced(self, text: str, last: bool) -> list[Event]:
         self._held += text

@@ -27,6 +27,7 @@ Two modes, as vLLM's parsers have:
   cannot be taken back, so a call whose arguments turn out malformed or cut short ends
   with what was written. A call laid out otherwise (arguments first, arguments as a JSON
   string, no arguments) is held until it ends and then sent whole, as in the other mode.
+  A call the text ends inside ends with ``CallEnd(complete=False)``.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class CallArguments:
 
 @dataclass(frozen=True, slots=True)
 class CallEnd:
-    pass
+    complete: bool = True  # False: the text ended inside the call's arguments
 
 
 Event = Content | CallStart | CallArguments | CallEnd
@@ -382,7 +383,7 @@ class HermesParser:
         if call is not None:
             events = call.extend(rest)
             if call.started:  # cut short: the call ends with what was written
-                return [*events, CallEnd()]
+                return [*events, CallEnd(complete=call.arguments_closed)]
             rest = call.body
         # An unclosed call is what the model wrote: text, not a call.
         text = (self.OPEN if inside else "") + rest
@@ -507,7 +508,7 @@ class Llama3JsonParser:
                 return [Content(self._held)]
             return [e for c in calls for e in call_events(c)]
         if state in ("args", "after"):  # cut short: the call ends with what was written
-            return [CallEnd()]
+            return [CallEnd(complete=state == "after")]
         if state == "held_text":
             return [Content(self._held)]
         return []

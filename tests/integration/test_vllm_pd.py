@@ -503,6 +503,26 @@ async def test_a_function_calling_loop_with_the_openai_sdk(
         assert json.loads(streamed[0]["arguments"]) == {"city": "Oslo"}
         assert fragments > 2
 
+        # Cut by max_tokens inside the arguments: the streamed call ends with what was
+        # written and the finish reason says so.
+        ids = tok.encode(call_text)
+        cut_at = next(n for n in range(len(ids)) if tok.decode(ids[:n]).endswith('"Os'))
+        engine.replies.append(ids)
+        r = await c.client.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "tools": [WEATHER_TOOL],
+                  "max_tokens": cut_at, "stream": True},
+        )  # fmt: skip
+        events = [
+            json.loads(b[len("data: ") :]) for b in r.text.split("\n\n") if b.startswith("data: {")
+        ]
+        deltas = [e["choices"][0] for e in events if e["choices"]]
+        arguments = "".join(
+            t["function"]["arguments"] for d in deltas for t in d["delta"].get("tool_calls", [])
+        )
+        assert arguments == '{"city": "Os'
+        assert deltas[-1]["finish_reason"] == "length"
+
         messages += tool_result_turns(
             call.id, "get_weather", call.function.arguments, '{"sky": "clear", "c": 21}'
         )

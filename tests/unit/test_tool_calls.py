@@ -160,8 +160,11 @@ def test_a_streamed_call_cut_short_ends_with_what_was_written(
 ) -> None:
     """Once a call has started streaming it cannot be taken back: cut by max_tokens
     (or followed by something else), it ends with the arguments as written."""
-    said, calls = collect(events_of(name, list(output), incremental=True))
+    events = events_of(name, list(output), incremental=True)
+    said, calls = collect(events)
     assert said == text
+    (end,) = [e for e in events if isinstance(e, CallEnd)]
+    assert end.complete == arguments.endswith("}")  # cut inside the arguments or not
     ((call_name, call_arguments),) = [(c.name, c.arguments) for c in calls]
     assert (call_name, call_arguments) == ("f", arguments)
 
