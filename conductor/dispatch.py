@@ -361,6 +361,7 @@ class Dispatcher:
                     block_keys=keys[: migration.blocks],
                     lease_s=self._lease_s,
                     mode=pb.TX_MODE_LOCK_ONLY,
+                    grantee=prefill.info.node_id if prefill.info else "",  # who may read
                 ),
                 timeout=self._rpc_timeout_s,
             )
@@ -473,6 +474,7 @@ class Dispatcher:
                     tx_id=tx_id,
                     prompt_token_ids=req.prompt_ids,
                     stage_ttl_s=self._lease_s,
+                    grantee=decode.info.node_id if decode.info else "",  # who may fetch
                 )
                 if fused:
                     prefill_request.tx.CopyFrom(allocate)

@@ -15,6 +15,12 @@ this cluster's CA. The server requires a client certificate of the same CA and r
 role from it. ``kvc certs`` writes a CA and one certificate of each role; any PKI that
 issues these names (cert-manager, Vault) works the same.
 
+An agent certificate may also name the one node it belongs to, as a URI
+subject-alternative name ``urn:kvc:node:<node id>`` (``kvc certs --node ID``). Then a KV
+pull grant (``node_agent.auth.Caller``) that a conductor bound to a destination node can
+be used by that node's certificate only, and an agent refuses to start with a
+certificate that names another node than its own.
+
 Without TLS files gRPC is plaintext, which is allowed only where no network can reach
 it: ``grpc_plaintext`` ``"loopback"`` (the default) refuses to serve or dial plaintext
 beyond the loopback interface; ``"any"`` allows it everywhere, for a service mesh that
@@ -31,6 +37,7 @@ import datetime as dt
 import ipaddress
 import logging
 import os
+import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +58,12 @@ __all__ = [
     "PlaintextPolicy",
     "Role",
     "TlsFiles",
+    "certificate_node",
+    "check_node_id",
     "check_plaintext",
     "client_channel",
     "is_loopback",
+    "peer_node",
     "peer_role",
     "write_bundle",
 ]
@@ -65,6 +75,8 @@ AGENT_NAME: Final = "kvc-agent"
 Role = Literal["conductor", "agent"]
 PlaintextPolicy = Literal["loopback", "any", "never"]
 _ROLE_OF_NAME: Final[Mapping[str, Role]] = {CONDUCTOR_NAME: "conductor", AGENT_NAME: "agent"}
+NODE_URI_PREFIX: Final = "urn:kvc:node:"
+_NODE_ID_CHARS: Final = frozenset(string.ascii_letters + string.digits + "._-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +220,40 @@ def peer_role(context: grpc.aio.ServicerContext[Any, Any]) -> Role | None:
     return roles.pop()
 
 
+def _node_of(uris: Sequence[str]) -> str | None:
+    nodes = {u[len(NODE_URI_PREFIX) :] for u in uris if u.startswith(NODE_URI_PREFIX)}
+    return nodes.pop() if len(nodes) == 1 else None  # none, or several: no node identity
+
+
+def peer_node(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+    """The node id the calling peer's verified certificate names (``urn:kvc:node:<id>``),
+    or None (no certificate, no such name, or more than one)."""
+    uris = context.auth_context().get("peer_uri", ())
+    return _node_of([raw.decode(errors="replace") for raw in uris])
+
+
+def certificate_node(pem: bytes) -> str | None:
+    """The node id a PEM certificate names (``urn:kvc:node:<id>``), or None."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pem)
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    return _node_of(san.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+def check_node_id(node_id: str) -> str:
+    """``node_id`` if a certificate can name it (letters, digits, ``.``, ``_``, ``-``; at
+    most 128), else ``ValueError``."""
+    if not node_id or len(node_id) > 128 or not set(node_id) <= _NODE_ID_CHARS:
+        raise ValueError(
+            f"node id {node_id!r}: a certificate can name only 1-128 letters, digits, '.', '_', '-'"
+        )
+    return node_id
+
+
 _GROUP: Final[JsonDict] = {"group": "gRPC security: mTLS (docs/security.md)"}
 
 
@@ -259,10 +305,14 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def write_bundle(out: Path, *, days: int = 365, extra_dns: Sequence[str] = ()) -> list[Path]:
+def write_bundle(
+    out: Path, *, days: int = 365, extra_dns: Sequence[str] = (), nodes: Sequence[str] = ()
+) -> list[Path]:
     """Write a new CA (``ca.pem``, ``ca-key.pem``) and a conductor and an agent
     certificate signed by it (``conductor.pem``/``-key.pem``, ``agent.pem``/``-key.pem``)
-    into ``out``. Keys are ECDSA P-256, written mode 0600. Returns the paths."""
+    into ``out``, and for each of ``nodes`` an agent certificate that also names that
+    node (``agent-<node>.pem``/``-key.pem``, ``urn:kvc:node:<node>``). Keys are ECDSA
+    P-256, written mode 0600. Returns the paths."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -270,6 +320,8 @@ def write_bundle(out: Path, *, days: int = 365, extra_dns: Sequence[str] = ()) -
 
     if days < 1:
         raise ValueError("days must be >= 1")
+    for node in nodes:
+        check_node_id(node)
     out.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)  # clock skew between hosts
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -302,8 +354,16 @@ def write_bundle(out: Path, *, days: int = 365, extra_dns: Sequence[str] = ()) -
         _write(out / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM)),
         _write(out / "ca-key.pem", _pem_key(ca_key), secret=True),
     ]
-    for role, name in (("conductor", CONDUCTOR_NAME), ("agent", AGENT_NAME)):
+    issued: list[tuple[str, str, str | None]] = [
+        ("conductor", CONDUCTOR_NAME, None),
+        ("agent", AGENT_NAME, None),
+        *((f"agent-{node}", AGENT_NAME, node) for node in nodes),
+    ]
+    for stem, name, named in issued:
         key = ec.generate_private_key(ec.SECP256R1())
+        alt: list[x509.GeneralName] = [x509.DNSName(n) for n in (name, *extra_dns)]
+        if named is not None:
+            alt.append(x509.UniformResourceIdentifier(NODE_URI_PREFIX + named))
         cert = (
             x509.CertificateBuilder()
             .subject_name(_name(name))
@@ -313,10 +373,7 @@ def write_bundle(out: Path, *, days: int = 365, extra_dns: Sequence[str] = ()) -
             .not_valid_before(now)
             .not_valid_after(now + dt.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.SubjectAlternativeName([x509.DNSName(n) for n in (name, *extra_dns)]),
-                critical=False,
-            )
+            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
             .add_extension(
                 x509.ExtendedKeyUsage(
                     [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
@@ -325,8 +382,8 @@ def write_bundle(out: Path, *, days: int = 365, extra_dns: Sequence[str] = ()) -
             )
             .sign(ca_key, hashes.SHA256())
         )
-        written.append(_write(out / f"{role}.pem", cert.public_bytes(serialization.Encoding.PEM)))
-        written.append(_write(out / f"{role}-key.pem", _pem_key(key), secret=True))
+        written.append(_write(out / f"{stem}.pem", cert.public_bytes(serialization.Encoding.PEM)))
+        written.append(_write(out / f"{stem}-key.pem", _pem_key(key), secret=True))
     return written
 
 

@@ -108,7 +108,7 @@ def _run_certs(ns: argparse.Namespace, log_level: LogLevel) -> int:
     from kvc.tls import write_bundle
 
     try:
-        written = write_bundle(Path(ns.out), days=ns.days, extra_dns=ns.dns)
+        written = write_bundle(Path(ns.out), days=ns.days, extra_dns=ns.dns, nodes=ns.node)
     except (OSError, ValueError) as exc:
         print(f"kvc certs: {exc}", file=sys.stderr)
         return 2
@@ -116,7 +116,8 @@ def _run_certs(ns: argparse.Namespace, log_level: LogLevel) -> int:
         print(path)
     print(
         "conductors: --tls-cert-file conductor.pem --tls-key-file conductor-key.pem "
-        "--tls-ca-file ca.pem; agents: the same with agent.pem and agent-key.pem. "
+        "--tls-ca-file ca.pem; agents: the same with agent.pem and agent-key.pem, or "
+        "agent-NODE.pem and agent-NODE-key.pem with --node-id NODE. "
         "Keep ca-key.pem offline (docs/security.md).",
         file=sys.stderr,
     )
@@ -312,7 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_certs.add_argument("--out", required=True, help="folder for the PEM files")
     p_certs.add_argument("--days", type=int, default=365, help="validity of every certificate")
     p_certs.add_argument(
-        "--dns", action="append", default=[], help="an extra DNS name in both certificates"
+        "--dns", action="append", default=[], help="an extra DNS name in every certificate"
+    )
+    p_certs.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        help="also an agent certificate naming this node id (agent-NODE.pem; repeatable): "
+        "KV pull grants bound to a node serve only its certificate",
     )
     p_certs.set_defaults(func=_run_certs)
     register_sim_engine(command)

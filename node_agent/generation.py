@@ -75,6 +75,7 @@ class Generation:
                 nbytes=kv_bytes,
                 expires_at=state.clock() + min(ttl, settings.stage_ttl_s),
                 tenant=request.tenant,
+                grantee=request.grantee,
             ),
         )
         return pb.PrefillResponse(

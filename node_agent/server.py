@@ -44,13 +44,13 @@ from redis.asyncio import Redis
 
 from kvc.block_keys import BlockKey
 from kvc.registry import AgentRecord, connect, keep_registered
-from kvc.tls import check_plaintext
+from kvc.tls import certificate_node, check_plaintext
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.version import package_version
 from kvc.wire import MAX_MESSAGE_BYTES, ROLE_TO_PB, SERVICE_NAME
 from node_agent.agent_state import AgentState
-from node_agent.auth import authorized
+from node_agent.auth import Caller, authorized
 from node_agent.blocks.pool import BlockPool
 from node_agent.blocks.tiers import LowerTiers
 from node_agent.blocks.types import (
@@ -286,7 +286,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         result = await self._allocate(request)
         lock_only = request.mode == pb.TX_MODE_LOCK_ONLY
         return pb.TxAllocateResponse(
-            read_token=self.read_grants.issue(result.tx_id) if lock_only else "",
+            read_token=self.read_grants.issue(result.tx_id, request.grantee) if lock_only else "",
             tx_id=result.tx_id,
             handles=list(result.handles),
             reused_blocks=result.reused_blocks,
@@ -454,7 +454,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
     async def FetchKv(
         self, request: pb.FetchKvRequest, context: Context
     ) -> AsyncIterator[pb.KvChunk]:
-        async for chunk in self.sender.fetch_kv(request):
+        async for chunk in self.sender.fetch_kv(request, Caller.of(context, self.tls)):
             yield chunk
 
     @maps_errors
@@ -462,7 +462,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
     async def ReadBlocks(
         self, request: pb.ReadBlocksRequest, context: Context
     ) -> AsyncIterator[pb.KvChunk]:
-        async for chunk in self.sender.read_blocks(request):
+        async for chunk in self.sender.read_blocks(request, Caller.of(context, self.tls)):
             yield chunk
 
     @maps_errors
@@ -559,11 +559,31 @@ class AgentServer:
     def _bind(self) -> int:
         address = f"{self.settings.host}:{self.settings.port}"
         files = self.settings.tls_files()
+        strict = self.settings.require_node_certificates
         if files is not None:
+            self._check_own_certificate(certificate_node(files.cert.read_bytes()))
             return self._server.add_secure_port(address, files.server_credentials())
+        if strict:
+            raise ValueError("require_node_certificates needs mTLS (tls_cert_file, ...)")
         check_plaintext(address, self.settings.grpc_plaintext, "served")
         log.warning("gRPC is plaintext on %s: no TLS files (docs/security.md)", address)
         return self._server.add_insecure_port(address)
+
+    def _check_own_certificate(self, named: str | None) -> None:
+        """An agent whose certificate names a node is that node: pulls bound to it are
+        let through by that name, so a mismatch is a deployment error."""
+        node_id = self.settings.node_id
+        if named is not None and named != node_id:
+            raise ValueError(
+                f"the TLS certificate names node {named!r}, this agent's node id is "
+                f"{node_id or '(not set)'!r}: set --node-id {named}, or use this node's own "
+                "certificate (kvc certs --node)"
+            )
+        if named is None and self.settings.require_node_certificates:
+            raise ValueError(
+                "require_node_certificates: this agent's own certificate must name its node "
+                "(kvc certs --node ID, or a URI SAN urn:kvc:node:<node id>)"
+            )
 
     def _registry_record(self) -> AgentRecord:
         info = self.service.node_info

@@ -136,6 +136,15 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
     max_lease_s: float = Field(
         600.0, gt=0, description="Longest Tx lease a conductor may ask", json_schema_extra=_BLOCKS
     )
+    require_node_certificates: bool = Field(
+        False,
+        description=(
+            "With mTLS: serve KV pulls (FetchKv, ReadBlocks) to an agent only when its "
+            "certificate names its node (kvc certs --node) and the conductor bound the "
+            "grant to that node; this agent's own certificate must name its node too"
+        ),
+        json_schema_extra={"group": "gRPC security: mTLS (docs/security.md)"},
+    )
     tenant_max_locked_share: float = Field(
         0.9,
         gt=0,

@@ -68,10 +68,20 @@ async def start_agent() -> AsyncIterator[AgentFactory]:
 @pytest.fixture(scope="session")
 def tls_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CA and a conductor and an agent certificate (``kvc certs``), as a deployment
-    mounts them: ca.pem, conductor.pem, conductor-key.pem, agent.pem, agent-key.pem."""
+    mounts them: ca.pem, conductor.pem, conductor-key.pem, agent.pem, agent-key.pem; and
+    agent certificates naming nodes ``node-a`` and ``node-b`` (agent-node-a.pem, ...)."""
     out = tmp_path_factory.mktemp("tls")
-    write_bundle(out)
+    write_bundle(out, nodes=("node-a", "node-b"))
     return out
+
+
+def tls_settings(folder: Path, stem: str) -> dict[str, str]:
+    """The settings of a process using ``folder``'s ``<stem>.pem`` and key, and its CA."""
+    return {
+        "tls_cert_file": str(folder / f"{stem}.pem"),
+        "tls_key_file": str(folder / f"{stem}-key.pem"),
+        "tls_ca_file": str(folder / "ca.pem"),
+    }
 
 
 @pytest.fixture

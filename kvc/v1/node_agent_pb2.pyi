@@ -414,10 +414,17 @@ class TxAllocateRequest(_message.Message):
     LEASE_S_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     RETAIN_FIELD_NUMBER: _builtins.int
+    GRANTEE_FIELD_NUMBER: _builtins.int
     tx_id: _builtins.str
     tenant: _builtins.str
     lease_s: _builtins.float
     mode: Global___TxMode.ValueType
+    grantee: _builtins.str
+    """LOCK_ONLY: the node id of the one destination that will read these blocks
+    (ReadBlocks). With mTLS, a reader whose certificate names another node (kvc certs
+    --node) is refused. Empty: any agent holding the read_token, unless the serving agent
+    requires node certificates.
+    """
     @_builtins.property
     def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -433,10 +440,11 @@ class TxAllocateRequest(_message.Message):
         lease_s: _builtins.float = ...,
         mode: Global___TxMode.ValueType = ...,
         retain: _abc.Iterable[Global___Retention] | None = ...,
+        grantee: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "lease_s", b"lease_s", "mode", b"mode", "retain", b"retain", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "grantee", b"grantee", "lease_s", b"lease_s", "mode", b"mode", "retain", b"retain", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1123,12 +1131,18 @@ class PrefillRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     STAGE_TTL_S_FIELD_NUMBER: _builtins.int
     TX_FIELD_NUMBER: _builtins.int
+    GRANTEE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     tenant: _builtins.str
     tx_id: _builtins.str
     """the open Tx that holds this prompt's blocks"""
     stage_ttl_s: _builtins.float
     """how long the staged KV waits for FetchKv"""
+    grantee: _builtins.str
+    """The node id of the decode node that will fetch the staged KV (FetchKv); with mTLS,
+    a fetcher whose certificate names another node is refused. Empty: any agent holding
+    the stage_handle, unless the serving agent requires node certificates.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -1148,10 +1162,11 @@ class PrefillRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         stage_ttl_s: _builtins.float = ...,
         tx: Global___TxAllocateRequest | None = ...,
+        grantee: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["tx", b"tx"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "stage_ttl_s", b"stage_ttl_s", "tenant", b"tenant", "tx", b"tx", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grantee", b"grantee", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "stage_ttl_s", b"stage_ttl_s", "tenant", b"tenant", "tx", b"tx", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.agent_state import AgentState
+from node_agent.auth import Caller, check_grantee
 from node_agent.blocks.types import BlockPoolError, InvalidArgument, TenantMismatch
 from node_agent.errors import ContentMissing, NotPermitted, NotStaged
 from node_agent.kv import KvContent
@@ -36,22 +37,33 @@ class KvSender:
         self._grants = grants
         self._transport = transport
 
-    async def fetch_kv(self, request: pb.FetchKvRequest) -> AsyncIterator[pb.KvChunk]:
-        """Stream a staged prefill, claimed first so that a retry cannot double-serve it."""
+    def _may_use(self, caller: Caller) -> Callable[[str], None]:
+        strict = self._state.settings.require_node_certificates
+        return lambda grantee: check_grantee(caller, grantee, require_node_certificates=strict)
+
+    async def fetch_kv(
+        self, request: pb.FetchKvRequest, caller: Caller
+    ) -> AsyncIterator[pb.KvChunk]:
+        """Stream a staged prefill, claimed first so that a retry cannot double-serve it;
+        only to the node the conductor bound it to (``check_grantee``)."""
         if not request.stage_handle:
             raise InvalidArgument("stage_handle is required")
-        staged = self._staging.claim(request.stage_handle, request.tenant)
+        staged = self._staging.claim(request.stage_handle, request.tenant, self._may_use(caller))
         if staged is None:  # the same answer whether absent or another tenant's
             raise NotStaged(f"no staged KV under this handle (request {request.request_id!r})")
         stream = self._stream(staged.kv, staged.num_tokens, request.max_chunk_bytes)
         async for msg in self._count_sent(stream, "handoff"):
             yield msg
 
-    async def read_blocks(self, request: pb.ReadBlocksRequest) -> AsyncIterator[pb.KvChunk]:
+    async def read_blocks(
+        self, request: pb.ReadBlocksRequest, caller: Caller
+    ) -> AsyncIterator[pb.KvChunk]:
         """Stream the KV of the first blocks of an open Tx (any role may serve), to a
-        caller holding the Tx's read grant."""
-        if not self._grants.allows(request.tx_id, request.read_token):
+        caller holding the Tx's read grant, if the grant is for its node."""
+        grantee = self._grants.grantee(request.tx_id, request.read_token)
+        if grantee is None:
             raise NotPermitted(f"no read grant for transaction {request.tx_id!r}")
+        self._may_use(caller)(grantee)
         try:
             kv = await self._read_tx_blocks(
                 request.tx_id, tuple(request.block_keys), request.tenant

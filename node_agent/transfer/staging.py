@@ -29,6 +29,7 @@ class StagedKv:
     nbytes: int
     expires_at: float
     tenant: str
+    grantee: str = ""  # the node the conductor named to fetch it ("" = not bound)
 
 
 class StagingArea:
@@ -52,12 +53,16 @@ class StagingArea:
         self.nbytes += staged.nbytes
         return handle
 
-    def claim(self, handle: str, tenant: str) -> StagedKv | None:
+    def claim(
+        self, handle: str, tenant: str, may_fetch: Callable[[str], None] = lambda _: None
+    ) -> StagedKv | None:
         """Take the staged KV out (None: never staged, expired, already claimed, or
-        staged for another tenant, which keeps it for its owner)."""
+        staged for another tenant, which keeps it for its owner). ``may_fetch`` is given
+        its grantee first and raises to refuse; the KV then stays for its grantee."""
         staged = self._staged.get(handle)
         if staged is None or staged.tenant != tenant:
             return None
+        may_fetch(staged.grantee)
         del self._staged[handle]
         self.nbytes -= staged.nbytes
         return staged
@@ -75,21 +80,25 @@ class ReadGrants:
     logs; the token never does. A grant lives as long as its transaction."""
 
     def __init__(self) -> None:
-        self._tokens: dict[str, str] = {}
+        self._tokens: dict[str, tuple[str, str]] = {}  # tx id → (token, grantee)
 
     def __len__(self) -> int:
         return len(self._tokens)
 
-    def issue(self, tx_id: str) -> str:
-        """The transaction's token (the same one for a retried allocation)."""
-        token = self._tokens.get(tx_id)
-        if token is None:
-            token = self._tokens[tx_id] = secrets.token_urlsafe(16)
-        return token
-
-    def allows(self, tx_id: str, token: str) -> bool:
+    def issue(self, tx_id: str, grantee: str = "") -> str:
+        """The transaction's token (the same one for a retried allocation), for the node
+        ``grantee`` ("" = not bound to a node)."""
         known = self._tokens.get(tx_id)
-        return known is not None and hmac.compare_digest(known, token)
+        if known is None:
+            known = self._tokens[tx_id] = (secrets.token_urlsafe(16), grantee)
+        return known[0]
+
+    def grantee(self, tx_id: str, token: str) -> str | None:
+        """The node the grant is for ("" = any), or None: no such grant."""
+        known = self._tokens.get(tx_id)
+        if known is None or not hmac.compare_digest(known[0], token):
+            return None
+        return known[1]
 
     def prune(self, is_open: Callable[[str], bool]) -> None:
         """Forget the grants of transactions that are no longer open."""

@@ -1,7 +1,8 @@
 """mTLS on every gRPC hop and authorization by the role in the caller's certificate:
-conductors run transactions and generations, agents only pull KV from each other, a
-caller without a certificate of the cluster's CA gets nothing, and plaintext is served
-and dialled on loopback only (unless a mesh encrypts: ``grpc_plaintext=any``)."""
+conductors run transactions and generations, agents only pull KV from each other — and
+with node certificates only what a conductor granted their own node —, a caller without
+a certificate of the cluster's CA gets nothing, and plaintext is served and dialled on
+loopback only (unless a mesh encrypts: ``grpc_plaintext=any``)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,29 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvc.block_keys import compute_block_keys
 from kvc.tls import AGENT_NAME, PlaintextPolicy, TlsFiles, write_bundle
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
-from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, chat_body, rpc_status
+from tests.conftest import (
+    MODEL,
+    AgentFactory,
+    ConductorFactory,
+    assert_no_locks,
+    chat_body,
+    rpc_status,
+    tls_settings,
+)
+
+NODES = ("src", "dst", "rogue")
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("certs")
-    write_bundle(out)
+    write_bundle(out, nodes=NODES)  # agent-src.pem, … name their node
     return out
 
 
@@ -33,21 +45,13 @@ def other_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def tls_of(folder: Path, role: str) -> dict[str, str]:
-    return {
-        "tls_cert_file": str(folder / f"{role}.pem"),
-        "tls_key_file": str(folder / f"{role}-key.pem"),
-        "tls_ca_file": str(folder / "ca.pem"),
-    }
-
-
 def files_of(folder: Path, role: str) -> TlsFiles:
     return TlsFiles(folder / f"{role}.pem", folder / f"{role}-key.pem", folder / "ca.pem")
 
 
 @pytest.fixture
 async def tls_agent(start_agent: AgentFactory, certs: Path) -> AgentServer:
-    return await start_agent("both", capacity_blocks=32, **tls_of(certs, "agent"))
+    return await start_agent("both", capacity_blocks=32, **tls_settings(certs, "agent"))
 
 
 def secure(address: str, files: TlsFiles) -> grpc.aio.Channel:
@@ -116,9 +120,118 @@ async def test_callers_without_a_certificate_of_the_ca_get_nothing(
 async def test_disaggregated_serving_end_to_end_over_mtls(
     start_agent: AgentFactory, conductor: ConductorFactory, certs: Path
 ) -> None:
-    prefill = await start_agent("prefill", **tls_of(certs, "agent"))
-    decode = await start_agent("decode", **tls_of(certs, "agent"))
-    async with conductor([prefill, decode], **tls_of(certs, "conductor")) as c:
+    prefill = await start_agent("prefill", **tls_settings(certs, "agent"))
+    decode = await start_agent("decode", **tls_settings(certs, "agent"))
+    async with conductor([prefill, decode], **tls_settings(certs, "conductor")) as c:
+        resp = await c.client.post("/v1/chat/completions", json=chat_body("hello " * 60))
+        assert resp.status_code == 200, resp.text
+    assert decode.service.metrics.transfer_bytes.labels("received", "handoff")._value.get() > 0
+    assert_no_locks(prefill, decode)
+
+
+def named(certs: Path, node: str) -> dict[str, str]:
+    """An agent's settings as node ``node`` with its own certificate."""
+    return {"node_id": node, **tls_settings(certs, f"agent-{node}")}
+
+
+async def staged_and_locked(stub: pb_grpc.NodeAgentAsyncStub) -> tuple[str, str, list[int]]:
+    """As a conductor: a prefill staged for node "dst", and its cached blocks locked
+    for "dst" to read. Returns (stage handle, read token, keys)."""
+    prompt = [10 + (7 * i) % 1500 for i in range(3 * 32 + 5)]
+    keys = [int(k) for k in compute_block_keys(prompt[:-1], tenant="t", model=MODEL, block_size=32)]
+    tx = pb.TxAllocateRequest(tx_id="p", tenant="t", block_keys=keys, lease_s=30)
+    staged = await stub.Prefill(
+        pb.PrefillRequest(
+            request_id="r", tenant="t", tx_id="p", prompt_token_ids=prompt, tx=tx, grantee="dst"
+        )
+    )
+    lock = pb.TxAllocateRequest(
+        tx_id="l", tenant="t", block_keys=keys, lease_s=30, mode=pb.TX_MODE_LOCK_ONLY,
+        grantee="dst",
+    )  # fmt: skip
+    return staged.stage_handle, (await stub.TxAllocate(lock)).read_token, keys
+
+
+async def test_a_pull_grant_serves_only_the_node_it_was_bound_to(
+    start_agent: AgentFactory, certs: Path
+) -> None:
+    """A rogue agent of the cluster holding a grant meant for another node (stolen from
+    a log, or guessed from a reused one) reads nothing; the granted node still can."""
+    source = await start_agent("prefill", **named(certs, "src"))
+    async with secure(source.address, files_of(certs, "conductor")) as channel:
+        handle, token, keys = await staged_and_locked(pb_grpc.NodeAgentStub(channel))
+    fetch = pb.FetchKvRequest(stage_handle=handle, tenant="t")
+    read = pb.ReadBlocksRequest(tx_id="l", tenant="t", block_keys=keys, read_token=token)
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    async with secure(source.address, files_of(certs, "agent-rogue")) as channel:
+        rogue = pb_grpc.NodeAgentStub(channel)
+        assert await rpc_status(rogue.FetchKv(fetch)) == denied
+        assert await rpc_status(rogue.ReadBlocks(read)) == denied
+    async with secure(source.address, files_of(certs, "agent-dst")) as channel:
+        granted = pb_grpc.NodeAgentStub(channel)
+        assert sum(len(c.data) for c in [c async for c in granted.FetchKv(fetch)]) > 0
+        assert sum(len(c.data) for c in [c async for c in granted.ReadBlocks(read)]) > 0
+    # An agent certificate that names no node (the shared one) is let through unless
+    # the serving agent requires node certificates (below).
+    async with secure(source.address, files_of(certs, "agent")) as channel:
+        assert [c async for c in pb_grpc.NodeAgentStub(channel).ReadBlocks(read)]
+    async with secure(source.address, files_of(certs, "conductor")) as channel:
+        await pb_grpc.NodeAgentStub(channel).TxAbort(pb.TxAbortRequest(tx_id="l"))
+    assert_no_locks(source)
+
+
+async def test_requiring_node_certificates(start_agent: AgentFactory, certs: Path) -> None:
+    """Strict mode: a puller must be named, and the grant bound; the agent's own
+    certificate must name it, and a certificate naming another node stops any agent."""
+    strict = {"require_node_certificates": True}
+    source = await start_agent(
+        "prefill", node_id="src", **tls_settings(certs, "agent-src"), **strict
+    )
+    async with secure(source.address, files_of(certs, "conductor")) as channel:
+        stub = pb_grpc.NodeAgentStub(channel)
+        handle, token, keys = await staged_and_locked(stub)
+        unbound = pb.TxAllocateRequest(
+            tx_id="u", tenant="t", block_keys=keys, lease_s=30, mode=pb.TX_MODE_LOCK_ONLY
+        )
+        unbound_token = (await stub.TxAllocate(unbound)).read_token
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    read = pb.ReadBlocksRequest(tx_id="l", tenant="t", block_keys=keys, read_token=token)
+    async with secure(source.address, files_of(certs, "agent")) as channel:  # not named
+        assert await rpc_status(pb_grpc.NodeAgentStub(channel).ReadBlocks(read)) == denied
+    async with secure(source.address, files_of(certs, "agent-dst")) as channel:
+        dst = pb_grpc.NodeAgentStub(channel)
+        loose = pb.ReadBlocksRequest(
+            tx_id="u", tenant="t", block_keys=keys, read_token=unbound_token
+        )
+        assert await rpc_status(dst.ReadBlocks(loose)) == denied  # a grant bound to no node
+        assert [c async for c in dst.ReadBlocks(read)]
+        fetch = pb.FetchKvRequest(stage_handle=handle, tenant="t")
+        assert [c async for c in dst.FetchKv(fetch)]
+    async with secure(source.address, files_of(certs, "conductor")) as channel:
+        for tx_id in ("l", "u"):
+            await pb_grpc.NodeAgentStub(channel).TxAbort(pb.TxAbortRequest(tx_id=tx_id))
+    assert_no_locks(source)
+    with pytest.raises(ValueError, match="must name its node"):
+        await start_agent("prefill", node_id="x", **tls_settings(certs, "agent"), **strict)
+    with pytest.raises(ValueError, match="names node 'dst'"):
+        await start_agent("prefill", node_id="src", **tls_settings(certs, "agent-dst"))
+    with pytest.raises(ValueError, match="needs mTLS"):
+        await start_agent("prefill", **strict)
+
+
+async def test_disaggregated_serving_with_node_certificates(
+    start_agent: AgentFactory, conductor: ConductorFactory, certs: Path
+) -> None:
+    """The conductor binds each hand-off to the decode node it chose: served end to end
+    with every agent requiring node certificates."""
+    strict = {"require_node_certificates": True}
+    prefill = await start_agent(
+        "prefill", node_id="src", **tls_settings(certs, "agent-src"), **strict
+    )
+    decode = await start_agent(
+        "decode", node_id="dst", **tls_settings(certs, "agent-dst"), **strict
+    )
+    async with conductor([prefill, decode], **tls_settings(certs, "conductor")) as c:
         resp = await c.client.post("/v1/chat/completions", json=chat_body("hello " * 60))
         assert resp.status_code == 200, resp.text
     assert decode.service.metrics.transfer_bytes.labels("received", "handoff")._value.get() > 0
@@ -128,7 +241,7 @@ async def test_disaggregated_serving_end_to_end_over_mtls(
 async def test_a_conductor_without_tls_cannot_use_tls_agents(
     start_agent: AgentFactory, conductor: ConductorFactory, certs: Path
 ) -> None:
-    agent = await start_agent("both", **tls_of(certs, "agent"))
+    agent = await start_agent("both", **tls_settings(certs, "agent"))
     async with conductor([agent]) as c:
         resp = await c.client.post("/v1/chat/completions", json=chat_body())
         assert resp.status_code == 503, resp.text
@@ -140,7 +253,7 @@ async def test_server_picks_up_rotated_files(
 ) -> None:
     live = tmp_path / "live"
     shutil.copytree(certs, live)
-    agent = await start_agent("both", **tls_of(live, "agent"))
+    agent = await start_agent("both", **tls_settings(live, "agent"))
     async with secure(agent.address, files_of(certs, "conductor")) as channel:
         await pb_grpc.NodeAgentStub(channel).GetInfo(pb.GetInfoRequest())
     for name in ("agent.pem", "agent-key.pem", "ca.pem"):  # a new CA and certificate
@@ -187,7 +300,7 @@ async def test_kvc_probe_checks_a_tls_agent_with_its_own_files(
     address = tls_agent.address
     with pytest.raises(ValueError, match="grpcs:// needs"):
         await asyncio.to_thread(probe, f"grpcs://{address}")
-    for name, value in tls_of(certs, "agent").items():
+    for name, value in tls_settings(certs, "agent").items():
         monkeypatch.setenv(f"KVC_AGENT_{name.upper()}", value)
     assert await asyncio.to_thread(probe, f"grpcs://{address}")
     assert not await asyncio.to_thread(probe, f"grpc://{address}", 2.0)  # plaintext: refused

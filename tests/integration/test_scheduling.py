@@ -4,7 +4,10 @@ SLO rejections before any engine work, and the shadow index following agents."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from conductor.core.prefix_index import NodeId
 from node_agent.server import AgentServer
@@ -14,6 +17,7 @@ from tests.conftest import (
     ConductorFactory,
     assert_no_locks,
     chat_body,
+    tls_settings,
     wait_until,
 )
 
@@ -35,9 +39,11 @@ def cached(resp: Any) -> int:
     return n
 
 
-async def seed(conductor: ConductorFactory, agent: AgentServer, system: str) -> None:
+async def seed(
+    conductor: ConductorFactory, agent: AgentServer, system: str, **settings: Any
+) -> None:
     """Cache a conversation prefix on one agent (a conductor that sees only it)."""
-    async with conductor([agent]) as c:
+    async with conductor([agent], **settings) as c:
         resp = await c.client.post("/v1/chat/completions", json=conversation(system, "hello"))
         assert cached(resp) == 0
 
@@ -66,16 +72,30 @@ async def test_requests_go_to_the_node_holding_their_prefix(
     assert_no_locks(a, b)
 
 
+@pytest.mark.parametrize("node_certificates", [False, True], ids=["plaintext", "mtls-strict"])
 async def test_hot_prefix_is_replicated_under_load(
-    start_agent: AgentFactory, conductor: ConductorFactory
+    start_agent: AgentFactory,
+    conductor: ConductorFactory,
+    tls_bundle: Path,
+    node_certificates: bool,
 ) -> None:
-    a = await start_agent("both")
-    b = await start_agent("both")
-    await seed(conductor, a, SYSTEM_X)
+    """Also over mTLS with agents that require node certificates: the conductor binds
+    the holder's read grant to the node that pulls."""
+
+    def agent_tls(node: str) -> dict[str, Any]:
+        if not node_certificates:
+            return {}
+        files = tls_settings(tls_bundle, f"agent-{node}")
+        return {"node_id": node, "require_node_certificates": True, **files}
+
+    tls = tls_settings(tls_bundle, "conductor") if node_certificates else {}
+    a = await start_agent("both", **agent_tls("node-a"))
+    b = await start_agent("both", **agent_tls("node-b"))
+    await seed(conductor, a, SYSTEM_X, **tls)
     # A prior that makes prefill expensive: a request queued on the holder costs more
     # than pulling the prefix to the idle node (Algorithm 1, lines 5-8).
     slow = {"prefill_prior_per_token_s": 0.01, "kvcache_balancing_threshold": 2.0}
-    async with conductor([a, b], **slow) as c:
+    async with conductor([a, b], **slow, **tls) as c:
         await synced(c, a)
         bodies = [conversation(SYSTEM_X, f"question {i}?") for i in range(4)]
         responses = await asyncio.gather(

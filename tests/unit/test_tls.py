@@ -10,7 +10,14 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from kvc.tls import AGENT_NAME, CONDUCTOR_NAME, TlsFiles, check_plaintext, is_loopback
+from kvc.tls import (
+    AGENT_NAME,
+    CONDUCTOR_NAME,
+    TlsFiles,
+    certificate_node,
+    check_plaintext,
+    is_loopback,
+)
 from kvc_cli.cli import main
 
 
@@ -63,6 +70,23 @@ def test_kvc_certs_writes_a_ca_and_one_certificate_per_role(tmp_path: Path) -> N
         mode = stat.S_IMODE((tmp_path / f"{role}-key.pem").stat().st_mode)
         assert mode == 0o600
     assert main(["certs", "--out", str(tmp_path), "--days", "0"]) == 2
+
+
+def test_kvc_certs_names_nodes_in_their_own_agent_certificates(tmp_path: Path) -> None:
+    assert main(["certs", "--out", str(tmp_path), "--node", "gpu-0", "--node", "gpu-1.a_b"]) == 0
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
+    assert certificate_node((tmp_path / "agent.pem").read_bytes()) is None
+    for node in ("gpu-0", "gpu-1.a_b"):
+        pem = (tmp_path / f"agent-{node}.pem").read_bytes()
+        cert = x509.load_pem_x509_certificate(pem)
+        cert.verify_directly_issued_by(ca)
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == AGENT_NAME
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [f"urn:kvc:node:{node}"]
+        assert certificate_node(pem) == node
+        assert stat.S_IMODE((tmp_path / f"agent-{node}-key.pem").stat().st_mode) == 0o600
+    for bad in ("a/b", "", "x" * 129, "node 1"):
+        assert main(["certs", "--out", str(tmp_path / "bad"), "--node", bad]) == 2
 
 
 def test_tls_files_all_or_none_and_pem(tmp_path: Path) -> None:
