@@ -235,6 +235,7 @@ def agent_argv(opts: FieldOptions, index: int, port: int, engine: Engine) -> lis
         raise ValueError(f"an agent needs the KV events of {engine.url}")
     return kvc(
         "agent", "--engine", "vllm", "--role", "both", "--host", HOST, "--port", str(port),
+        "--stream-port", "0",
         "--node-id", f"engine-{index}", "--served-model-name", opts.served_model_name,
         "--vllm-url", engine.url, "--kv-events-endpoint", engine.events,
         *(("--kv-events-replay-endpoint", engine.replay) if engine.replay else ()),

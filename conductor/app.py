@@ -222,6 +222,7 @@ def create_app(
                 observe_call=metrics.record_agent_call,
                 tls=settings.tls_files(),
                 plaintext=settings.grpc_plaintext,
+                token_stream=settings.token_stream,
             )
             stack.push_async_callback(fleet.aclose)
             redis = connect(settings.redis_url) if settings.redis_url else None

@@ -36,7 +36,13 @@ from typing import Protocol
 
 import grpc
 
-from conductor.adapters.agents import AgentCallError, AgentFleet, AgentHandle, translate_rpc_error
+from conductor.adapters.agents import (
+    AgentCallError,
+    AgentFleet,
+    AgentHandle,
+    GenerateCall,
+    translate_rpc_error,
+)
 from conductor.core.placement import (
     FailureKind,
     PlacementLoop,
@@ -411,7 +417,7 @@ class Dispatcher:
         release = [prefill, decode] if disaggregated else [prefill]
         for agent in release:
             agent.inflight += 1
-        call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse] | None = None
+        call: GenerateCall | None = None
         tx_open = False
         generating = False  # the Generate stream has sent its first message
         address = prefill.address
@@ -500,7 +506,7 @@ class Dispatcher:
                 if fused:
                     gen.tx.CopyFrom(allocate)
             address = decode.address
-            call = decode.stub.Generate(gen, timeout=self._request_timeout_s)
+            call = decode.generate(gen, timeout=self._request_timeout_s)
             first = await call.read()
             if first is grpc.aio.EOF:
                 raise AgentCallError(

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import grpc
 
-from conductor.adapters.agents import AgentCallError, translate_rpc_error
+from conductor.adapters.agents import AgentCallError, GenerateCall, translate_rpc_error
 from conductor.core.scheduler import Slo
 from conductor.errors import (
     ConductorError,
@@ -170,7 +170,7 @@ class GenerationStream:
 
     def __init__(
         self,
-        call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+        call: GenerateCall,
         first: pb.GenerateResponse,
         placed: Placed,
         on_close: CloseHook,

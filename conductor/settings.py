@@ -154,6 +154,14 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
     rpc_timeout_s: float = Field(
         30.0, gt=0, description="Deadline of one unary agent call", json_schema_extra=_AGENTS
     )
+    token_stream: bool = Field(
+        True,
+        description=(
+            "Run Generate over an agent's token stream when it offers one (agent "
+            "--stream-port): the same call without gRPC's per-message cost"
+        ),
+        json_schema_extra=_AGENTS,
+    )
     registry_grace_s: float = Field(
         30.0,
         ge=0,

@@ -37,11 +37,12 @@ import datetime as dt
 import ipaddress
 import logging
 import os
+import ssl
 import string
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, cast
 
 import grpc
 from pydantic import BaseModel, Field, model_validator
@@ -54,10 +55,12 @@ if TYPE_CHECKING:  # imported where certificates are made: ~12 MiB a conductor n
 __all__ = [
     "AGENT_NAME",
     "CONDUCTOR_NAME",
+    "AuthContextSource",
     "GrpcTlsSettings",
     "PlaintextPolicy",
     "Role",
     "TlsFiles",
+    "auth_of_certificate",
     "certificate_node",
     "check_node_id",
     "check_plaintext",
@@ -150,6 +153,57 @@ class TlsFiles:
             root_certificates=ca, private_key=key, certificate_chain=cert
         )
 
+    def _server_context(self) -> ssl.SSLContext:
+        self.read()  # the same checks and messages as gRPC's credentials
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.cert, self.key)
+        context.load_verify_locations(cafile=self.ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def server_ssl_context(self) -> ssl.SSLContext:
+        """For a plain-socket listener (the token stream): the same policy as
+        ``server_credentials`` — a client certificate of the CA required, new files
+        picked up on the next handshake after any of them changes."""
+        current = [self._server_context(), self._stamp()]
+
+        def pick(sock: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:
+            stamp = self._stamp()
+            if stamp and stamp != current[1]:
+                try:
+                    current[0] = self._server_context()
+                    current[1] = stamp
+                    log.info("TLS certificate files reloaded (token stream)")
+                except (ValueError, OSError, ssl.SSLError) as exc:
+                    log.warning("TLS files changed but cannot be read yet: %s", exc)
+            sock.context = cast(ssl.SSLContext, current[0])
+
+        outer = self._server_context()
+        outer.sni_callback = pick
+        return outer
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        """For dialling an agent's token stream: verify it against the CA and the name
+        ``kvc-agent`` (pass ``server_hostname=AGENT_NAME``), present this certificate."""
+        self.read()
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.cert, self.key)
+        return context
+
+
+def auth_of_certificate(cert: Mapping[str, Any]) -> dict[str, list[bytes]]:
+    """A verified peer certificate as ``ssl`` reports it (``getpeercert()``), in the
+    shape of gRPC's ``auth_context()``, so ``peer_role``/``peer_node`` read both."""
+    subject: Sequence[Sequence[tuple[str, str]]] = cert.get("subject", ())
+    names: Sequence[tuple[str, str]] = cert.get("subjectAltName", ())
+    return {
+        "x509_common_name": [v.encode() for rdn in subject for k, v in rdn if k == "commonName"],
+        "x509_subject_alternative_name": [v.encode() for _, v in names],
+        "peer_uri": [v.encode() for k, v in names if k == "URI"],
+    }
+
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (a name or an address, without port) is this machine's loopback."""
@@ -204,7 +258,14 @@ def client_channel(
     )
 
 
-def peer_role(context: grpc.aio.ServicerContext[Any, Any]) -> Role | None:
+class AuthContextSource(Protocol):
+    """What carries a verified peer's names: a gRPC servicer context, or the token
+    stream's context (``auth_of_certificate``)."""
+
+    def auth_context(self) -> Mapping[str, Iterable[bytes]]: ...
+
+
+def peer_role(context: AuthContextSource) -> Role | None:
     """The role the calling peer's verified client certificate names (None: no
     certificate, or neither name)."""
     auth = context.auth_context()
@@ -225,7 +286,7 @@ def _node_of(uris: Sequence[str]) -> str | None:
     return nodes.pop() if len(nodes) == 1 else None  # none, or several: no node identity
 
 
-def peer_node(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+def peer_node(context: AuthContextSource) -> str | None:
     """The node id the calling peer's verified certificate names (``urn:kvc:node:<id>``),
     or None (no certificate, no such name, or more than one)."""
     uris = context.auth_context().get("peer_uri", ())

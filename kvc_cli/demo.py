@@ -68,7 +68,8 @@ def _run(opts: DemoOptions, sup: Supervisor, stop: threading.Event) -> int:
             f"{role} agent",
             [
                 *level, "agent", "--role", role, "--host", opts.host, "--port", str(port),
-                "--node-id", f"demo-{role}", "--metrics-port", str(metrics_port),
+                "--stream-port", "0", "--node-id", f"demo-{role}",
+                "--metrics-port", str(metrics_port),
             ],
         )  # fmt: skip
     agents = f"{opts.host}:{opts.prefill_port},{opts.host}:{opts.decode_port}"

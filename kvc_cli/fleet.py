@@ -170,7 +170,7 @@ def plan_fleet(opts: FleetOptions, ipc_dir: str) -> FleetPlan:
         engines.append(ProcessSpec(f"engine-{name}", engine_args, (http,)))
         agent_args = (
             *level, "agent", "--engine", "vllm", "--role", role,
-            "--host", host, "--port", str(grpc), "--node-id", name,
+            "--host", host, "--port", str(grpc), "--stream-port", "0", "--node-id", name,
             *model, "--served-model-name", opts.served_model_name,
             "--vllm-url", f"http://{host}:{http}",
             "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay,

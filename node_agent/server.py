@@ -71,6 +71,7 @@ from node_agent.metrics import AgentMetrics, MetricsServer
 from node_agent.rpc_errors import AGENT_ERRORS, Context, maps_errors
 from node_agent.settings import AgentSettings
 from node_agent.tier_runner import ThreadRunner, prefetch
+from node_agent.token_stream import TokenStreamServer
 from node_agent.transfer.receiver import KvReceiver
 from node_agent.transfer.sender import KvSender
 from node_agent.transfer.staging import ReadGrants, StagingArea
@@ -508,6 +509,7 @@ class AgentServer:
         self.port = 0
         self.metrics_server: MetricsServer | None = None
         self._tier_runner: ThreadRunner | None = None
+        self.token_stream: TokenStreamServer | None = None
 
     @property
     def address(self) -> str:
@@ -522,6 +524,8 @@ class AgentServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = self._bind()
         self.service.bind(self.port)
+        if self.settings.stream_port is not None:
+            await self._start_token_stream(self.settings.stream_port)
         if self.settings.calibrate:  # before serving: never next to a real request
             await self.service.calibrate(self.settings.calibration_budget_s)
         await self._server.start()
@@ -568,6 +572,20 @@ class AgentServer:
         check_plaintext(address, self.settings.grpc_plaintext, "served")
         log.warning("gRPC is plaintext on %s: no TLS files (docs/security.md)", address)
         return self._server.add_insecure_port(address)
+
+    async def _start_token_stream(self, port: int) -> None:
+        """``Generate`` on its own TCP port (``node_agent/token_stream.py``), advertised
+        in ``NodeInfo.stream_address``; TLS with the gRPC port's files, or plaintext
+        under the same policy."""
+        host = self.settings.host
+        files = self.settings.tls_files()
+        if files is None:
+            check_plaintext(f"{host}:{port}", self.settings.grpc_plaintext, "served")
+        context = files.server_ssl_context() if files is not None else None
+        self.token_stream = TokenStreamServer(self.service.Generate)
+        bound = await self.token_stream.start(host, port, context)
+        advertised_host = self.service.node_info.advertise_address.rsplit(":", 1)[0]
+        self.service.node_info.stream_address = f"{advertised_host}:{bound}"
 
     def _check_own_certificate(self, named: str | None) -> None:
         """An agent whose certificate names a node is that node: pulls bound to it are
@@ -635,7 +653,12 @@ class AgentServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
-        await self._server.stop(grace_s)
+        if self.token_stream is not None:
+            stopping = self.token_stream.stop(grace_s)
+            await asyncio.gather(stopping, self._server.stop(grace_s))
+            self.token_stream = None
+        else:
+            await self._server.stop(grace_s)
         if self._tier_runner is not None:  # let pending tier writes finish
             await asyncio.to_thread(self._tier_runner.close)
             self._tier_runner = None

@@ -52,6 +52,16 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         description="host:port peers and conductors dial; default host:port",
         json_schema_extra=_NODE,
     )
+    stream_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description=(
+            "Also serve Generate on this TCP port as a lean framed stream (mTLS with the "
+            "gRPC files); conductors prefer it (0 = pick a free one; unset = off)"
+        ),
+        json_schema_extra=_NODE,
+    )
     metrics_host: str = Field(
         "",
         description="Address the Prometheus /metrics HTTP server binds; default: host",

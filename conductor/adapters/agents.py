@@ -18,7 +18,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from tenacity import (
@@ -29,6 +29,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from conductor.adapters.token_stream import TokenStreamClient
 from kvc.roles import NodeRole
 from kvc.tls import PlaintextPolicy, TlsFiles, client_channel
 from kvc.v1 import node_agent_pb2 as pb
@@ -87,12 +88,20 @@ def translate_rpc_error(address: str, exc: grpc.aio.AioRpcError) -> AgentCallErr
     return AgentCallError(address, exc.code(), exc.details() or "", info)
 
 
+class GenerateCall(Protocol):
+    """A running ``Generate``: a gRPC call or a token stream call (``StreamCall``)."""
+
+    async def read(self) -> Any: ...  # a GenerateResponse, or grpc.aio.EOF
+    def cancel(self) -> bool: ...
+
+
 @dataclass(slots=True)
 class AgentHandle:
     address: str
     channel: grpc.aio.Channel
     stub: pb_grpc.NodeAgentAsyncStub
     info: pb.NodeInfo | None = None
+    stream: TokenStreamClient | None = None  # the agent's token stream, when offered
     reachable: bool = False
     model_matches: bool = False
     inflight: int = 0
@@ -109,6 +118,12 @@ class AgentHandle:
             and self.info is not None
             and not self.info.draining
         )
+
+    def generate(self, request: pb.GenerateRequest, *, timeout: float | None) -> GenerateCall:
+        """``Generate`` over the agent's token stream when it offers one, else gRPC."""
+        if self.stream is not None:
+            return self.stream.generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout)
 
     @property
     def role(self) -> NodeRole:
@@ -213,8 +228,10 @@ class AgentFleet:
         observe_call: CallObserver | None = None,
         tls: TlsFiles | None = None,
         plaintext: PlaintextPolicy = "loopback",
+        token_stream: bool = True,
     ) -> None:
         self.model = model
+        self._token_stream = token_stream
         self._tls = tls
         self._plaintext = plaintext
         self.rpc_timeout_s = rpc_timeout_s
@@ -287,6 +304,7 @@ class AgentFleet:
         if not agent.reachable:
             log.info("agent %s (%s) reachable, model %s", agent.address, info.node_id, info.model)
         agent.info = info
+        self._follow_stream(agent, info.stream_address)
         agent.reachable = True
         agent.model_matches = info.model == self.model
         agent.last_error = (
@@ -296,6 +314,20 @@ class AgentFleet:
         )
         if not agent.model_matches:
             log.warning("agent %s: %s", agent.address, agent.last_error)
+
+    def _follow_stream(self, agent: AgentHandle, address: str) -> None:
+        """Use the token stream the agent advertises (unless switched off)."""
+        current = agent.stream
+        if current is not None and current.address == address and self._token_stream:
+            return
+        if current is not None:
+            current.close()
+            agent.stream = None
+        if address and self._token_stream:
+            try:
+                agent.stream = TokenStreamClient(address, self._tls, self._plaintext)
+            except ValueError as exc:  # plaintext beyond loopback, a malformed address
+                log.warning("agent %s: not using its token stream: %s", agent.address, exc)
 
     async def refresh_all(self) -> None:
         await asyncio.gather(*(self.refresh_one(a) for a in self._agents.values()))
@@ -313,5 +345,8 @@ class AgentFleet:
                 await asyncio.wait_for(stop.wait(), timeout=interval_s)
 
     async def aclose(self) -> None:
+        for agent in self._agents.values():
+            if agent.stream is not None:
+                agent.stream.close()
         for channel in [*(a.channel for a in self._agents.values()), *self._closing]:
             await channel.close()

@@ -223,6 +223,7 @@ class NodeInfo(_message.Message):
     CALIBRATION_FIELD_NUMBER: _builtins.int
     FUSED_TX_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
+    STREAM_ADDRESS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -250,6 +251,11 @@ class NodeInfo(_message.Message):
     """Generate and Prefill take their TxAllocate along (GenerateRequest.tx,
     PrefillRequest.tx): one call instead of allocate + work + commit. Conductors fuse
     only with agents that say so, so agents can be upgraded first.
+    """
+    stream_address: _builtins.str
+    """host:port of the agent's token stream listener (--stream-port): Generate over
+    length-prefixed frames (kvc/stream_frames.py), TLS with the gRPC port's mTLS files.
+    Empty: Generate over gRPC only.
     """
     @_builtins.property
     def kv_layout(self) -> Global___KvLayout: ...
@@ -285,10 +291,11 @@ class NodeInfo(_message.Message):
         calibration: Global___EngineCalibration | None = ...,
         fused_tx: _builtins.bool = ...,
         tiers: _abc.Iterable[Global___KvTier] | None = ...,
+        stream_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "stream_address", b"stream_address", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -36,7 +36,7 @@ async def test_a_message_of_k_tokens_counts_k_gaps(monkeypatch: pytest.MonkeyPat
         pb.GenerateResponse(token_ids=[5], finish_reason=pb.FINISH_REASON_LENGTH),
     ]
     stream = GenerationStream(
-        _ReadSide(messages),  # type: ignore[arg-type]
+        _ReadSide(messages),
         pb.GenerateResponse(token_ids=[1]),
         Placed("p", "p", "both", "both", 0, 0, 0),
         lambda gaps, tokens, reason: closed.append((gaps, tokens, reason)),

@@ -189,8 +189,10 @@ def test_agent_commands_and_probes_are_valid(manifests: list[Manifest], tls_bund
         roles.add(flag(args, "--role"))
         grpc_port = int(flag(args, "--port") or 0)
         metrics_port = int(flag(args, "--metrics-port") or 0)
+        stream_port = int(flag(args, "--stream-port") or 0)  # the token stream (Generate)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"grpc": grpc_port, "metrics": metrics_port}
+        assert ports == {"grpc": grpc_port, "stream": stream_port, "metrics": metrics_port}
+        assert stream_port not in (0, grpc_port, metrics_port)
         # Each pod advertises its own stable DNS name on the pool's headless Service.
         service = sts["spec"]["serviceName"]
         assert flag(args, "--advertise-address") == (
@@ -269,6 +271,18 @@ def test_conductors_reach_every_agent_pod(manifests: list[Manifest]) -> None:
                 assert flag(kvc_args(c), "--redis-url") == redis_url
     else:
         assert set(static.split(",")) == expected
+    # Kvc pods may reach the agents' gRPC port and their token stream port (Generate).
+    agent_ports = set()
+    for _sts, c in containers(of_kind(manifests, "StatefulSet")):
+        if c["name"] == "agent":
+            agent_ports |= {p["containerPort"] for p in c["ports"] if p["name"] != "metrics"}
+    (nodes_policy,) = [
+        p
+        for p in of_kind(manifests, "NetworkPolicy")
+        if p["spec"]["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == "node"
+    ]
+    from_kvc = nodes_policy["spec"]["ingress"][0]
+    assert {p["port"] for p in from_kvc["ports"]} == agent_ports
 
 
 def test_hpa_and_disruption_budgets_select_the_right_pods(manifests: list[Manifest]) -> None:

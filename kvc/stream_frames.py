@@ -1,0 +1,105 @@
+"""The token stream's wire format: ``Generate`` without gRPC's per-message cost.
+
+A conductor's ``Generate`` call carries one request and then one message per token
+batch for the whole generation: over gRPC (``grpc.aio``) each streamed message costs
+tens of microseconds of CPU on each side, which for long answers is most of the CPU the
+conductor and its agents spend on a request (docs/benchmarks.md, "The request hot
+path"). An agent started with ``--stream-port`` also serves ``Generate`` on a plain TCP
+listener (TLS with the same mTLS files when those are set) speaking these frames; the
+messages are the same protobufs, the errors the same gRPC status codes and
+``ErrorInfo``.
+
+A frame is a 5-byte header — payload length (uint32, little-endian) and a kind (one
+byte) — and the payload:
+
+=========  ==========  ============================================================
+kind       direction   payload
+=========  ==========  ============================================================
+GENERATE   → agent     a ``GenerateRequest``
+MESSAGE    ← agent     a ``GenerateResponse``
+END        ← agent     nothing: the generation ended OK
+ERROR      ← agent     status code (uint16 LE), details length (uint32 LE), details
+                       (UTF-8), then an ``ErrorInfo`` (may be empty)
+=========  ==========  ============================================================
+
+One call at a time per connection; a connection is reused after END or ERROR. The
+caller cancels a call by closing its connection (the agent then cancels the generation,
+as gRPC cancellation does).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+__all__ = [
+    "END",
+    "ERROR",
+    "GENERATE",
+    "HEADER",
+    "MESSAGE",
+    "FrameError",
+    "FrameReader",
+    "error_frame",
+    "frame",
+    "parse_error",
+]
+
+HEADER: Final = struct.Struct("<IB")
+_ERROR_HEAD: Final = struct.Struct("<HI")
+
+GENERATE: Final = 1
+MESSAGE: Final = 2
+END: Final = 3
+ERROR: Final = 4
+
+
+class FrameError(Exception):
+    """The peer sent something that is not a frame of this protocol."""
+
+
+def frame(kind: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(len(payload), kind) + payload
+
+
+def error_frame(code: int, details: str, info: bytes) -> bytes:
+    text = details.encode("utf-8", errors="replace")
+    return frame(ERROR, _ERROR_HEAD.pack(code, len(text)) + text + info)
+
+
+def parse_error(payload: bytes) -> tuple[int, str, bytes]:
+    """(status code, details, ErrorInfo bytes) of an ERROR frame's payload."""
+    if len(payload) < _ERROR_HEAD.size:
+        raise FrameError("short ERROR frame")
+    code, n = _ERROR_HEAD.unpack_from(payload)
+    end = _ERROR_HEAD.size + n
+    if end > len(payload):
+        raise FrameError("ERROR frame details overrun")
+    return code, payload[_ERROR_HEAD.size : end].decode("utf-8", errors="replace"), payload[end:]
+
+
+class FrameReader:
+    """Cuts frames out of a byte stream fed in any pieces."""
+
+    def __init__(self, max_payload: int) -> None:
+        self._buffer = bytearray()
+        self._max = max_payload
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        """The frames ``data`` completes, in order; ``FrameError`` on an oversized one."""
+        buffer = self._buffer
+        buffer += data
+        frames: list[tuple[int, bytes]] = []
+        at = 0
+        size = HEADER.size
+        while len(buffer) - at >= size:
+            length, kind = HEADER.unpack_from(buffer, at)
+            if length > self._max:
+                raise FrameError(f"a frame of {length} bytes exceeds {self._max}")
+            if len(buffer) - at < size + length:
+                break
+            frames.append((kind, bytes(buffer[at + size : at + size + length])))
+            at += size + length
+        if at:
+            del buffer[:at]
+        return frames
