@@ -33,11 +33,14 @@ class StopStringMatcher:
         if not self._stop:
             return StopCheck(emit=delta, stopped=False)
         text = self._pending + delta
-        # Earliest match wins: it is the first point the client must not pass (two
-        # strings matching there: the first one listed).
-        found = [(i, n) for n, s in enumerate(self._stop) if (i := text.find(s)) >= 0]
+        # The first stop string to be completed wins, as when the text arrives a
+        # character at a time (an engine stops as soon as one appears), so the answer
+        # does not depend on how the text was cut into deltas: a shorter string that
+        # completes first beats a longer one that began earlier. Two completing at the
+        # same character: the one that began earlier (then the first listed).
+        found = [(i + len(s), i, n) for n, s in enumerate(self._stop) if (i := text.find(s)) >= 0]
         if found:
-            cut, which = min(found)
+            _, cut, which = min(found)
             self._pending = ""
             return StopCheck(emit=text[:cut], stopped=True, matched=self._stop[which])
         hold = self._held_suffix_len(text)
