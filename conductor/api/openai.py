@@ -43,6 +43,7 @@ from conductor.api.schemas import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    ContentChunks,
     FunctionCall,
     FunctionCallDelta,
     ModelCard,
@@ -688,6 +689,7 @@ async def chat_completions(
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": rid, **adm.headers})
 
     include_usage = body.include_usage
+    plain = ContentChunks(completion_id, created, model, include_usage)
 
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
         c = ChatCompletionChunk(
@@ -711,6 +713,8 @@ async def chat_completions(
         if reader is None:
             if not text and finish is None and logprobs is None:
                 return None
+            if finish is None and logprobs is None and (event := plain.event(index, text)):
+                return event
             return chunk([ChunkChoice(index=index, delta=ChoiceDelta(content=text or None),
                                       logprobs=logprobs, finish_reason=finish)])  # fmt: skip
         # Text and calls in the order written (``_chat_deltas``); the finish reason in a

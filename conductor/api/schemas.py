@@ -20,6 +20,7 @@ This module imports nothing but pydantic and the standard library.
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -726,6 +727,43 @@ def chunk_json(chunk: ChatCompletionChunk | CompletionChunk, include_usage: bool
     if include_usage:
         return chunk.model_dump_json()
     return chunk.model_dump_json(exclude={"usage"})
+
+
+class ContentChunks:
+    """The server-sent events of plain content deltas (one choice, text only: nearly
+    every chunk of an answer), exactly as ``chunk_json`` writes them, without building
+    and serialising a model per token: the JSON is rendered once per choice index with a
+    marker where the text goes, and each delta's text is JSON-encoded into it."""
+
+    _MARKER = "kvc-content-7c1f0e"
+
+    def __init__(self, completion_id: str, created: int, model: str, include_usage: bool) -> None:
+        self._fields = (completion_id, created, model, include_usage)
+        self._parts: dict[int, tuple[str, str] | None] = {}  # by choice index
+
+    def _template(self, index: int) -> tuple[str, str] | None:
+        completion_id, created, model, include_usage = self._fields
+        choice = ChunkChoice(index=index, delta=ChoiceDelta(content=self._MARKER))
+        chunk = ChatCompletionChunk(
+            id=completion_id, created=created, model=model, choices=[choice]
+        )
+        rendered = chunk_json(chunk, include_usage)
+        marker = json.dumps(self._MARKER)
+        if rendered.count(marker) != 1:  # the id or model name carries it: no template
+            return None
+        head, tail = rendered.split(marker)
+        return f"data: {head}", f"{tail}\n\n"
+
+    def event(self, index: int, text: str) -> str | None:
+        """The event of choice ``index`` saying ``text``; None where only the model
+        can write it."""
+        if index not in self._parts:
+            self._parts[index] = self._template(index)
+        parts = self._parts[index]
+        if parts is None:
+            return None
+        head, tail = parts
+        return f"{head}{json.dumps(text, ensure_ascii=False)}{tail}"
 
 
 def sse_data(payload: str) -> str:

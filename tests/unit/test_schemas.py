@@ -7,6 +7,8 @@ import re
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from conductor.api.schemas import (
@@ -25,6 +27,7 @@ from conductor.api.schemas import (
     CompletionRequest,
     CompletionResponse,
     CompletionTokensDetails,
+    ContentChunks,
     ContentPart,
     ErrorDetail,
     ErrorResponse,
@@ -523,3 +526,29 @@ def test_ids() -> None:
     assert a != b
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", a)
     assert re.fullmatch(r"cmpl-[0-9a-f]{32}", new_completion_id())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(st.characters(exclude_categories=["Cs"]), max_size=40),
+    index=st.integers(0, 15),
+    include_usage=st.booleans(),
+    model=st.sampled_from(["m", 'Ünï/cødé "model"', "kvc-content-7c1f0e"]),
+)
+def test_plain_content_chunks_are_byte_for_byte_what_the_model_writes(
+    text: str, index: int, include_usage: bool, model: str
+) -> None:
+    """The per-token fast path of the streamed chat answer writes exactly what the
+    pydantic chunk would, for any text (escapes, non-ASCII, control characters)."""
+    chunks = ContentChunks("chatcmpl-x", 1700000000, model, include_usage)
+    chunk = ChatCompletionChunk(
+        id="chatcmpl-x",
+        created=1700000000,
+        model=model,
+        choices=[ChunkChoice(index=index, delta=ChoiceDelta(content=text))],
+    )
+    event = chunks.event(index, text)
+    if "kvc-content-7c1f0e" in model:  # a marker it cannot place: the model writes it
+        assert event is None
+    else:
+        assert event == sse_data(chunk_json(chunk, include_usage))
