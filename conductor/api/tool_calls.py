@@ -192,6 +192,16 @@ def _read_symbol(text: str, at: int, symbol: str) -> int:
     return at + 1 if text[at] == symbol else _NO
 
 
+def _read_key(text: str, at: int, keys: tuple[str, ...]) -> int:
+    """Past ``"<one of keys>":`` (after blanks), or ``_MORE``/``_NO``."""
+    at, key = _read_string(text, _skip_ws(text, at))
+    if at < 0:
+        return at
+    if key not in keys:
+        return _NO
+    return _read_symbol(text, at, ":")
+
+
 @dataclass(frozen=True, slots=True)
 class _Head:
     name: str
@@ -205,12 +215,7 @@ def _read_head(text: str, arguments_keys: tuple[str, ...]) -> _Head | int:
     at = _read_symbol(text, 0, "{")
     if at < 0:
         return at
-    at, key = _read_string(text, _skip_ws(text, at))
-    if at < 0:
-        return at
-    if key != "name":
-        return _NO
-    at = _read_symbol(text, at, ":")
+    at = _read_key(text, at, ("name",))
     if at < 0:
         return at
     at, name = _read_string(text, _skip_ws(text, at))
@@ -221,12 +226,7 @@ def _read_head(text: str, arguments_keys: tuple[str, ...]) -> _Head | int:
     at = _read_symbol(text, at, ",")
     if at < 0:
         return at
-    at, key = _read_string(text, _skip_ws(text, at))
-    if at < 0:
-        return at
-    if key not in arguments_keys:
-        return _NO
-    at = _read_symbol(text, at, ":")
+    at = _read_key(text, at, arguments_keys)
     if at < 0:
         return at
     at = _skip_ws(text, at)
