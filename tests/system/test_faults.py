@@ -51,6 +51,7 @@ class Agent:
     metrics_port: int
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    stream: bool = False  # also serve Generate on a token stream (--stream-port 0)
 
     @property
     def address(self) -> str:
@@ -59,7 +60,8 @@ class Agent:
     def start(self) -> None:
         self.proc = spawn(
             ["agent", "--host", "127.0.0.1", "--threads", "1", "--role", self.role,
-             "--port", str(self.port), "--metrics-port", str(self.metrics_port)],
+             "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+             *(("--stream-port", "0") if self.stream else ())],
             self.log,
         )  # fmt: skip
 
@@ -90,9 +92,10 @@ class Fleet:
     agents: list[Agent] = field(default_factory=list)
     conductors: list[tuple[subprocess.Popen[bytes], Path, str]] = field(default_factory=list)
 
-    def agent(self, role: str) -> Agent:
+    def agent(self, role: str, *, stream: bool = False) -> Agent:
         n = len(self.agents)
-        agent = Agent(role, free_port(), free_port(), self.tmp / f"agent-{n}-{role}.log")
+        log = self.tmp / f"agent-{n}-{role}.log"
+        agent = Agent(role, free_port(), free_port(), log, stream=stream)
         agent.start()
         self.agents.append(agent)
         return agent
@@ -194,10 +197,11 @@ def no_locks(agent: Agent) -> bool:
     )
 
 
+@pytest.mark.parametrize("token_stream", [False, True], ids=["grpc", "token-stream"])
 def test_conductor_sigkill_mid_stream_leaves_no_lock_and_a_new_conductor_serves(
-    fleet: Fleet,
+    fleet: Fleet, token_stream: bool
 ) -> None:
-    prefill, decode = fleet.agent("prefill"), fleet.agent("decode")
+    prefill, decode = fleet.agent("prefill"), fleet.agent("decode", stream=token_stream)
     base = fleet.conductor()
     stream = Stream(base)
     assert stream.first.wait(60)
@@ -210,11 +214,14 @@ def test_conductor_sigkill_mid_stream_leaves_no_lock_and_a_new_conductor_serves(
     assert httpx.post(f"{new}/v1/chat/completions", json=SHORT, timeout=60).status_code == 200
 
 
+@pytest.mark.parametrize("token_stream", [False, True], ids=["grpc", "token-stream"])
 def test_decode_agent_sigkill_mid_stream_is_a_clean_error_and_its_restart_is_used(
-    fleet: Fleet,
+    fleet: Fleet, token_stream: bool
 ) -> None:
+    """Also with the decode agent's token stream: its restart comes back on a new
+    stream port, which the conductor follows at its next poll."""
     fleet.agent("prefill")
-    decode = fleet.agent("decode")
+    decode = fleet.agent("decode", stream=token_stream)
     base = fleet.conductor("--agent-poll-interval-s", "0.5")
     stream = Stream(base)
     assert stream.first.wait(60)
