@@ -11,7 +11,10 @@ For each prompt length N (a multiple of the 32-token block):
 2. L2 (host memory): the prefill's KV cut into 32-token blocks with ``KvCache.slice`` (as
    the agent's pool holds it), each block demoted with ``put`` into a real
    ``LowerTiers(codec, host_bytes=..., disk_bytes=0)``, then ``load`` of every block
-   (promotion onto the engine's device) timed.
+   (promotion onto the engine's device, one copy and one wait per block) timed; and the
+   agent's own path before a transaction, ``prefetch`` of all the blocks (their copies
+   queued back to back, one wait) then ``load`` of each (already staged) timed. On CUDA
+   one copy of the same bytes from one pinned buffer is timed too: the link's ceiling.
 3. L3 (disk): the same with ``LowerTiers(codec, host_bytes=0, disk_dir=..., disk_bytes=...)``
    (``put`` writes one CRC'd file per block); ``load`` (file read, CRC check, decode onto
    the device) timed twice: with the files in the page cache ("page cache"), and after
@@ -102,7 +105,9 @@ class LengthResult:
     kv_bytes: int
     recompute: Timing  # prefill of ``tokens`` from nothing (per MiB: of the KV it makes)
     l2_put: Timing
-    l2_load: Timing
+    l2_load: Timing  # ``load`` block by block
+    l2_prefetch: Timing  # ``prefetch`` (one batch) then ``load``: the agent's path
+    link: Timing | None  # one pinned host buffer of the same bytes copied at once (CUDA)
     l3_put: Timing
     l3_load_cached: Timing  # files in the page cache
     l3_load_cold: Timing | None  # files dropped from the page cache; None: cannot drop
@@ -285,6 +290,52 @@ def _time_loads(
     return samples
 
 
+def _time_prefetch(
+    tiers: LowerTiers,
+    keys: Sequence[BlockKey],
+    blocks: Sequence[KvCache],
+    repeats: int,
+    device: torch.device,
+) -> list[float]:
+    """The agent's promotion path: ``prefetch`` every block (on an inline runner: the
+    timing includes the copies), then ``load`` each, as the transaction does; a warm-up
+    pass, then ``repeats`` timed ones, each checked against the originals."""
+    samples: list[float] = []
+    for round_ in range(repeats + 1):
+        _sync(device)
+        started = time.perf_counter()
+        staged = tiers.prefetch(keys, lambda: None)
+        loaded = [tiers.load(key) for key in keys]
+        _sync(device)
+        elapsed = time.perf_counter() - started
+        if staged != len(keys):
+            raise RuntimeError(f"prefetch staged {staged} of {len(keys)} blocks")
+        if round_ > 0:
+            samples.append(elapsed)
+        tiers.unstage(keys)
+        verify("L2 prefetch", loaded, blocks, device)
+        del loaded
+    return samples
+
+
+def _time_link(nbytes: int, repeats: int, device: torch.device) -> list[float] | None:
+    """One copy of ``nbytes`` from one pinned host buffer onto ``device`` (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    samples: list[float] = []
+    for round_ in range(repeats + 1):
+        _sync(device)
+        started = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        _sync(device)
+        if round_ > 0:
+            samples.append(time.perf_counter() - started)
+    del host, target
+    return samples
+
+
 def measure_length(
     model: EmbeddedModel,
     num_tokens: int,
@@ -323,11 +374,14 @@ def measure_length(
     codec = TensorKvCodec(model.device)
 
     log(f"{num_tokens} tokens: L2 host ({nbytes / MIB:.1f} MiB)")
-    host = LowerTiers(codec, host_bytes=2 * nbytes, disk_bytes=0)
+    host = LowerTiers(codec, host_bytes=2 * nbytes, disk_bytes=0, stage_bytes=2 * nbytes)
     l2_put = _time_puts(host, keys, blocks, repeats, KvMedium.HOST, device)
     l2_load = _time_loads("L2 load", host, keys, blocks, repeats, device, warm_up=True)
+    l2_prefetch = _time_prefetch(host, keys, blocks, repeats, device)
     host.clear()
     del host
+    _free(device)
+    link = _time_link(nbytes, repeats, device)
     _free(device)
 
     log(f"{num_tokens} tokens: L3 disk")
@@ -369,6 +423,8 @@ def measure_length(
         recompute=_timing(recompute_s, nbytes),
         l2_put=_timing(l2_put, nbytes),
         l2_load=_timing(l2_load, nbytes),
+        l2_prefetch=_timing(l2_prefetch, nbytes),
+        link=None if link is None else _timing(link, nbytes),
         l3_put=_timing(l3_put, nbytes),
         l3_load_cached=_timing(l3_cached, nbytes),
         l3_load_cold=None if l3_cold is None else _timing(l3_cold, nbytes),
@@ -417,7 +473,9 @@ def table_rows(results: Sequence[LengthResult]) -> list[list[Any]]:
         rec = r.recompute.median_ms
         ops: list[tuple[str, Timing | None, bool]] = [
             ("recompute (prefill)", r.recompute, False),
-            ("L2 host load", r.l2_load, True),
+            ("L2 host load, block by block", r.l2_load, True),
+            ("L2 host prefetch + load (the agent's path)", r.l2_prefetch, True),
+            ("one pinned copy of the same bytes (link ceiling)", r.link, True),
             ("L3 disk load, page cache (warm)", r.l3_load_cached, True),
             ("L3 disk load, cold (fadvise DONTNEED)", r.l3_load_cold, True),
             ("L2 host put", r.l2_put, False),
@@ -451,7 +509,9 @@ def plot(path: Path, title: str, results: Sequence[LengthResult]) -> None:
     x = [r.tokens for r in results]
     series: list[tuple[str, Callable[[LengthResult], Timing | None], str, str]] = [
         ("recompute (prefill)", lambda r: r.recompute, "black", "-"),
-        ("L2 host load", lambda r: r.l2_load, "tab:green", "-"),
+        ("L2 host load, block by block", lambda r: r.l2_load, "tab:olive", "-"),
+        ("L2 host prefetch + load", lambda r: r.l2_prefetch, "tab:green", "-"),
+        ("one pinned copy (link ceiling)", lambda r: r.link, "tab:gray", "--"),
         ("L3 disk load, page cache", lambda r: r.l3_load_cached, "tab:blue", "-"),
         ("L3 disk load, cold", lambda r: r.l3_load_cold, "tab:red", "-"),
         ("L2 host put", lambda r: r.l2_put, "tab:green", ":"),

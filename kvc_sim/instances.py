@@ -198,6 +198,9 @@ class SimKvCodec:
     def to_device(self, content: KvContent) -> KvContent:
         return content
 
+    def to_device_many(self, contents: Sequence[KvContent]) -> Sequence[KvContent]:
+        return list(contents)
+
 
 class PrefillInstance:
     """One prefill node: block pool, HBM tier LRU, FIFO queue, NIC."""

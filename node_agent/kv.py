@@ -88,3 +88,8 @@ class KvCodec(Protocol):
     def to_device(self, content: KvContent) -> KvContent:
         """``content`` on the engine's device (itself when already there)."""
         ...
+
+    def to_device_many(self, contents: Sequence[KvContent]) -> Sequence[KvContent]:
+        """``to_device`` of each, in order, waiting once for all the copies (a
+        transaction's promotions)."""
+        ...

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from bench import block_table
+from kvc.models import DEFAULT_MODEL_DIR
 
 pytestmark = pytest.mark.system
 
@@ -90,3 +92,22 @@ def test_soak_bench_accounts_for_every_request(tmp_path: Path) -> None:
     assert data["sent"] > 20
     assert set(data["rss_mib"]) == {"prefill", "decode", "conductor"}
     assert (tmp_path / "soak.png").stat().st_size > 1000
+
+
+def test_tier_ttft_bench_serves_each_step_from_its_tier(tmp_path: Path) -> None:
+    from bench import tier_ttft
+
+    # A model folder of another name: the conductor must be pointed at it as the agent is.
+    model = tmp_path / "tiny-copy"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    argv = ["--out", str(tmp_path), "--model", str(model), "--tokens", "64", "--repeats", "1"]
+    assert tier_ttft.main(argv) == 0
+    data = json.loads((tmp_path / "tier_ttft-tiny-copy-cpu.json").read_text())
+    [result] = data["results"]
+    # The bench raises unless each step was served as named; here the record says so too.
+    steps = {s["step"]: s for s in result["samples"]}
+    assert list(steps) == ["cold", "L1", "L2", "L3"]
+    assert steps["cold"]["cached_tokens"] == 0
+    assert (steps["L2"]["promoted_host"], steps["L3"]["promoted_disk"]) == (2, 2)
+    assert all(s["ttft_ms"] > 0 and s["same_as_cold"] for s in result["samples"])  # float32
+    assert (tmp_path / "tier_ttft-tiny-copy-cpu.png").stat().st_size > 0

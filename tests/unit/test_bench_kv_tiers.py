@@ -31,6 +31,7 @@ def test_measures_every_tier_against_recompute(model: EmbeddedModel, tmp_path: P
         result.recompute,
         result.l2_put,
         result.l2_load,
+        result.l2_prefetch,
         result.l3_put,
         result.l3_load_cached,
     ]
@@ -41,6 +42,7 @@ def test_measures_every_tier_against_recompute(model: EmbeddedModel, tmp_path: P
         assert timing.median_ms > 0
         assert timing.ms_per_mib > 0
         assert timing.gb_per_s > 0
+    assert result.link is None  # the link's ceiling is a CUDA figure
     if result.cold_resident_fraction is not None:
         assert 0.0 <= result.cold_resident_fraction <= 1.0
     assert list(tmp_path.iterdir()) == []  # the L3 files are cleaned up

@@ -161,17 +161,17 @@ class KvCache:
                 f"a flat KV buffer of {flat.numel()} bytes does not hold {num_tokens} tokens "
                 f"of {layout}"
             )
-        typed = flat.view(TORCH_DTYPES[layout.dtype])
-        shape = (1, layout.num_kv_heads, num_tokens, layout.head_dim)
-        per_tensor = layout.num_kv_heads * num_tokens * layout.head_dim
-        layers = [
-            (
-                typed[2 * layer * per_tensor : (2 * layer + 1) * per_tensor].view(shape),
-                typed[(2 * layer + 1) * per_tensor : (2 * layer + 2) * per_tensor].view(shape),
-            )
-            for layer in range(layout.num_layers)
-        ]
-        return KvCache(layers, flat=flat)
+        # All 2 x layers views in one call (unbind): building them one slice at a time
+        # cost ~200 us per 32-layer block, more than copying its 4 MiB over PCIe.
+        tensors = (
+            flat.view(TORCH_DTYPES[layout.dtype])
+            .view(2 * layout.num_layers, 1, layout.num_kv_heads, num_tokens, layout.head_dim)
+            .unbind(0)
+        )
+        cache = KvCache.__new__(KvCache)  # views of one buffer: consistent by construction
+        cache._layers = tuple(zip(tensors[0::2], tensors[1::2], strict=True))
+        cache._flat = flat
+        return cache
 
     @staticmethod
     def from_bytes(
@@ -259,10 +259,27 @@ class TensorKvCodec:
 
     def to_device(self, content: KvContent) -> KvCache:
         """``content`` on the engine's device: one host-to-device copy of its buffer."""
-        kv = tensor_kv(content)
-        if kv.device == self.device:
-            return kv
-        return KvCache.from_flat(kv.flat_bytes().to(self.device), kv.layout, kv.num_tokens)
+        return self.to_device_many([content])[0]
+
+    def to_device_many(self, contents: Sequence[KvContent]) -> list[KvCache]:
+        """Each of ``contents`` on the engine's device, in order: one copy per block
+        (each block stays its own compact buffer), all queued without waiting (from
+        pinned host memory, asynchronous DMA back to back), then one wait for them all."""
+        out: list[KvCache] = []
+        queued = False
+        for content in contents:
+            kv = tensor_kv(content)
+            if kv.device == self.device:
+                out.append(kv)
+                continue
+            source = kv.flat_bytes()
+            target = torch.empty(source.shape, dtype=torch.uint8, device=self.device)
+            target.copy_(source, non_blocking=True)
+            queued = True
+            out.append(KvCache.from_flat(target, kv.layout, kv.num_tokens))
+        if queued and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
 
 
 def tensor_kv(content: KvContent) -> KvCache:
