@@ -126,18 +126,19 @@ class TlsFiles:
         new files on the next handshake after any of them changes."""
         cert, key, ca = self.read()
         initial = grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
-        seen = [self._stamp()]
+        seen = self._stamp()
 
         def fetch() -> grpc.ServerCertificateConfiguration | None:
+            nonlocal seen
             stamp = self._stamp()
-            if not stamp or stamp == seen[0]:
+            if not stamp or stamp == seen:
                 return None
             try:
                 cert, key, ca = self.read()
             except ValueError as exc:  # mid-write: keep serving with the old files
                 log.warning("TLS files changed but cannot be read yet: %s", exc)
                 return None
-            seen[0] = stamp
+            seen = stamp
             log.info("TLS certificate files reloaded")
             return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
@@ -166,18 +167,20 @@ class TlsFiles:
         """For a plain-socket listener (the token stream): the same policy as
         ``server_credentials`` — a client certificate of the CA required, new files
         picked up on the next handshake after any of them changes."""
-        current = [self._server_context(), self._stamp()]
+        context = self._server_context()
+        loaded = self._stamp()
 
         def pick(sock: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:
+            nonlocal context, loaded
             stamp = self._stamp()
-            if stamp and stamp != current[1]:
+            if stamp and stamp != loaded:
                 try:
-                    current[0] = self._server_context()
-                    current[1] = stamp
+                    context = self._server_context()
+                    loaded = stamp
                     log.info("TLS certificate files reloaded (token stream)")
                 except (ValueError, OSError, ssl.SSLError) as exc:
                     log.warning("TLS files changed but cannot be read yet: %s", exc)
-            sock.context = cast(ssl.SSLContext, current[0])
+            sock.context = context
 
         outer = self._server_context()
         outer.sni_callback = pick

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -164,7 +165,7 @@ class TokenStreamServer:
         self._connections.add(connection)
         return connection
 
-    async def start(self, host: str, port: int, ssl_context: Any | None) -> int:
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> int:
         """Listen; returns the bound port."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._connection, host, port, ssl=ssl_context)
