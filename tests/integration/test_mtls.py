@@ -6,7 +6,9 @@ loopback only (unless a mesh encrypts: ``grpc_plaintext=any``)."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import ssl
 from pathlib import Path
 
 import grpc
@@ -263,6 +265,46 @@ async def test_server_picks_up_rotated_files(
     async with secure(agent.address, files_of(certs, "conductor")) as channel:
         call = pb_grpc.NodeAgentStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
         assert await rpc_status(call) == grpc.StatusCode.UNAVAILABLE  # the old CA is out
+
+
+async def test_token_stream_listener_picks_up_rotated_files(
+    certs: Path, other_ca: Path, tmp_path: Path
+) -> None:
+    """The token stream's TLS (a plain socket, not gRPC) follows the files as gRPC does:
+    after they change, the next handshake uses the new CA and certificate."""
+    live = tmp_path / "live"
+    shutil.copytree(certs, live)
+
+    async def answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"ok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(
+        answer, "127.0.0.1", 0, ssl=files_of(live, "agent").server_ssl_context()
+    )
+    port = server.sockets[0].getsockname()[1]
+
+    async def hello(bundle: Path) -> bytes:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=files_of(bundle, "conductor").client_ssl_context(),
+            server_hostname=AGENT_NAME,
+        )  # fmt: skip
+        try:
+            return await asyncio.wait_for(reader.read(2), 5)
+        finally:
+            writer.close()
+
+    try:
+        assert await hello(certs) == b"ok"
+        for name in ("agent.pem", "agent-key.pem", "ca.pem"):  # a new CA and certificate
+            shutil.copy(other_ca / name, live / name)
+        assert await hello(other_ca) == b"ok"
+        with pytest.raises(ssl.SSLCertVerificationError):  # the agent's old CA is out
+            await hello(certs)
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 @pytest.mark.parametrize(
