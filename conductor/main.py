@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -106,11 +108,32 @@ class GracefulServer(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        settle_garbage_collector()
+
     async def on_tick(self, counter: int) -> bool:
         if self._drain_until is not None and time.monotonic() >= self._drain_until:
             self._arm_deadline()
             self.should_exit = True
         return await super().on_tick(counter)
+
+
+# Young-generation threshold once serving: the default (700 allocations) ran a collection
+# every few requests.
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def settle_garbage_collector() -> None:
+    """Once started: what start-up built (modules, the app, the tokenizer's tables —
+    ~110k tracked objects) is frozen out of every later collection, and young
+    collections run after 20,000 net allocations instead of 700. Measured with 1,750
+    requests through the hot-path benchmark: 0.174 s in the collector before, 0.021 s
+    after (docs/benchmarks.md)."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 def serve(settings: ConductorSettings, log_level: str) -> None:
