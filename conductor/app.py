@@ -214,7 +214,7 @@ def create_app(
         async with contextlib.AsyncExitStack() as stack:
             tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, settings.model)
             model_name = settings.resolved_served_model_name()
-            metrics = ConductorMetrics()
+            metrics = ConductorMetrics(redis=bool(settings.redis_url))
             fleet = AgentFleet(
                 settings.agents,
                 model=model_name,
@@ -228,9 +228,7 @@ def create_app(
             redis = connect(settings.redis_url) if settings.redis_url else None
             if redis is not None:
                 stack.push_async_callback(redis.aclose)
-                metrics.redis_up.set(1)
-            else:  # no Redis configured: export no redis_up at all rather than a false 0
-                metrics.registry.unregister(metrics.redis_up)
+                metrics.set_redis_up(True)
             tenants = TenantDirectory(
                 default_tenant=settings.default_tenant,
                 default_requests_per_minute=settings.default_requests_per_minute,
@@ -240,7 +238,7 @@ def create_app(
                 redis=redis,
                 keys_in_redis=settings.api_keys_in_redis,
             )
-            limiter = RateLimiter(redis, on_redis_state=lambda up: metrics.redis_up.set(int(up)))
+            limiter = RateLimiter(redis, on_redis_state=metrics.set_redis_up)
             index = PrefixIndex()
             lower_tiers = LowerTierIndex(index.max_keys_per_node)
             dispatcher = Dispatcher(
@@ -286,7 +284,7 @@ def create_app(
                             static=settings.agents,
                             interval_s=settings.agent_poll_interval_s,
                             stop=stop,
-                            on_redis_state=lambda up: metrics.redis_up.set(int(up)),
+                            on_redis_state=metrics.set_redis_up,
                             grace_s=settings.registry_grace_s,
                         )
                     )

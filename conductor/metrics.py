@@ -10,10 +10,21 @@ discovers in its registry), so its cardinality is the fleet size; an agent that
 leaves the fleet leaves the metric at the next scrape. Nothing from a request body
 ever becomes a label. Each app instance has its own registry, so several apps can
 live in one process.
+
+Several processes (``--workers``): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR``
+before it starts them, prometheus_client keeps every value in a file per process there,
+and ``/metrics`` — whichever worker answers it — reads them all: counters and
+histograms summed over the workers (those of a worker that died included, so they never
+go backwards), ``conductor_requests_in_flight`` summed over the live ones, the agent
+and Redis gauges as last set by any live worker (the answering one samples the fleet
+first). The ``process_*``/``python_*`` families are left out there (they would
+describe one worker), and an agent that left the fleet stays at
+``conductor_agent_up 0`` until the workers restart.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -26,9 +37,13 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     generate_latest,
+    multiprocess,
 )
 
 from kvc.roles import NODE_ROLES
+
+# Set by the supervisor of several workers (conductor.main): values in files there.
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 OUTCOMES = ("success", "client_error", "rejected", "upstream_error", "cancelled")
 ENDPOINTS = ("chat_completions", "completions", "messages")
@@ -115,13 +130,19 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 3
 
 
 class ConductorMetrics:
-    def __init__(self) -> None:
+    def __init__(self, *, redis: bool = True) -> None:
+        """``redis``: export ``conductor_redis_up`` (only when Redis is configured: no
+        series at all rather than a false 0)."""
+        # One of several worker processes (see the module's docstring).
+        self.multiprocess = bool(os.environ.get(MULTIPROCESS_DIR_ENV))
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        # The standard process (memory, CPU, fds) and Python runtime families.
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        GCCollector(registry=r)
+        if not self.multiprocess:
+            # The standard process (memory, CPU, fds) and Python runtime families.
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
+        self._agents_seen: set[str] = set()
         self.requests = Counter(
             "conductor_requests_total",
             "Generation requests by endpoint and outcome.",
@@ -206,11 +227,14 @@ class ConductorMetrics:
             "them at decision time (the placement traded reuse for load or transfer).",
             registry=r,
         )
-        self.redis_up = Gauge(
-            "conductor_redis_up",
-            "1 when the last Redis operation (registry, rate limits, keys) succeeded.",
-            registry=r,
-        )
+        self.redis_up: Gauge | None = None
+        if redis:
+            self.redis_up = Gauge(
+                "conductor_redis_up",
+                "1 when the last Redis operation (registry, rate limits, keys) succeeded.",
+                registry=r,
+                multiprocess_mode="livemostrecent",
+            )
         self.prompt_tokens = Counter(
             "conductor_prompt_tokens_total", "Prompt tokens of served requests.", registry=r
         )
@@ -218,13 +242,17 @@ class ConductorMetrics:
             "conductor_completion_tokens_total", "Generated tokens.", registry=r
         )
         self.inflight = Gauge(
-            "conductor_requests_in_flight", "Generation requests in flight.", registry=r
+            "conductor_requests_in_flight",
+            "Generation requests in flight.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.agents_usable = Gauge(
             "conductor_agents_usable",
             "Node agents that answered the latest poll and serve this model, by role.",
             ("role",),
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.agent_up = Gauge(
             "conductor_agent_up",
@@ -232,6 +260,7 @@ class ConductorMetrics:
             "agent address in the fleet.",
             ("agent",),
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.agent_calls = Counter(
             "conductor_agent_calls_total",
@@ -292,9 +321,24 @@ class ConductorMetrics:
             self.agents_usable.labels(node_role).set(
                 sum(1 for a in agents if a.usable and a.role == node_role)
             )
-        self.agent_up.clear()  # agents that left the fleet leave the metric
+        current = {a.address for a in agents}
+        if self.multiprocess:  # a cleared series would live on in this worker's file
+            for gone in self._agents_seen - current:
+                self.agent_up.labels(gone).set(0)
+        else:
+            self.agent_up.clear()  # agents that left the fleet leave the metric
+        self._agents_seen |= current
         for a in agents:
             self.agent_up.labels(a.address).set(1 if a.reachable else 0)
 
+    def set_redis_up(self, up: bool) -> None:
+        """The outcome of the latest Redis operation (ignored without Redis)."""
+        if self.redis_up is not None:
+            self.redis_up.set(int(up))
+
     def exposition(self) -> bytes:
+        if self.multiprocess:  # every worker's values, whichever worker answers
+            merged = CollectorRegistry(auto_describe=True)
+            multiprocess.MultiProcessCollector(merged)  # type: ignore[no-untyped-call]  # untyped upstream
+            return generate_latest(merged)
         return generate_latest(self.registry)

@@ -37,6 +37,15 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
 
     host: str = Field("127.0.0.1", description="HTTP bind address", json_schema_extra=_HTTP)
     port: int = Field(8000, ge=0, le=65535, description="HTTP port", json_schema_extra=_HTTP)
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Conductor processes sharing the HTTP port (SO_REUSEPORT), each a whole "
+        "conductor with its own view of the fleet; /metrics sums them. Per-conductor limits "
+        "(max_inflight_requests, rate limits without Redis) apply to each",
+        json_schema_extra=_HTTP,
+    )
     model: Path = Field(
         DEFAULT_MODEL_DIR,
         description="Model folder with the tokenizer and chat template",
@@ -302,6 +311,12 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"agent address {addr!r} is not host:port")
         return value
+
+    @model_validator(mode="after")
+    def _workers_share_a_port(self) -> ConductorSettings:
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("workers > 1 share one fixed port: set port (0 picks one per worker)")
+        return self
 
     @model_validator(mode="after")
     def _agents_reachable_securely(self) -> ConductorSettings:

@@ -19,7 +19,6 @@ before or after the subcommand.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvc.logs import setup_logging
 from kvc.version import package_version
 from kvc_cli.event_loop import run_event_loop
 from kvc_cli.settings_cli import InvalidSettings, SettingsCommand, settings_from_args
@@ -49,22 +49,11 @@ class LoggingSettings(BaseSettings):
         return value.upper() if isinstance(value, str) else value
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if level.upper() != "DEBUG":  # one line per HTTP request (probes, bench clients): noise
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def _run_conductor(ns: argparse.Namespace, log_level: LogLevel) -> int:
     from conductor.main import serve
     from conductor.settings import ConductorSettings
 
-    serve(settings_from_args(ConductorSettings, ns), log_level)
-    return 0
+    return serve(settings_from_args(ConductorSettings, ns), log_level)
 
 
 def _run_agent(ns: argparse.Namespace, log_level: LogLevel) -> int:
@@ -355,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         log_level = ns.logging_command.load(ns).log_level
-        _setup_logging(log_level)
+        setup_logging(log_level)
         code: int = ns.func(ns, log_level)
     except InvalidSettings as exc:
         print(f"kvc {ns.command}: {exc}", file=sys.stderr)

@@ -162,6 +162,15 @@ def test_agent_up_forgets_agents_that_left() -> None:
     assert 'agent="b:1"' not in text
 
 
+def test_redis_up_only_with_redis() -> None:
+    without = cm.ConductorMetrics(redis=False)
+    without.set_redis_up(False)  # a Redis callback without Redis: nothing to say
+    assert "conductor_redis_up" not in without.exposition().decode()
+    with_redis = cm.ConductorMetrics(redis=True)
+    with_redis.set_redis_up(False)
+    assert "conductor_redis_up 0.0" in with_redis.exposition().decode()
+
+
 def test_tx_outcomes_cover_the_pool_errors() -> None:
     from node_agent.blocks.types import (
         BlockPoolError,
