@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conductor.main import CRASHES_TO_GIVE_UP
+from conductor.main import CRASHES_TO_GIVE_UP, STARTUP_FAILED
 from tests.system.test_faults import eventually
 from tests.system.test_processes import free_port, port_open, spawn, stop, wait_ready
 
@@ -147,3 +147,13 @@ def test_workers_need_a_fixed_port(tmp_path: Path) -> None:
     assert proc.wait(timeout=60) == 2
     assert "workers > 1 share one fixed port" in log.read_text()
     assert time.monotonic() - started < 60
+
+
+def test_one_conductor_that_never_serves_exits_3(tmp_path: Path) -> None:
+    """Not 0: an orchestrator must see that it failed (uvicorn's own exit code for it)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        log = tmp_path / "conductor.log"
+        proc = spawn(["conductor", "--port", str(held.getsockname()[1])], log)
+        assert proc.wait(timeout=60) == STARTUP_FAILED, log.read_text()[-3000:]
