@@ -547,7 +547,8 @@ def plot(path: Path, title: str, results: Sequence[LengthResult]) -> None:
     plt.close(fig)
 
 
-def _int_list(text: str) -> list[int]:
+def block_token_counts(text: str) -> list[int]:
+    """``--tokens``: comma-separated token counts, each a multiple of the block."""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError as exc:
@@ -567,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"a model folder (default {DEFAULT_MODEL_DIR.name})")  # fmt: skip
     which.add_argument("--shape", choices=sorted(SHAPES), default=None,
                        help="a named shape with random weights, built on the device")  # fmt: skip
-    parser.add_argument("--tokens", type=_int_list, default=[512, 2048, 8192])
+    parser.add_argument("--tokens", type=block_token_counts, default=[512, 2048, 8192])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--disk-dir", type=Path, default=None,

@@ -58,7 +58,7 @@ from typing import Any, Final
 import httpx
 
 from bench.field_fleet import free_ports, http_ok
-from bench.kv_tiers import BLOCK_TOKENS, SHAPES
+from bench.kv_tiers import BLOCK_TOKENS, SHAPES, block_token_counts
 from bench.report import markdown_table, write_results
 from kvc.block_keys import compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
@@ -415,16 +415,6 @@ def plot(path: Path, title: str, results: Sequence[LengthResult]) -> None:
     plt.close(fig)
 
 
-def _token_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of ints: {text}") from exc
-    if not values or any(v <= 0 or v % BLOCK_TOKENS for v in values):
-        raise argparse.ArgumentTypeError(f"token counts must be multiples of {BLOCK_TOKENS}")
-    return values
-
-
 def _device_name(device: str) -> str:
     import torch
 
@@ -442,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"a model folder (default {DEFAULT_MODEL_DIR.name})")  # fmt: skip
     which.add_argument("--shape", choices=sorted(SHAPES), default=None,
                        help="a named shape with seeded random weights")  # fmt: skip
-    parser.add_argument("--tokens", type=_token_list, default=[2048, 8192])
+    parser.add_argument("--tokens", type=block_token_counts, default=[2048, 8192])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     ns = parser.parse_args(args)
