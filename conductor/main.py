@@ -272,6 +272,8 @@ class WorkerSupervisor:
         )
         proc.start()
         self._procs[index] = proc
+        if self._stopping and proc.pid is not None:  # a signal came while it was starting
+            os.kill(proc.pid, signal.SIGTERM)
 
     def _forward(self, sig: int, _frame: FrameType | None) -> None:
         if not self._stopping:
