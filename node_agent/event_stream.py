@@ -69,7 +69,6 @@ class EventPublisher:
         self._new_events = asyncio.Condition()
         self._last_load: pb.LoadUpdate | None = None
         self._closed = False
-        self._wakers: set[asyncio.Task[None]] = set()
         self.last_prefill = LastPrefill()
         # The engine's own host tier (vLLM's CPU offloading), when mirrored.
         self.engine_host_tier: EngineHostTier | None = None
@@ -114,27 +113,14 @@ class EventPublisher:
             self._append(pb.Event(load=load))
             self._last_load = load
 
-    def publish_load_soon(self) -> None:
-        """``publish_load``, and wake the subscribers from a task of their own: for a
-        caller that must not wait (a generation that just left the engine)."""
-        self.publish_load()
-        waker = asyncio.get_running_loop().create_task(self.notify())
-        self._wakers.add(waker)
-        waker.add_done_callback(self._wakers.discard)
-
     async def notify(self) -> None:
         """Wake every ``WatchEvents`` stream."""
         async with self._new_events:
             self._new_events.notify_all()
 
     async def after_mutation(self) -> None:
-        """Publish the pool's events and wake the subscribers: after every pool change.
-        The load goes too when it changed: a transaction is when a request's queued tokens
-        leave (its commit at the first token) or arrive, and a conductor that saw them only
-        at the next periodic update (``load_interval_s``) would count a finished request's
-        prompt as someone else's queue on this node."""
+        """Publish the pool's events and wake the subscribers: after every pool change."""
         self.publish_pool_events()
-        self.publish_load()
         await self.notify()
 
     async def apply_engine_cache_events(self, events: Sequence[EngineCacheEvent]) -> None:

@@ -215,9 +215,6 @@ class Generation:
                     )
                 )
             yield msg
-        # The generation left the engine's running count: say so now, not at the next
-        # periodic update, or conductors count it as another's decode on this node.
-        state.events.publish_load_soon()
 
 
 def _engine_transfer(source: pb.KvSource, owns_kv_cache: bool) -> dict[str, Any]:

@@ -4,8 +4,6 @@ blocks can still take any request); ``NodeInfo.max_running_requests`` is its slo
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -109,49 +107,6 @@ async def test_a_warm_pool_reports_its_evictable_blocks_as_allocatable(
     assert locked.reused_blocks == 2
     assert locked.allocatable_blocks == CAPACITY - 2
     await stub.TxAbort(pb.TxAbortRequest(tx_id="lock"))
-
-
-async def test_load_goes_out_with_each_transaction_and_when_a_generation_ends(
-    start_agent: AgentFactory,
-) -> None:
-    """Not only every ``load_interval_s`` (an hour here, so never within the test): a
-    conductor must not count a request that already left as another's load on the node."""
-    agent = await start_agent("both", capacity_blocks=CAPACITY, load_interval_s=3600.0)
-    seen: list[pb.LoadUpdate] = []
-    async with grpc.aio.insecure_channel(agent.address) as channel:
-        stub = pb_grpc.NodeAgentStub(channel)
-        watch = stub.WatchEvents(pb.WatchEventsRequest(from_seq=1))
-
-        async def follow() -> None:
-            async for batch in watch:
-                seen.extend(e.load for e in batch.events if e.HasField("load"))
-
-        follower = asyncio.create_task(follow())
-        try:
-            sampling = pb.SamplingParams(max_tokens=64, ignore_eos=True)
-            generation = stub.Generate(
-                pb.GenerateRequest(
-                    request_id="g", tenant="t", prompt_token_ids=list(range(5, 40)),
-                    sampling=sampling,
-                )
-            )  # fmt: skip
-            first = await generation.read()
-            assert isinstance(first, pb.GenerateResponse)
-            assert first.token_ids  # it runs
-            # A transaction while it runs: its load (one running) goes out with it.
-            await stub.TxAllocate(
-                pb.TxAllocateRequest(tx_id="tx", tenant="t", block_keys=keys_for(1, 5), lease_s=30)
-            )
-            await wait_until(lambda: any(load.running_requests == 1 for load in seen), 10)
-            while await generation.read() is not grpc.aio.EOF:  # to its end
-                pass
-            await wait_until(lambda: seen[-1].running_requests == 0, 10)
-        finally:
-            watch.cancel()
-            follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await follower
-        await stub.TxAbort(pb.TxAbortRequest(tx_id="tx"))
 
 
 METRICS = """\
