@@ -45,7 +45,6 @@ import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +61,7 @@ from bench.kv_tiers import BLOCK_TOKENS, SHAPES, block_token_counts
 from bench.report import markdown_table, write_results
 from kvc.block_keys import compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
+from kvc_cli.supervisor import Supervisor
 
 STEPS: Final = ("cold", "L1", "L2", "L3")
 TENANT: Final = "default"  # what the conductor names a request without a tenant
@@ -150,7 +150,6 @@ class TieredSystem:
         http, grpc, metrics = free_ports(3)
         self.base = f"http://127.0.0.1:{http}"
         self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
-        self.logs = [work / "agent.log", work / "conductor.log"]
         agent = [
             "agent", "--host", "127.0.0.1", "--port", str(grpc), "--metrics-port", str(metrics),
             "--stream-port", "0", "--role", "both", "--no-calibrate", "--model", str(model_dir),
@@ -165,53 +164,20 @@ class TieredSystem:
             "conductor", "--port", str(http), "--agents", f"127.0.0.1:{grpc}",
             "--model", str(model_dir), "--admission", "none",
         ]  # fmt: skip
-        self.procs: list[subprocess.Popen[bytes]] = []
-        for argv, log in zip((agent, conductor), self.logs, strict=True):
-            with log.open("wb") as out:
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "kvc_cli", *argv],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+        self.procs = Supervisor(grace_s=60.0, log_dir=work)
+        self.procs.spawn("agent", agent)
+        self.procs.spawn("conductor", conductor)
         self.client = httpx.Client(timeout=600.0)
         self.model = ""
 
-    def wait_ready(
-        self, timeout_s: float = START_S, log: Callable[[str], None] = lambda _: None
-    ) -> None:
-        """Until the conductor is ready, saying every 30 s what each process said last."""
-        started = time.monotonic()
-        deadline = started + timeout_s
-        said = started
-        while time.monotonic() < deadline:
-            if time.monotonic() - said >= 30.0:
-                said = time.monotonic()
-                for path in self.logs:
-                    lines = path.read_text(errors="replace").strip().splitlines()
-                    last = lines[-1] if lines else "(nothing yet)"
-                    log(f"waiting {said - started:.0f} s; {path.name}: {last[-300:]}")
-            for proc, path in zip(self.procs, self.logs, strict=True):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{proc.args!r} exited:\n{path.read_text()[-3000:]}")
-            if http_ok(f"{self.base}/ready"):
-                self.model = self.client.get(f"{self.base}/v1/models").json()["data"][0]["id"]
-                return
-            time.sleep(0.5)
-        raise RuntimeError("not ready in time:\n" + self.logs[0].read_text()[-3000:])
+    def wait_ready(self, timeout_s: float = START_S) -> None:
+        """Until the conductor is ready (a child that exits raises with its log)."""
+        self.procs.wait_until(lambda: http_ok(f"{self.base}/ready"), "the conductor", timeout_s)
+        self.model = self.client.get(f"{self.base}/v1/models").json()["data"][0]["id"]
 
     def stop(self) -> None:
         self.client.close()
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self.procs.stop_all()
 
     def complete(self, prompt: list[int]) -> tuple[float, float, int, str]:
         """Stream a greedy completion: (TTFT s, total s, cached tokens, text)."""
@@ -347,7 +313,7 @@ def run(
     )  # fmt: skip
     try:
         log(f"starting an agent on {device} and a conductor")
-        sysm.wait_ready(log=log)
+        sysm.wait_ready()
         rng = random.Random(seed)
         warm = _prompt(rng, longest + 1, vocab)
         for _ in range(2):  # kernels, allocator, the conductor's first estimates
@@ -361,8 +327,8 @@ def run(
             results.append(result)
         return results
     except Exception:
-        for path in sysm.logs:  # the folder goes with the run: show what they said
-            log(f"{path.name}, last lines:\n{path.read_text(errors='replace')[-4000:]}")
+        for child in sysm.procs.children:  # the folder goes with the run: show what they said
+            log(f"{child.name}, last lines:\n{child.log_tail(4000)}")
         raise
     finally:
         sysm.stop()

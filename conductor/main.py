@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import logging
 import multiprocessing
@@ -41,6 +40,7 @@ from conductor.http_server import uvicorn_config
 from conductor.metrics import MULTIPROCESS_DIR_ENV
 from conductor.settings import ConductorSettings
 from kvc.logs import setup_logging
+from kvc.processes import die_with_parent
 
 log = logging.getLogger("conductor")
 
@@ -171,7 +171,6 @@ STARTUP_FAILED = 3
 CRASHES_TO_GIVE_UP = 5
 CRASH_WINDOW_S = 60.0
 RESTART_DELAY_S = 1.0
-_PR_SET_PDEATHSIG = 1
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -192,20 +191,12 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGTERM (a graceful stop) when the supervisor dies, even by SIGKILL."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # it died before the request above was in place
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def run_worker(settings: ConductorSettings, log_level: str, index: int, parent: int) -> None:
     """One worker process: a whole conductor on a shared-port socket."""
     os.setsid()  # Ctrl-C in a terminal reaches the supervisor alone; it forwards it once
-    _die_with_parent(parent)
+    die_with_parent()
+    if os.getppid() != parent:  # the supervisor died before that was in place
+        os.kill(os.getpid(), signal.SIGTERM)
     setup_logging(log_level)
     sock = reuse_port_socket(settings.host, settings.port)  # fails fast: a port held
     log.info("worker %d (pid %d) on port %d", index, os.getpid(), settings.port)
@@ -239,6 +230,7 @@ class WorkerSupervisor:
         self._context = multiprocessing.get_context("spawn")
         self._procs: dict[int, BaseProcess] = {}
         self._crashes: deque[float] = deque()
+        self._restarts: dict[int, float] = {}  # worker index -> when to start it again
         self._stopping = False
         self._failed = False
 
@@ -285,9 +277,17 @@ class WorkerSupervisor:
                     os.kill(proc.pid, sig)
 
     def _watch(self) -> None:
-        while self._procs:
+        while self._procs or (self._restarts and not self._stopping):
+            now = time.monotonic()
+            for index, due in list(self._restarts.items()):
+                if self._stopping:
+                    self._restarts.clear()
+                elif due <= now:
+                    del self._restarts[index]
+                    self._start(index)
             by_sentinel = {proc.sentinel: index for index, proc in self._procs.items()}
-            for sentinel in wait(list(by_sentinel), timeout=1.0):
+            timeout = min([1.0, *(due - now for due in self._restarts.values())])
+            for sentinel in wait(list(by_sentinel), timeout=max(0.0, timeout)):
                 assert isinstance(sentinel, int)  # a process's sentinel is a descriptor
                 index = by_sentinel[sentinel]
                 proc = self._procs.pop(index)
@@ -319,6 +319,4 @@ class WorkerSupervisor:
             self._forward(signal.SIGTERM, None)
             self._forward(signal.SIGTERM, None)  # no drain: nothing is healthy
             return
-        time.sleep(RESTART_DELAY_S)
-        if not self._stopping:
-            self._start(index)
+        self._restarts[index] = now + RESTART_DELAY_S  # the watch loop starts it then

@@ -19,7 +19,6 @@ into that stop.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shlex
 import signal
@@ -33,15 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from kvc.processes import die_with_parent
+
 __all__ = ["Child", "Supervisor", "port_free", "stop_on_signals"]
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Between fork and exec: only prctl, which is async-signal-safe."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def port_free(host: str, port: int) -> bool:
@@ -115,7 +108,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 env=None if env is None else dict(env),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         child = Child(name, proc, log)
         self.children.append(child)
