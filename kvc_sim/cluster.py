@@ -508,7 +508,7 @@ class Cluster:
         flight.migrated_tokens = min(job.migrated_blocks * self.config.block_tokens, cached)
         flight.prefill_s = duration
         flight.prefill_end_s = now + duration
-        if flight.output_tokens > 1:
+        if flight.output_tokens > 1 and self.config.kv_handoff == "layerwise":
             # The prompt's KV streams to the decode node while the prefill runs
             # (layer by layer); it is there one latency after the later of the two ends.
             nbytes = flight.req.input_tokens * self.profile.kv_bytes_per_token
@@ -531,13 +531,23 @@ class Cluster:
         # The engine's time, as an agent reports it (tier loads precede it, in the Tx).
         loop.prefill_done(job.input_tokens, flight.cached_tokens, flight.prefill_s - job.load_s)
         if flight.output_tokens <= 1:  # the prefill produced the only token
-            now = self.loop.now_s
-            flight.ttft_s = now - flight.arrival_s
-            loop.decode_started(now)
+            self._first_token(flight)
             loop.finished(1, stopped=flight.output_tokens < self.config.max_tokens)
             self._finish(flight, "completed", None)
             self._capacity_freed()
         else:
+            if self.config.kv_handoff == "pull":
+                # vLLM's pull: the decode node asks for the KV once the prefill is over.
+                dec = flight.decode
+                assert dec is not None
+                nbytes = flight.req.input_tokens * self.profile.kv_bytes_per_token
+                now = self.loop.now_s
+                start, flight.handoff_at_s = reserve_transfer(
+                    self.profile, inst.nic, dec.nic, nbytes, now
+                )
+                self.scheduler.transfer.observe(
+                    inst.node_id, dec.node_id, nbytes, flight.handoff_at_s - start
+                )
             self.loop.at(flight.handoff_at_s, lambda: self._handoff_done(flight))
         self._try_start(inst)
 
@@ -548,13 +558,16 @@ class Cluster:
         assert placement is not None
         now = self.loop.now_s
         n_out = flight.output_tokens
+        pulled = self.config.kv_handoff == "pull"
         seq = DecodeSeq(
             request_id=flight.req.request_id,
             prompt_tokens=flight.req.input_tokens,
-            steps_needed=n_out - 1,
+            steps_needed=n_out if pulled else n_out - 1,
             reserve_tokens=flight.req.input_tokens + n_out,
             first_token_s=now,
             on_done=lambda seq: self._decode_done(flight, seq),
+            pulled=pulled,
+            on_first_token=lambda seq: self._first_token(flight),
         )
         loop = flight.loop
         assert loop is not None
@@ -563,7 +576,14 @@ class Cluster:
             self._finish(flight, "rejected_after_prefill", "decode_refused")
             self._capacity_freed()
             return
+        if not pulled:
+            self._first_token(flight)
+
+    def _first_token(self, flight: Flight) -> None:
+        now = self.loop.now_s
         flight.ttft_s = now - flight.arrival_s
+        loop = flight.loop
+        assert loop is not None
         loop.decode_started(now)
 
     def _decode_done(self, flight: Flight, seq: DecodeSeq) -> None:

@@ -15,6 +15,16 @@ prefills; ``seed``), ``lease_s``, ``load_sample_s``, ``kv_migration`` (False: pr
 nodes can neither lend nor receive prefix blocks, as engines that own their KV — vLLM
 nodes — report to the live conductor; the live-parity scenario uses it).
 
+The prefill → decode hand-off (``kv_handoff``): ``"layerwise"`` (Mooncake's, the
+default) streams the prompt's KV to the decode node while the prefill runs and the first
+token is the prefill's own, at the later of the prefill's end + one latency and the
+transfer's arrival. ``"pull"`` is vLLM's NixlConnector as ``kvc sim-engine`` and real
+vLLM run it: the decode node pulls the KV only once the prefill has ended (its NICs
+reserved from then), the request joins the decode batch at the next step boundary, and
+that step — one decode step of the running batch plus the prompt's last token computed
+again (``prefill_compute_s(n, n - 1)``) — yields the first token; the prefill leg's own
+token is dropped. The live-parity scenario uses it.
+
 KV tiers as the agent keeps them (``host_tier_tokens``, ``disk_tier_tokens``; either set,
 0 switches that tier off): ``cache_tokens`` is then the engine-memory pool (L1) alone,
 evicted blocks are demoted to host memory (L2) and disk (L3) by the agent's own
@@ -43,7 +53,7 @@ an agent's static prefix, not the 5-minute conversation marks); 0: every one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import ConfigDict
 
@@ -73,6 +83,7 @@ class ClusterConfig:
     lease_s: float = 86_400.0
     load_sample_s: float = 5.0
     kv_migration: bool = True
+    kv_handoff: Literal["layerwise", "pull"] = "layerwise"
     host_tier_tokens: int | None = None
     disk_tier_tokens: int | None = None
     replica_aware_eviction: bool = False

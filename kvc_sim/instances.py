@@ -16,7 +16,10 @@ What it models
     * ``DecodeInstance``: continuous batching. A step of ``b`` requests holding ``k`` KV
       tokens lasts ``profile.tbt_s(b, k)``; every request in the batch gains one token per
       step; requests join and leave only at step boundaries (or at once when the instance
-      is idle). KV for ``prompt + output`` tokens is reserved on admission and bounded by
+      is idle). A request handed off by vLLM's pull (``DecodeSeq.pulled``) spends its
+      join step computing the prompt's last token (``prefill_compute_s(n, n - 1)`` added
+      to that step, outside the decode batch's ``tbt_s``) and gets its first token at
+      that step's end. KV for ``prompt + output`` tokens is reserved on admission and bounded by
       ``hbm_kv_tokens``; so is the batch (``max_batch_requests``). Requests that do not fit
       wait in FIFO order (``queue`` mode) — or, with ``refuse=True``, are refused when they
       do not fit or would push the step time over the TBT SLO (the decode node's own load
@@ -378,12 +381,23 @@ class DecodeSeq:
 
     request_id: str
     prompt_tokens: int
-    steps_needed: int  # output tokens after the first (which the prefill produced)
+    # Output tokens this node makes: all after the first (which the prefill produced),
+    # or every one when ``pulled``.
+    steps_needed: int
     reserve_tokens: int
-    first_token_s: float
+    first_token_s: float  # when the prefill's first token came (not ``pulled``)
     on_done: Callable[[DecodeSeq], None]
     join_step: int = -1  # index of its first decode step
     admitted: bool = False
+    # vLLM's pull hand-off (``ClusterConfig.kv_handoff``): the join step computes the
+    # prompt's last token again and yields the first token (``on_first_token``).
+    pulled: bool = False
+    on_first_token: Callable[[DecodeSeq], None] | None = None
+
+    @property
+    def join_context(self) -> int:
+        """KV tokens it brings to the batch: the prompt, and the prefill's token."""
+        return self.prompt_tokens if self.pulled else self.prompt_tokens + 1
 
 
 @dataclass(slots=True)
@@ -422,6 +436,7 @@ class DecodeInstance:
         self.joining: list[DecodeSeq] = []  # admitted, join at the next step boundary
         self.waiting: deque[DecodeSeq] = deque()  # not admitted yet (queue mode)
         self._finish_at: dict[int, list[DecodeSeq]] = {}
+        self._first_token: list[DecodeSeq] = []  # pulled joiners of the running step
         self.stats = DecodeStats()
         self._stepping = False
         self._step_s = 0.0
@@ -470,21 +485,29 @@ class DecodeInstance:
         self.joining.append(seq)
 
     def _start_step(self) -> None:
+        decoding, context = self.batch_requests, self.context_tokens
+        recompute_s = 0.0  # pulled joiners' last prompt token
         if self.joining:
             step = len(self.stats.steps)
             for seq in self.joining:
                 seq.join_step = step
                 self.batch_requests += 1
-                self.context_tokens += seq.prompt_tokens + 1
+                self.context_tokens += seq.join_context
                 self._finish_at.setdefault(step + seq.steps_needed, []).append(seq)
+                if seq.pulled:
+                    n = seq.prompt_tokens
+                    recompute_s += self.profile.prefill_compute_s(n, n - 1)
+                    self._first_token.append(seq)
+                else:
+                    decoding += 1
+                    context += seq.prompt_tokens + 1
             self.joining = []
         if not self.batch_requests:
             self._stepping = False
             return
         self._stepping = True
-        self._step_s = self.noise.decode(
-            self.profile.tbt_s(self.batch_requests, self.context_tokens)
-        )
+        decode_s = self.profile.tbt_s(decoding, context) if decoding else 0.0
+        self._step_s = self.noise.decode(decode_s + recompute_s)
         self._schedule_at(self._clock() + self._step_s, self._end_step)
 
     def _end_step(self) -> None:
@@ -492,11 +515,15 @@ class DecodeInstance:
         stats.steps.append(self._step_s)
         stats.step_ends.append(self._clock())
         self.context_tokens += self.batch_requests
+        firsts, self._first_token = self._first_token, []
+        for seq in firsts:
+            if seq.on_first_token is not None:
+                seq.on_first_token(seq)
         done = self._finish_at.pop(len(stats.steps), None)
         if done:
             for seq in done:
                 self.batch_requests -= 1
-                self.context_tokens -= seq.prompt_tokens + 1 + seq.steps_needed
+                self.context_tokens -= seq.join_context + seq.steps_needed
                 self.reserved_tokens -= seq.reserve_tokens
             for seq in done:
                 seq.on_done(seq)
@@ -505,7 +532,10 @@ class DecodeInstance:
         self._start_step()
 
     def gaps_s(self, seq: DecodeSeq) -> list[float]:
-        """Token gaps of a finished request: first-token→first step end, then step times."""
+        """Token gaps of a finished request: first-token→first step end, then step times
+        (a pulled request's first token is its first step's end: step times only)."""
         stats = self.stats
+        if seq.pulled:
+            return stats.steps[seq.join_step + 1 : seq.join_step + seq.steps_needed]
         first = stats.step_ends[seq.join_step] - seq.first_token_s
         return [first, *stats.steps[seq.join_step + 1 : seq.join_step + seq.steps_needed]]

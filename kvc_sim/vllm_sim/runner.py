@@ -2,10 +2,20 @@
 request's stream.
 
 Loop
-    ``schedule`` → wait ``plan.duration_s x time_scale`` wall seconds (the injected
-    ``sleep``) → ``complete`` → publish the step's KV events as one batch → hand each
-    output to its request's queue. Idle, it waits for a new request (or the next expiry
-    of held prefill KV). Held prefill KV past its deadline is freed at each turn.
+    ``schedule`` → wait until the step's end → ``complete`` → publish the step's KV
+    events as one batch → hand each output to its request's queue. Idle, it waits for a
+    new request (or the next expiry of held prefill KV). Held prefill KV past its
+    deadline is freed at each turn.
+
+Pacing
+    A step ends ``plan.duration_s x time_scale`` wall seconds after the previous step's
+    end when they run back to back (after ``now`` when the engine was idle): the work
+    between two steps (completing one, delivering its tokens, publishing its events,
+    scheduling the next) overlaps the next step, as a GPU engine's CPU work overlaps its
+    kernels (vLLM's asynchronous scheduling). Work that overruns a whole step delays
+    that step's end to ``now`` — a step is never shorter than its profile time measured
+    from the previous end, and no deficit is caught up later. Without this, every step
+    of an engine sharing a loaded machine lasted its profile time plus that work.
 
 Streams
     ``submit`` returns a ``RequestStream`` (an unbounded queue, bounded in practice by
@@ -122,16 +132,21 @@ class EngineRunner:
 
     async def run(self, stop: asyncio.Event) -> None:
         stopping = asyncio.ensure_future(stop.wait())
+        end_s: float | None = None  # the previous step's end, when back to back
         try:
             while not stop.is_set():
                 if self.scheduler.expire_held(self._clock()):
                     log.warning("prefill KV held for a decode engine expired unpulled")
                 plan = self.scheduler.schedule()
                 if plan is None:
+                    end_s = None
                     await self._idle(stopping)
                     continue
                 self.busy_s += plan.duration_s
-                await self._sleep(plan.duration_s * self.time_scale)
+                now = self._clock()
+                begin = now if end_s is None else end_s
+                end_s = max(now, begin + plan.duration_s * self.time_scale)
+                await self._sleep(end_s - now)
                 outputs = self.scheduler.complete(plan, self._clock())
                 await self.flush_events()
                 for output in outputs:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Literal
 
 import pytest
 
@@ -11,7 +13,7 @@ from conductor.core.policies import Policy
 from conductor.core.scheduler import Admission, SchedulerConfig, Slo
 from kvc_sim.cluster import Cluster, simulate
 from kvc_sim.cluster_config import ClusterConfig
-from kvc_sim.metrics import summarize
+from kvc_sim.metrics import RequestRecord, summarize
 from kvc_sim.profile import Profile, load_profile
 from kvc_sim.trace import TraceRequest
 from kvc_sim.workload import SyntheticSpec, generate
@@ -245,3 +247,64 @@ def test_tiered_nodes_keep_evicted_prefixes_and_the_shadow_follows_every_tier(
         assert hits[node].host_blocks == len(host)
         assert hits[node].disk_blocks == len(disk)
     tiered.index.check_invariants()
+
+
+def test_vllm_pull_handoff_adds_the_transfer_and_the_first_decode_step() -> None:
+    """``kv_handoff="pull"`` (vLLM's NixlConnector, as ``kvc sim-engine`` runs it): the
+    KV moves after the prefill, and the decode node's first step — the prompt's last
+    token computed again, no decode batch on an idle node — yields the first token.
+    Layerwise, the first token is the prefill's own, one latency after its end."""
+    p = profile()
+    n, out = 8192, 5
+    req = TraceRequest("a", 0.0, n, out, tuple(range(n // 512)))
+    runs: dict[str, RequestRecord] = {}
+    handoffs: tuple[Literal["layerwise", "pull"], ...] = ("layerwise", "pull")
+    for handoff in handoffs:
+        config = ClusterConfig(prefill_instances=1, decode_instances=1, kv_handoff=handoff)
+        cluster = Cluster(p, config, sched(p), SLO, [req])
+        (record,) = cluster.run([req]).records
+        assert record.outcome == "completed"
+        runs[handoff] = record
+        check_consistent(cluster)
+    layerwise, pull = runs["layerwise"], runs["pull"]
+    assert layerwise.ttft_s is not None
+    assert layerwise.finish_s is not None
+    assert pull.ttft_s is not None
+    assert pull.finish_s is not None
+    latency = p.network.latency_s
+    assert layerwise.prefill_s == pull.prefill_s
+    assert layerwise.ttft_s == pytest.approx(layerwise.prefill_s + latency)
+    wire = p.wire_s(n * p.kv_bytes_per_token)
+    recompute = p.prefill_compute_s(n, n - 1)
+    assert recompute > 0
+    assert pull.ttft_s == pytest.approx(pull.prefill_s + wire + latency + recompute)
+    # Then out - 1 decode steps of one request each, in both modes.
+    assert pull.finish_s - pull.ttft_s == pytest.approx(
+        sum(p.tbt_s(1, n + 1 + i) for i in range(out - 1))
+    )
+    assert layerwise.finish_s - layerwise.ttft_s == pytest.approx(
+        sum(p.tbt_s(1, n + 1 + i) for i in range(out - 1))
+    )
+    assert pull.tbt_s == pytest.approx(p.tbt_s(1, n + 1 + out - 2))
+
+
+def test_pulled_requests_join_a_running_batch_at_its_next_step() -> None:
+    """Under load the pull hand-off keeps every request, every pool and the shadow
+    consistent, and costs TTFT against the layerwise hand-off on the same workload."""
+    p = profile()
+    reqs = workload()
+    base = ClusterConfig(prefill_instances=4, decode_instances=2, cache_tokens=200_000)
+    layerwise = simulate(p, base, sched(p), SLO, reqs, speed=3.0)
+    cluster = Cluster(p, replace(base, kv_handoff="pull"), sched(p), SLO, reqs)
+    pull = cluster.run(reqs, speed=3.0)
+    assert all(r.outcome == "completed" for r in pull.records)
+    assert len(pull.records) == len(reqs)
+    check_consistent(cluster)
+    for inst in cluster.decode.values():
+        assert inst.batch_requests == inst.reserved_tokens == inst.context_tokens == 0
+
+    def mean_ttft(records: Sequence[RequestRecord]) -> float:
+        ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+        return sum(ttfts) / len(ttfts)
+
+    assert mean_ttft(pull.records) > mean_ttft(layerwise.records)

@@ -245,14 +245,26 @@ def test_stop_strings_hold_back_what_may_start_one() -> None:
     assert plain.flush() == ""
 
 
-async def test_the_runner_sleeps_each_step_times_the_scale() -> None:
-    slept: list[float] = []
+class _VirtualTime:
+    """A clock that only moves when the runner sleeps, plus ``work_s`` of CPU work
+    after each sleep (completing the step, delivering its tokens)."""
 
-    async def sleep(seconds: float) -> None:
-        slept.append(seconds)
+    def __init__(self, work_s: float = 0.0) -> None:
+        self.now = 100.0
+        self.work_s = work_s
+        self.slept: list[float] = []
 
-    engine = _engine()
-    runner = EngineRunner(engine, time_scale=0.5, sleep=sleep)
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.slept.append(seconds)
+        self.now += seconds + self.work_s
+
+
+async def _three_tokens(time: _VirtualTime) -> EngineRunner:
+    runner = EngineRunner(_engine(), time_scale=0.5, sleep=time.sleep, clock=time.clock)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     stream = runner.submit(_request("a", 40, max_tokens=3))
@@ -260,10 +272,29 @@ async def test_the_runner_sleeps_each_step_times_the_scale() -> None:
     assert [i.finish_reason for i in items] == [None, None, "length"]
     stop.set()
     await task
-    expected = [
-        PROFILE.prefill_compute_s(40, 0),
-        PROFILE.tbt_s(1, 41),
-        PROFILE.tbt_s(1, 42),
-    ]
-    assert slept == pytest.approx([0.5 * s for s in expected])
-    assert runner.busy_s == pytest.approx(sum(expected))
+    return runner
+
+
+STEPS = [PROFILE.prefill_compute_s(40, 0), PROFILE.tbt_s(1, 41), PROFILE.tbt_s(1, 42)]
+
+
+async def test_the_runner_sleeps_each_step_times_the_scale() -> None:
+    time = _VirtualTime()
+    runner = await _three_tokens(time)
+    assert time.slept == pytest.approx([0.5 * s for s in STEPS])
+    assert runner.busy_s == pytest.approx(sum(STEPS))
+
+
+async def test_work_between_steps_overlaps_the_next_step() -> None:
+    """Back to back, a step ends its profile time after the previous step's end: the
+    work between them is absorbed, not added. Work longer than a step ends that step
+    at once (never shorter than its profile time, no catching up)."""
+    work = 0.25 * STEPS[1] * 0.5
+    time = _VirtualTime(work_s=work)
+    await _three_tokens(time)
+    assert time.slept == pytest.approx(
+        [0.5 * STEPS[0], 0.5 * STEPS[1] - work, 0.5 * STEPS[2] - work]
+    )
+    slow = _VirtualTime(work_s=max(STEPS))  # longer than any step at scale 0.5
+    await _three_tokens(slow)
+    assert slow.slept == pytest.approx([0.5 * STEPS[0], 0.0, 0.0])
