@@ -267,8 +267,8 @@ class Dispatcher:
                     kv_bytes_per_token=info.kv_layout.bytes_per_token,
                     # Engines that own their KV (vLLM) cannot lend or receive pool blocks.
                     kv_migration=info.engine == "embedded",
-                    queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
-                    running_requests=max(agent.inflight, load.running_requests if load else 0),
+                    queued_prefill_tokens=agent.queued_prefill_tokens,
+                    running_requests=agent.running_requests,
                     max_running_requests=info.max_running_requests,
                     tier_read_bytes_per_s=_tier_bandwidth(load.tiers if load else info.tiers),
                 )
@@ -431,6 +431,8 @@ class Dispatcher:
                 released = True
                 for agent in release:
                     agent.inflight -= 1
+                if generating:  # its node's next load report no longer counts it
+                    decode.ended_generations += 1
                 self._free_capacity()
 
         # Where the agent can (no migration to pull into the Tx first), the allocation
@@ -490,6 +492,7 @@ class Dispatcher:
                     if retain:
                         retention = retention_name(pre.retention)
                 cached_tokens = pre.cached_tokens
+                prefill.ended_prefill_tokens += prompt_len
                 loop_state.prefill_done(prompt_len, pre.cached_tokens, pre.prefill_s)
                 gen.kv_source.CopyFrom(
                     pb.KvSource(
@@ -523,7 +526,8 @@ class Dispatcher:
                 loop_state.committed()
                 if retain:
                     retention = retention_name(timings.retention)
-            if not disaggregated:
+            if not disaggregated:  # the prompt left the node's prefill queue with this token
+                decode.ended_prefill_tokens += prompt_len
                 loop_state.prefill_done(prompt_len, cached_tokens, timings.prefill_s)
             elif timings.transfer_bytes:
                 self.scheduler.transfer.observe(

@@ -54,7 +54,8 @@ async def start_agent() -> AsyncIterator[AgentFactory]:
     ) -> AgentServer:
         """An agent with these settings; ``transport`` replaces its KV transport (faults)."""
         overrides.setdefault("calibrate", False)  # tests/*/test_agent_calibration.py
-        settings = AgentSettings(role=role, port=0, load_interval_s=0.05, **overrides)
+        overrides.setdefault("load_interval_s", 0.05)
+        settings = AgentSettings(role=role, port=0, **overrides)
         server = AgentServer(settings, build_engine(settings), transport=transport)
         await server.start()
         started.append(server)

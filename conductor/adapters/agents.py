@@ -106,9 +106,33 @@ class AgentHandle:
     model_matches: bool = False
     inflight: int = 0
     last_error: str = field(default="not polled yet")
-    load: pb.LoadUpdate | None = None  # latest from Snapshot / WatchEvents
+    load: pb.LoadUpdate | None = None  # latest from Snapshot / WatchEvents (``set_load``)
+    # This conductor's work on the node that ended since ``load`` came: the report
+    # still counts it until the next one (every ``load_interval_s``), and a prefill
+    # queue or decode batch that is gone must not steer placements meanwhile.
+    ended_prefill_tokens: int = 0
+    ended_generations: int = 0
     # Keys the node retains for prompt-cache breakpoints (its snapshot and events).
     retained: set[int] = field(default_factory=set)
+
+    def set_load(self, load: pb.LoadUpdate) -> None:
+        """A new load report: it already leaves out what ended before it."""
+        self.load = load
+        self.ended_prefill_tokens = 0
+        self.ended_generations = 0
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Reported prompt tokens waiting for or in a prefill, less ours that ended since."""
+        if self.load is None:
+            return 0
+        return max(0, self.load.queued_prefill_tokens - self.ended_prefill_tokens)
+
+    @property
+    def running_requests(self) -> int:
+        """Reported generations, less ours that ended since; at least ours in flight."""
+        reported = 0 if self.load is None else self.load.running_requests
+        return max(self.inflight, reported - self.ended_generations)
 
     @property
     def usable(self) -> bool:

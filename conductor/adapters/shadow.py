@@ -132,7 +132,7 @@ class ShadowSync:
             cached=_as_block_keys(snap.cached_keys), host=_as_block_keys(snap.host_keys),
             disk=_as_block_keys(snap.disk_keys), tiered=bool(snap.node.tiers),
         )  # fmt: skip
-        agent.load = snap.load
+        agent.set_load(snap.load)
         agent.retained = set(snap.retained_keys)
         call = agent.stub.WatchEvents(
             pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
@@ -188,7 +188,7 @@ class ShadowSync:
                 else:
                     agent.retained.difference_update(ev.retained.block_keys)
             elif kind == "load":
-                agent.load = ev.load
+                agent.set_load(ev.load)
             outcome = apply_node_event(
                 self._index, lower, node, epoch, seq,
                 stored=stored, removed=removed, moved=moved, cleared=cleared,

@@ -136,9 +136,10 @@ class NodeState:
     capacity_blocks: int
     free_blocks: int
     kv_bytes_per_token: int
-    queued_prefill_tokens: int = 0  # as the agent last reported it
+    # As the agent last reported it, less this conductor's work that ended since.
+    queued_prefill_tokens: int = 0
     kv_migration: bool = True  # can lend/receive prefix blocks (not engines owning their KV)
-    running_requests: int = 0  # as the agent last reported it
+    running_requests: int = 0  # as the agent last reported it, less ours ended since
     # Free plus evictable (cached, unlocked) blocks: what an allocation can obtain. None:
     # the reporter does not tell them apart (``free_blocks`` is then the allocatable count).
     allocatable_blocks: int | None = None
