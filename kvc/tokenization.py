@@ -687,7 +687,13 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
-        context = [t for t in prompt_ids if t not in self._special][-_DETOKENIZER_CONTEXT:]
+        context: list[int] = []  # the prompt's last ordinary ids, read from its end
+        for t in reversed(prompt_ids):
+            if len(context) == _DETOKENIZER_CONTEXT:
+                break
+            if t not in self._special:
+                context.append(t)
+        context.reverse()
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)

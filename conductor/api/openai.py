@@ -771,7 +771,7 @@ async def completions(
         )
     else:
         vocab = state.tokenizer.vocab_size
-        if any(t >= vocab for t in prompt):
+        if prompt and max(prompt) >= vocab:
             raise InvalidRequest(
                 f"Token ids must be below the vocabulary size {vocab}.", param="prompt"
             )

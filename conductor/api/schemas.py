@@ -105,6 +105,9 @@ _Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 """A sampling seed: vLLM's range (a signed 64-bit integer)."""
 
 
+_TEXTLESS: frozenset[type] = frozenset({int, float, bool, type(None)})
+
+
 def _lone_surrogate_at(value: Any, path: str) -> str | None:
     """The path of the first string in a parsed JSON body that holds a lone UTF-16
     surrogate (JSON allows ``"\\ud800"``; no tokenizer, protobuf or UTF-8 encoder
@@ -124,10 +127,14 @@ def _lone_surrogate_at(value: Any, path: str) -> str | None:
             if found is not None:
                 return found
     elif isinstance(value, list):
+        if _TEXTLESS.issuperset(map(type, value)):  # e.g. token ids: one pass at C speed
+            return None
         for i, item in enumerate(value):
-            found = _lone_surrogate_at(item, f"{path}[{i}]")
-            if found is not None:
-                return found
+            # Numbers hold no text: a prompt of token ids is passed over, not walked.
+            if isinstance(item, (str, dict, list)):
+                found = _lone_surrogate_at(item, f"{path}[{i}]")
+                if found is not None:
+                    return found
     return None
 
 

@@ -26,7 +26,9 @@ Complexity
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Callable, Sequence
 
 __all__ = ["OutputTokens", "StopStrings", "incomplete_text_ids"]
@@ -58,10 +60,10 @@ class OutputTokens:
     def request_key(prompt_ids: Sequence[int], seed: int | None) -> int:
         if seed is not None:
             return _splitmix64(seed & _MASK64)
-        digest = hashlib.blake2b(digest_size=8)
-        for token in prompt_ids:
-            digest.update(token.to_bytes(4, "little", signed=True))
-        return int.from_bytes(digest.digest(), "little")
+        ids = array.array("i", prompt_ids)  # 4-byte signed, as the key has always read
+        if sys.byteorder != "little":
+            ids.byteswap()
+        return int.from_bytes(hashlib.blake2b(ids.tobytes(), digest_size=8).digest(), "little")
 
     def token(self, key: int, position: int) -> int:
         return self._ids[_splitmix64(key ^ position) % len(self._ids)]

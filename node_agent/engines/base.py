@@ -209,7 +209,9 @@ def validate_prompt(info: EngineInfo, prompt_ids: Sequence[int], max_tokens: int
     if not prompt_ids:
         raise PromptRejected("prompt must contain at least one token")
     vocab = info.vocab_size
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+    bad = None  # min and max run at C speed; the offender is looked for only if one is out
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        bad = next(t for t in prompt_ids if not 0 <= t < vocab)
     if bad is not None:
         raise PromptRejected(f"token id {bad} is outside the vocabulary [0, {vocab})")
     limit = info.max_model_len

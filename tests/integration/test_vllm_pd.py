@@ -202,6 +202,8 @@ async def test_disaggregated_request_carries_kv_transfer_params(
     (p_id, p_body), (d_id, d_body) = p_vllm.completions[-1], d_vllm.completions[-1]
     assert p_body["kv_transfer_params"]["do_remote_decode"] is True
     assert (p_body["max_tokens"], p_body["stream"]) == (1, False)
+    # The prefill leg's token is not read: no prompt echo for it to carry back.
+    assert (p_body["return_token_ids"], d_body["return_token_ids"]) == (False, True)
     assert d_body["kv_transfer_params"] == TRANSFER
     assert d_body["stream"] is True
     assert p_id == d_id != ""

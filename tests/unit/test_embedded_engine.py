@@ -315,3 +315,18 @@ def test_logprobs_are_of_the_raw_logits_whatever_the_sampling_rules() -> None:
         )
     assert Sampler(Sampling(logprobs=0)).logprob(logits, 3).top == ()
     assert len(Sampler(Sampling(logprobs=20)).logprob(logits, 3).top) == 4  # the whole vocabulary
+
+
+@pytest.mark.parametrize(
+    ("prompt", "named"),
+    [((5, 2048, 7), "2048"), ((5, -1, 9999), "-1"), ((1, 2, 3, 4, 5000), "5000")],
+)
+def test_an_out_of_vocabulary_id_is_refused_by_name(prompt: tuple[int, ...], named: str) -> None:
+    from node_agent.engines.base import EngineInfo, validate_prompt
+    from node_agent.errors import PromptRejected
+
+    layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    info = EngineInfo("m", "embedded", 64, 2048, layout, frozenset())
+    validate_prompt(info, (0, 2047, 5))
+    with pytest.raises(PromptRejected, match=f"token id {named} is outside"):
+        validate_prompt(info, prompt)

@@ -298,3 +298,15 @@ async def test_work_between_steps_overlaps_the_next_step() -> None:
     slow = _VirtualTime(work_s=max(STEPS))  # longer than any step at scale 0.5
     await _three_tokens(slow)
     assert slow.slept == pytest.approx([0.5 * STEPS[0], 0.0, 0.0])
+
+
+def test_a_prompts_output_key_reads_each_id_as_four_little_endian_bytes() -> None:
+    """The deterministic outputs of a prompt depend on its ids exactly as before."""
+    import hashlib
+
+    ids = [0, 1, 2047, 70_000, 2**31 - 1]
+    digest = hashlib.blake2b(digest_size=8)
+    for token in ids:
+        digest.update(token.to_bytes(4, "little", signed=True))
+    assert OutputTokens.request_key(ids, None) == int.from_bytes(digest.digest(), "little")
+    assert OutputTokens.request_key(ids, 5) != OutputTokens.request_key(ids, None)

@@ -353,7 +353,10 @@ class VllmEngineAdapter:
         *,
         stream: bool,
         transfer: Mapping[str, Any] | None,
+        token_ids: bool = True,
     ) -> dict[str, Any]:
+        """The completion body; ``token_ids=False`` for an answer whose tokens are not
+        read (the prefill leg): vLLM's ``return_token_ids`` also echoes the whole prompt."""
         body: dict[str, Any] = {
             "model": self._config.served_model_name,
             "prompt": list(prompt_ids),
@@ -362,7 +365,7 @@ class VllmEngineAdapter:
             "top_p": sampling.top_p,
             "ignore_eos": sampling.ignore_eos,
             "stream": stream,
-            "return_token_ids": True,
+            "return_token_ids": token_ids,
             # Re-announce reused prefix blocks as BlockStored: the mirror heals by itself.
             "vllm_xargs": {"kv_cache_report_mode": "full"},
         }
@@ -422,7 +425,7 @@ class VllmEngineAdapter:
         http = self._require_open()
         self._validate(job.prompt_ids, 1)
         body = self._body(
-            job.prompt_ids, job.tenant, _ONE_TOKEN, stream=False,
+            job.prompt_ids, job.tenant, _ONE_TOKEN, stream=False, token_ids=False,
             transfer={
                 "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None,
