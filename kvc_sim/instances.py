@@ -500,7 +500,7 @@ class DecodeInstance:
                     self._first_token.append(seq)
                 else:
                     decoding += 1
-                    context += seq.prompt_tokens + 1
+                    context += seq.join_context
             self.joining = []
         if not self.batch_requests:
             self._stepping = False

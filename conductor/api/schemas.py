@@ -130,11 +130,9 @@ def _lone_surrogate_at(value: Any, path: str) -> str | None:
         if _TEXTLESS.issuperset(map(type, value)):  # e.g. token ids: one pass at C speed
             return None
         for i, item in enumerate(value):
-            # Numbers hold no text: a prompt of token ids is passed over, not walked.
-            if isinstance(item, (str, dict, list)):
-                found = _lone_surrogate_at(item, f"{path}[{i}]")
-                if found is not None:
-                    return found
+            found = _lone_surrogate_at(item, f"{path}[{i}]")
+            if found is not None:
+                return found
     return None
 
 
