@@ -22,9 +22,10 @@ from conductor.api.openapi_doc import errors
 from conductor.core.prefix_index import NodeId
 from conductor.errors import AuthenticationFailed, NotFound, ServiceUnavailable
 from conductor.state import AppState
+from kvc.fast_json import FastJsonRoute
 from kvc.v1 import node_agent_pb2 as pb
 
-router = APIRouter(prefix="/admin")
+router = APIRouter(prefix="/admin", route_class=FastJsonRoute)
 
 
 def is_admin(request: Request, state: AppState) -> bool:

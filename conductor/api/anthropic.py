@@ -51,11 +51,12 @@ from conductor.api.sse import GenerationResponse
 from conductor.api.tool_calls import Call, CallArguments, CallEnd, CallStart, Content, collect
 from conductor.errors import ConductorError, InvalidRequest, UnprocessableEntity
 from conductor.generation import TokenDelta, UsageCounts
+from kvc.fast_json import FastJsonRoute
 
 __all__ = ["MESSAGES_PATH", "anthropic_error_body", "router"]
 
 MESSAGES_PATH = "/v1/messages"
-router = APIRouter()
+router = APIRouter(route_class=FastJsonRoute)
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _ERROR_TYPES = {

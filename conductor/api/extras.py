@@ -21,10 +21,11 @@ from conductor.api.schemas import (
     VersionResponse,
 )
 from conductor.errors import InvalidRequest
+from kvc.fast_json import FastJsonRoute
 from kvc.tokenization import ChatTemplateError
 from kvc.version import package_version
 
-router = APIRouter()
+router = APIRouter(route_class=FastJsonRoute)
 
 
 @router.post("/tokenize", responses=errors(400, 401, 404, 413))

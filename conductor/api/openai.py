@@ -81,12 +81,13 @@ from conductor.errors import (
 from conductor.generation import Breakpoint, TokenDelta, UsageCounts
 from conductor.state import AppState
 from conductor.tenants import Tenant
+from kvc.fast_json import FastJsonRoute
 from kvc.sampling import TokenLogprob
 from kvc.tokenization import ChatTemplateError, ChatTokenizer, TextTooLong
 
 log = logging.getLogger("conductor.api")
 
-router = APIRouter()
+router = APIRouter(route_class=FastJsonRoute)
 
 
 def _usage_model(u: UsageCounts) -> Usage:

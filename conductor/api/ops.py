@@ -9,8 +9,9 @@ from conductor.api.admin import is_admin
 from conductor.api.deps import StateDep
 from conductor.api.schemas import AgentReadiness, HealthResponse, NotReadyResponse, ReadyResponse
 from conductor.errors import ServiceUnavailable
+from kvc.fast_json import FastJsonRoute
 
-router = APIRouter()
+router = APIRouter(route_class=FastJsonRoute)
 
 
 @router.get("/health")

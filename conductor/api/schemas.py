@@ -28,10 +28,15 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
+    ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
+
+from kvc.fast_json import body_text_is_unicode
 
 __all__ = [
     "SSE_DONE",
@@ -90,6 +95,7 @@ MAX_STOP_SEQUENCES = 4
 
 _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 _TokenId = Annotated[int, Field(ge=0)]
+_TOKEN_ID_LIST: TypeAdapter[list[int]] = TypeAdapter(list[int])
 
 
 # --------------------------------------------------------------------------------------
@@ -153,6 +159,8 @@ class OpenAIRequest(OpenAIBaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
+        if body_text_is_unicode():  # orjson decoded the body: it refuses lone surrogates
+            return data
         where = _lone_surrogate_at(data, "")
         if where is not None:
             # conductor.errors builds its envelope from this module's models.
@@ -366,6 +374,24 @@ class CompletionRequest(OpenAIRequest):
             raise ValueError("'prompt' must not be an empty list.")
         return value
 
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _token_ids_at_c_speed(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """A list of token ids validated as one ``list[int]`` instead of through the union.
+
+        The union tries ``list[str]`` first and builds an error per element before it gets
+        to ``list[int]``: 17 ms for a 32k-token prompt, against 0.6 ms this way (2-core
+        AMD EPYC). Whatever the fast path does not accept as is goes through the union,
+        so results and errors are the union's."""
+        if type(value) is list and value and type(value[0]) is int:
+            try:
+                ids = _TOKEN_ID_LIST.validate_python(value)
+            except ValidationError:
+                return handler(value)
+            if min(ids) >= 0:
+                return ids
+        return handler(value)
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options_needs_stream(
@@ -394,17 +420,12 @@ class CompletionRequest(OpenAIRequest):
         p = self.prompt
         if isinstance(p, str):
             return p
-        tokens = [t for t in p if isinstance(t, int)]
-        if len(tokens) == len(p):
-            return tokens
+        if isinstance(p[0], int):  # validated: a list of ints, or of strs, or of lists
+            return list(p)
         if len(p) != 1:
             return None
         only = p[0]
-        if isinstance(only, str):
-            return only
-        if isinstance(only, list):
-            return list(only)
-        return None
+        return only if isinstance(only, str) else list(only)
 
     def max_new_tokens(self, default: int) -> int:
         """``max_tokens`` (16 unless the client sent another value), or ``default`` if null."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -46,6 +45,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from kvc import fast_json
+from kvc.fast_json import FastJsonRoute
 from kvc.tokenization import ChatTemplateError, ChatTokenizer, IncrementalDetokenizer
 from kvc_sim.profile import Profile
 from kvc_sim.vllm_sim.cache import KvBlockPool
@@ -134,8 +135,8 @@ class PullRequest(BaseModel):
     remote_engine_id: str = Field(min_length=1)
 
 
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + fast_json.dumps(data) + b"\n\n"
 
 
 def create_app(
@@ -206,6 +207,7 @@ def create_app(
             yield
 
     app = FastAPI(title="kvc sim-engine", lifespan=lifespan)
+    app.router.route_class = FastJsonRoute  # request bodies decoded by orjson
     _install_error_handlers(app)
     _install_routes(app)
     return app
@@ -419,8 +421,11 @@ async def _generate(
         generation.abandon()
         raise
     # Rendered as is: FastAPI's encoder would walk every id of an echoed prompt.
-    return JSONResponse(
-        _full_response(state, request, generation, body, response_id, created, chat=chat)
+    return Response(
+        fast_json.dumps(
+            _full_response(state, request, generation, body, response_id, created, chat=chat)
+        ),
+        media_type="application/json",
     )
 
 
@@ -548,7 +553,7 @@ async def _stream(
     created: int,
     *,
     chat: bool,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     model = state.config.served_model_name
     prompt_ids = list(generation.request.prompt_ids) if body.return_token_ids else None
     try:
@@ -584,7 +589,7 @@ async def _stream(
                     usage_info=generation.usage(full=False),
                 )
             )  # fmt: skip
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
     finally:
         generation.abandon()
 

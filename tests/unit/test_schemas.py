@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from conductor.api.schemas import (
     SSE_DONE,
@@ -552,3 +552,39 @@ def test_plain_content_chunks_are_byte_for_byte_what_the_model_writes(
         assert event is None
     else:
         assert event == sse_data(chunk_json(chunk, include_usage))
+
+
+_PROMPT_UNION: TypeAdapter[Any] = TypeAdapter(
+    str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+)
+
+
+def _outcome(validate: Any, value: Any) -> Any:
+    try:
+        return ("ok", validate(value))
+    except ValidationError as exc:
+        return ("error", [(e["type"], e["loc"]) for e in exc.errors()])
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(min_value=-3, max_value=2**40),
+            st.booleans(),
+            st.sampled_from(["7", "x", 2.0, 2.5, None, [1]]),
+        ),
+        min_size=1,
+        max_size=6,
+    ).filter(lambda v: type(v[0]) is int)
+)
+@settings(max_examples=200)
+def test_token_id_prompts_validate_as_the_union_does(prompt: list[Any]) -> None:
+    """The fast path for token-id lists (one ``list[int]`` instead of the union) gives the
+    union's result or the union's errors, whatever the list holds."""
+    union = _outcome(_PROMPT_UNION.validate_python, prompt)
+    model = _outcome(lambda v: CompletionRequest(model="m", prompt=v).prompt, prompt)
+    if union[0] == "ok":
+        assert model == union
+    else:
+        assert model[0] == "error"
+        assert [t for t, _ in model[1]] == [t for t, _ in union[1]]

@@ -53,6 +53,7 @@ from typing import Any, Final
 
 import httpx
 
+from kvc import fast_json
 from kvc.sampling import Sampling, TokenLogprob
 from kvc.tokenization import ChatTokenizer, IncrementalDetokenizer
 from node_agent.engines.base import (
@@ -422,7 +423,7 @@ class VllmEngineAdapter:
                 "this vLLM node prefills inside Generate (role both); a separate Prefill "
                 "needs pd_connector=nixl (vLLM's kv_transfer_params, GPUs only)"
             )
-        http = self._require_open()
+        self._require_open()
         self._validate(job.prompt_ids, 1)
         body = self._body(
             job.prompt_ids, job.tenant, _ONE_TOKEN, stream=False, token_ids=False,
@@ -433,17 +434,20 @@ class VllmEngineAdapter:
         )  # fmt: skip
         self._queued_prefill_tokens += len(job.prompt_ids)
         started = time.perf_counter()
+        assert self._stream is not None
         try:
-            try:
-                response = await http.post(
-                    "/v1/completions", json=body, headers={"X-Request-Id": job.request_id}
-                )
-            except httpx.HTTPError as exc:
-                raise EngineError(f"vLLM request failed: {_describe(exc)}") from exc
-            await self._raise_for_status(response)
+            # The lean client, as for Generate: httpx cost ~3 ms of CPU per call here.
+            async with self._stream.post(
+                "/v1/completions", fast_json.dumps(body), {"X-Request-Id": job.request_id}
+            ) as response:
+                content = await response.aread()
+                if response.status != 200:
+                    raise _status_error(response.status, content)
+        except StreamClientError as exc:
+            raise EngineError(f"vLLM request failed: {exc}") from exc
         finally:
             self._queued_prefill_tokens -= len(job.prompt_ids)
-        data = response.json()
+        data = fast_json.loads(content)
         params = data.get("kv_transfer_params")
         if not isinstance(params, dict):
             raise EngineError("vLLM returned no kv_transfer_params: is a KV connector configured?")
@@ -486,7 +490,7 @@ class VllmEngineAdapter:
         assert self._stream is not None
         try:
             async with self._stream.post(
-                "/v1/completions", json.dumps(body).encode(), {"X-Request-Id": job.request_id}
+                "/v1/completions", fast_json.dumps(body), {"X-Request-Id": job.request_id}
             ) as response:
                 if response.status != 200:
                     raise _status_error(response.status, await response.aread())
@@ -498,7 +502,7 @@ class VllmEngineAdapter:
                     lps: list[TokenLogprob] = []
                     text = ""
                     for data in batch:
-                        chunk = json.loads(data)
+                        chunk = fast_json.loads(data)
                         if "error" in chunk:
                             raise EngineError(f"vLLM failed the request: {chunk['error']}")
                         ended_here = False
