@@ -701,10 +701,11 @@ class BlockPool:
         return len(self._engine_host)
 
     def take_events(self) -> list[BlockEvent]:
-        """Drain the queued block events, oldest first."""
+        """Drain the queued block events, oldest first, neighbours of a kind joined
+        (``coalesce_events``)."""
         self._drain_lost()
         events, self._events = self._events, []
-        return events
+        return coalesce_events(events)
 
     # ------------------------------------------------------------------ invariants
 
@@ -1440,3 +1441,34 @@ class BlockPool:
                 raise InvalidArgument(f"retain.ttl_s must be a number, got {ttl!r}")
             if not 0 < ttl < math.inf:  # longer than this node retains: refused, not invalid
                 raise InvalidArgument(f"retain.ttl_s must be finite and > 0, got {ttl}")
+
+
+def coalesce_events(events: Sequence[BlockEvent]) -> list[BlockEvent]:
+    """``events`` with each run of neighbours that say one thing as one event.
+
+    Adjacent ``BlockRemoved`` join; adjacent ``BlockMoved`` to the same medium join; a
+    ``BlockStored`` whose parent is the last key of the ``BlockStored`` just before it
+    continues that chain and joins it. Nothing is reordered, so applying the result has
+    the same effect as applying ``events`` one by one. Why: an engine evicts block by
+    block (vLLM sends one ``BlockRemoved`` per evicted block), and every event costs each
+    conductor a message and an index update; a 32k-token prompt that evicts 64 blocks
+    was 64 events, now one."""
+    out: list[BlockEvent] = []
+    for ev in events:
+        last = out[-1] if out else None
+        if isinstance(ev, BlockRemoved) and isinstance(last, BlockRemoved):
+            out[-1] = BlockRemoved(last.keys + ev.keys)
+        elif (
+            isinstance(ev, BlockMoved) and isinstance(last, BlockMoved) and ev.medium is last.medium
+        ):
+            out[-1] = BlockMoved(last.keys + ev.keys, ev.medium)
+        elif (
+            isinstance(ev, BlockStored)
+            and isinstance(last, BlockStored)
+            and last.keys
+            and ev.parent_key == last.keys[-1]
+        ):
+            out[-1] = BlockStored(last.keys + ev.keys, last.parent_key)
+        else:
+            out.append(ev)
+    return out
