@@ -102,7 +102,8 @@ class SimEngineState:
     metrics: EngineMetrics
 
 
-def _state(request: Request) -> SimEngineState:
+async def _state(request: Request) -> SimEngineState:
+    # async: FastAPI runs a sync dependency in a worker thread, a hop per request.
     state: SimEngineState = request.app.state.sim
     return state
 
@@ -483,7 +484,7 @@ class _GenerationResponse(StreamingResponse):
     """A stream that aborts its generation however the response ended (a client gone
     before the first event never starts the body's generator)."""
 
-    def __init__(self, content: AsyncIterator[str], generation: _Generation) -> None:
+    def __init__(self, content: AsyncIterator[bytes], generation: _Generation) -> None:
         super().__init__(content, media_type="text/event-stream")
         self._generation = generation
 
