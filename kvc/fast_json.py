@@ -12,10 +12,10 @@ Behaviour
     Results are those of the standard library, with one exception: an integer beyond
     64 bits comes back from orjson as the nearest float (the standard library keeps it
     exact); no field of this project's APIs takes such an integer, and both are refused
-    alike. Where orjson refuses what ``json`` accepts
-    (``NaN``/``Infinity`` literals, escaped lone surrogates, integers beyond 64 bits on
-    decode; non-string keys, big integers on encode) the call falls back to ``json``, so
-    every input parses or fails exactly as before, with the standard library's error
+    alike. Where orjson refuses what ``json`` accepts (``NaN``/``Infinity`` literals and
+    escaped lone surrogates on decode; non-string keys and integers beyond 64 bits on
+    encode) the call falls back to ``json``, so every other input parses or fails as
+    before, with the standard library's error
     (FastAPI turns its ``JSONDecodeError`` into the usual 400). Encoding is compact
     (``separators=(",", ":")``) and keeps non-ASCII characters as UTF-8. One difference
     on encode, on purpose: a non-finite float is written as ``null`` (orjson's choice;
@@ -43,6 +43,7 @@ from fastapi.routing import APIRoute
 
 __all__ = ["FastJsonRoute", "body_text_is_unicode", "dumps", "loads"]
 
+_JSON_TYPES: Final = ("application/json", "+json")
 _UNICODE_BODY: Final[ContextVar[bool]] = ContextVar("kvc_json_body_unicode", default=False)
 
 
@@ -50,9 +51,6 @@ def body_text_is_unicode() -> bool:
     """Whether the request body being handled was decoded by orjson (so none of its
     strings holds a lone surrogate)."""
     return _UNICODE_BODY.get()
-
-
-_JSON_TYPES: Final = ("application/json", "+json")
 
 
 def loads(data: bytes | bytearray | memoryview | str) -> Any:
@@ -75,11 +73,11 @@ def dumps(value: Any) -> bytes:
 
 
 class FastJsonRoute(APIRoute):
-    """An ``APIRoute`` whose JSON request body is decoded with ``loads`` (orjson first).
+    """An ``APIRoute`` whose JSON request body orjson decodes.
 
-    The body is parsed before FastAPI asks the request for it; anything orjson refuses is
-    left for FastAPI's own ``request.json()`` (the standard library), so malformed bodies
-    get exactly the error they got before."""
+    The body is parsed before FastAPI asks the request for it; a body orjson refuses is
+    left for FastAPI's own ``request.json()`` (the standard library, as ``loads`` falls
+    back), so malformed bodies get exactly the error they got before."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
