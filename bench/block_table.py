@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import grpc
 
 from bench.report import markdown_table, summarize_ms, write_results
 from kvc.block_keys import BlockKey, compute_block_keys
+from kvc.processes import free_port
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.blocks.pool import BlockPool
@@ -106,13 +106,6 @@ def bench_pool(seconds: float, tokens: int, block_size: int) -> list[dict[str, A
                  "ops_per_s": count / elapsed,
                  "tokens_per_s": count * tokens / elapsed})  # fmt: skip
     return rows
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def wait_serving(address: str, timeout_s: float) -> None:

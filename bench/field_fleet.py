@@ -28,7 +28,6 @@ import contextlib
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -44,7 +43,6 @@ __all__ = [
     "PeerSpec",
     "cpu_seconds",
     "ensure_peer",
-    "free_ports",
     "http_ok",
     "parse_proc_stat",
     "run_client",
@@ -97,20 +95,6 @@ def ensure_peer(spec: PeerSpec, peers_dir: Path, timeout_s: float = 900.0) -> Pa
         return f"{spec.requirement} installed no {spec.executable!r} console script; log: {log}"
     marker.write_text(spec.requirement + "\n")
     return exe
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports free on ``host`` now (held open together while chosen)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            socks.append(sock)
-            sock.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def parse_proc_stat(text: str) -> tuple[int, float]:

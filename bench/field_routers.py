@@ -55,7 +55,6 @@ from bench.field_fleet import (
     PEERS,
     cpu_seconds,
     ensure_peer,
-    free_ports,
     http_ok,
     run_client,
 )
@@ -83,6 +82,7 @@ from bench.field_targets import (
     vllm_router_argv,
 )
 from bench.report import run_then_report
+from kvc.processes import free_ports
 from kvc_cli.supervisor import Supervisor
 from node_agent.engines.vllm.http_parsing import metric_values
 

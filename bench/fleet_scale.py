@@ -59,8 +59,9 @@ import httpx
 from bench.field_fleet import cpu_seconds, run_client
 from bench.report import bar_panels, markdown_table, run_then_report, write_run_report
 from conductor.core.policies import Policy
+from kvc.processes import port_free
 from kvc_cli.fleet import FleetOptions, FleetPlan, all_agents_usable, plan_fleet
-from kvc_cli.supervisor import Supervisor, port_free
+from kvc_cli.supervisor import Supervisor
 from node_agent.engines.vllm.http_parsing import metric_values
 
 __all__ = [

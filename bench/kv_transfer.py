@@ -34,10 +34,11 @@ from typing import Any
 import grpc
 import httpx
 
-from bench.block_table import free_port, wait_serving
+from bench.block_table import wait_serving
 from bench.report import markdown_table, summarize_ms, write_results
 from kvc.block_keys import compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
+from kvc.processes import free_port
 from kvc.tokenization import ChatTokenizer
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc

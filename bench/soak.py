@@ -28,9 +28,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.field_fleet import free_ports, http_ok
+from bench.field_fleet import http_ok
 from bench.fleet_scale import proc_memory_kib
 from bench.report import markdown_table, write_results
+from kvc.processes import free_ports
 from kvc_cli.supervisor import Supervisor
 from node_agent.engines.vllm.http_parsing import metric_values
 

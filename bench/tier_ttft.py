@@ -56,11 +56,12 @@ from typing import Any, Final
 
 import httpx
 
-from bench.field_fleet import free_ports, http_ok
+from bench.field_fleet import http_ok
 from bench.kv_tiers import BLOCK_TOKENS, SHAPES, block_token_counts
 from bench.report import markdown_table, write_results
 from kvc.block_keys import compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
+from kvc.processes import free_ports
 from kvc_cli.supervisor import Supervisor
 
 STEPS: Final = ("cold", "L1", "L2", "L3")

@@ -33,9 +33,9 @@ from typing import Any
 
 import httpx
 
-from bench.block_table import free_port
 from bench.report import markdown_table, write_results
 from kvc.models import DEFAULT_MODEL_DIR
+from kvc.processes import free_port
 
 _CLIENT = (
     "import sys\n"

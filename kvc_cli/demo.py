@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvc_cli.supervisor import Supervisor, port_free, stop_on_signals
+from kvc.processes import port_free
+from kvc_cli.supervisor import Supervisor, stop_on_signals
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import httpx
 
-from kvc_cli.supervisor import Supervisor, port_free, stop_on_signals
+from kvc.processes import port_free
+from kvc_cli.supervisor import Supervisor, stop_on_signals
 
 __all__ = [
     "FleetOptions",

@@ -22,7 +22,6 @@ import contextlib
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,18 +33,7 @@ from types import FrameType
 
 from kvc.processes import die_with_parent
 
-__all__ = ["Child", "Supervisor", "port_free", "stop_on_signals"]
-
-
-def port_free(host: str, port: int) -> bool:
-    """Whether a TCP server could bind ``host:port`` now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
+__all__ = ["Child", "Supervisor", "stop_on_signals"]
 
 
 @contextlib.contextmanager

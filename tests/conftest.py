@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from conductor.app import create_app
 from conductor.settings import ConductorSettings
 from conductor.state import AppState
+from kvc.processes import free_port
 from kvc.roles import NodeRole
 from kvc.tls import write_bundle
 from node_agent.main import build_engine
@@ -129,11 +130,7 @@ async def served(config: uvicorn.Config) -> AsyncIterator[uvicorn.Server]:
 async def over_http(app: FastAPI) -> AsyncIterator[str]:
     """The app (its lifespan already running) on a real loopback port: its base URL, for
     clients that bring their own HTTP stack (the ``anthropic`` SDK)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
     async with served(config):
         yield f"http://127.0.0.1:{port}"
@@ -259,13 +256,10 @@ class RedisServer:
 @pytest.fixture
 def redis_server(tmp_path: Any) -> Any:
     import shutil
-    import socket
 
     binary = shutil.which("redis-server")
     assert binary, "redis-server is not installed: run `make system-deps`"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = RedisServer(binary, port, tmp_path)
     yield server
     server.stop()

@@ -6,7 +6,6 @@ not cut by that deadline, and connections beyond max_connections get 503."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,16 +16,10 @@ import uvicorn
 from conductor.app import create_app
 from conductor.http_server import uvicorn_config
 from conductor.settings import ConductorSettings
+from kvc.processes import free_port
 from tests.conftest import served, wait_until
 
 GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: conductor\r\n\r\n"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @asynccontextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import grpc
 import httpx
@@ -13,19 +12,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Message, Scope
 
+from kvc.processes import free_port
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.server import AgentServer
 from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, chat_body, wait_until
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(120))  # several 32-token blocks
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

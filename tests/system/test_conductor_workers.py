@@ -21,8 +21,9 @@ import httpx
 import pytest
 
 from conductor.main import CRASHES_TO_GIVE_UP, STARTUP_FAILED
+from kvc.processes import free_port
 from tests.system.test_faults import eventually
-from tests.system.test_processes import free_port, port_open, spawn, stop, wait_ready
+from tests.system.test_processes import port_open, spawn, stop, wait_ready
 
 pytestmark = pytest.mark.system
 

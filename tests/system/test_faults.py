@@ -34,7 +34,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.system.test_processes import MODEL, free_port, spawn, stop, wait_ready
+from kvc.processes import free_port
+from tests.system.test_processes import MODEL, spawn, stop, wait_ready
 
 pytestmark = pytest.mark.system
 

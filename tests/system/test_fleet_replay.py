@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvc_cli.supervisor import port_free
+from kvc.processes import free_ports
 
 pytestmark = pytest.mark.system
 
@@ -37,10 +37,7 @@ SPEED = "0.1"
 
 
 def _free_base(count: int) -> int:
-    for base in range(23_000, 60_000, 97):
-        if all(port_free("127.0.0.1", base + i) for i in range(count)):
-            return base
-    raise AssertionError("no free port range on loopback")
+    return free_ports(count, consecutive=True)[0]
 
 
 def _ready(url: str, agents: int) -> bool:

@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from kvc.block_keys import compute_block_keys
-from tests.system.test_processes import free_port, spawn, stop, wait_ready
+from kvc.processes import free_port
+from tests.system.test_processes import spawn, stop, wait_ready
 
 pytestmark = pytest.mark.system
 

@@ -21,17 +21,12 @@ import httpx
 import openai
 import pytest
 
+from kvc.processes import free_port
+
 pytestmark = pytest.mark.system
 
 MODEL = "tiny-llama"
 STARTUP_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def port_open(port: int) -> bool:

@@ -22,7 +22,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.system.test_processes import MODEL, free_port, port_open, spawn, stop, wait_ready
+from kvc.processes import free_port
+from tests.system.test_processes import MODEL, port_open, spawn, stop, wait_ready
 from tests.tooling import require_tool
 from tests.unit.test_grafana_dashboard import queries as dashboard_queries
 

@@ -38,11 +38,12 @@ from openai import OpenAI
 
 from kvc.block_keys import compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
+from kvc.processes import free_port
 from kvc.tokenization import ChatTokenizer
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from tests.conftest import tool_result_turns
-from tests.system.test_processes import free_port, port_open
+from tests.system.test_processes import port_open
 
 pytestmark = pytest.mark.system
 

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import shutil
 import signal
-import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Final
 
+from kvc.processes import die_with_parent, free_port
 from node_agent.engines.vllm.config import VllmConfig
 
 log = logging.getLogger("node_agent.vllm")
@@ -30,20 +28,6 @@ log = logging.getLogger("node_agent.vllm")
 __all__ = ["VllmProcess"]
 
 _STOP_WAIT_S: Final = 20.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """Linux: SIGTERM the launched vLLM when the agent dies without cleaning up."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _bind_form(endpoint: str) -> str:
@@ -59,7 +43,7 @@ class VllmProcess:
     def __init__(self, config: VllmConfig) -> None:
         self._config = config
         self._tmp = Path(tempfile.mkdtemp(prefix="kvc-vllm-"))
-        self.port = config.port or _free_port()
+        self.port = config.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.events_endpoint = config.kv_events_endpoint or f"ipc://{self._tmp}/kv-events"
         self.replay_endpoint = config.kv_events_replay_endpoint or f"ipc://{self._tmp}/kv-replay"
@@ -126,7 +110,7 @@ class VllmProcess:
             env=self.environment(),
             stdin=asyncio.subprocess.DEVNULL,
             start_new_session=True,  # its own process group: stopped as one
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
 
     async def stop(self) -> None:
