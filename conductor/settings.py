@@ -149,6 +149,13 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
         description="Open HTTP connections at once; a connection beyond it gets 503",
         json_schema_extra=_HTTP,
     )
+    placement_headers: bool = Field(
+        False,
+        description="Answer each generation with X-Kvc-Prefill-Node and X-Kvc-Decode-Node "
+        "(the nodes that served it), for debugging and benchmarks; off by default: they "
+        "name the fleet's nodes to every client",
+        json_schema_extra=_HTTP,
+    )
 
     agents: Annotated[list[str], NoDecode] = Field(
         default_factory=list,

@@ -34,6 +34,10 @@ from kvc.sampling import Sampling, TokenLogprob
 
 GenerationBody = ChatCompletionRequest | CompletionRequest
 
+# With --placement-headers: the nodes that served a generation (for n > 1, choice 0's).
+PREFILL_NODE_HEADER = "x-kvc-prefill-node"
+DECODE_NODE_HEADER = "x-kvc-decode-node"
+
 
 def sampling_for(
     body: GenerationBody, max_tokens: int, response_format: str | None = None
@@ -248,6 +252,9 @@ async def _admit(
     else:
         stream = ChoiceStreams(await _start_choices(state, request, n))
     account.first_token()
+    if state.settings.placement_headers:
+        rate_headers[PREFILL_NODE_HEADER] = stream.placed.prefill_node
+        rate_headers[DECODE_NODE_HEADER] = stream.placed.decode_node
     return Admitted(account=account, stream=stream, headers=rate_headers, n=n)
 
 

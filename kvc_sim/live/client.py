@@ -151,6 +151,8 @@ async def _exchange(
     body = target.body(prompt, max_tokens)
     async with client.stream("POST", target.url, json=body, headers=target.headers) as response:
         fields["status"] = response.status_code
+        fields["prefill_node"] = response.headers.get("x-kvc-prefill-node")
+        fields["decode_node"] = response.headers.get("x-kvc-decode-node")
         if response.status_code != 200:
             fields["retry_after_s"] = _retry_after_s(response)
             fields["reject_reason"] = response.headers.get("x-kvc-reject-reason")

@@ -59,6 +59,8 @@ class LiveResult:
     retry_after_s: float | None = None
     error_code: str | None = None  # OpenAI error ``code`` (else ``type``)
     reject_reason: str | None = None  # the X-Kvc-Reject-Reason header
+    prefill_node: str | None = None  # X-Kvc-Prefill-Node (a conductor with --placement-headers)
+    decode_node: str | None = None  # X-Kvc-Decode-Node
     client_error: str | None = None  # timeout, connect_error, bad_stream, stream_cut, ...
     error_message: str | None = None
 
@@ -112,8 +114,8 @@ def to_record(result: LiveResult, time_scale: float) -> RequestRecord:
         ),
         outcome="completed" if completed else "rejected",
         reject_reason=result.reason,
-        prefill_node=None,
-        decode_node=None,
+        prefill_node=result.prefill_node,
+        decode_node=result.decode_node,
         cached_tokens=(result.cached_tokens or 0) if completed else 0,
         migrated_tokens=0,
         prefill_s=0.0,

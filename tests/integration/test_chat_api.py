@@ -313,3 +313,29 @@ async def test_stop_token_ids_and_min_tokens_on_the_embedded_engine(
         ).json()
         assert held["usage"]["completion_tokens"] >= 4  # the stop id was banned until then
     assert_no_locks(agent)
+
+
+async def test_placement_headers_name_the_serving_nodes_only_when_enabled(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    prefill = await start_agent("prefill")
+    decode = await start_agent("decode")
+    async with conductor([prefill, decode]) as c:  # off by default: no topology leaks
+        resp = await c.client.post("/v1/chat/completions", json=chat_body(max_tokens=4))
+        assert resp.status_code == 200, resp.text
+        assert "x-kvc-prefill-node" not in resp.headers
+        assert "x-kvc-decode-node" not in resp.headers
+    async with conductor([prefill, decode], placement_headers=True) as c:
+        for body in (chat_body(max_tokens=4), chat_body(max_tokens=4, stream=True)):
+            resp = await c.client.post("/v1/chat/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvc-prefill-node"] == prefill.address
+            assert resp.headers["x-kvc-decode-node"] == decode.address
+        completion = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 2}
+        resp = await c.client.post("/v1/completions", json=completion)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-kvc-prefill-node"] == prefill.address
+        refused = await c.client.post("/v1/chat/completions", json=chat_body(max_tokens=0))
+        assert refused.status_code == 400
+        assert "x-kvc-prefill-node" not in refused.headers
+    assert_no_locks(prefill, decode)

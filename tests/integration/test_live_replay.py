@@ -43,7 +43,8 @@ SPEC = SyntheticSpec(
 @pytest.fixture
 async def served(start_agent: AgentFactory) -> AsyncIterator[tuple[str, list[AgentServer]]]:
     agents = [await start_agent("both"), await start_agent("both")]
-    app = create_app(ConductorSettings(port=0, agents=[a.address for a in agents]))
+    settings = ConductorSettings(port=0, agents=[a.address for a in agents], placement_headers=True)
+    app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     task = asyncio.create_task(server.serve())
     await wait_until(lambda: server.started)
@@ -114,6 +115,10 @@ async def test_a_small_trace_replays_against_the_conductor(
     by_id = {r.request_id: r for r in requests}
     for row in rows:
         assert int(row["input_tokens"]) == by_id[row["request_id"]].input_tokens + per_request
+    # The conductor names the nodes (--placement-headers) and the CSV records them.
+    addresses = {a.address for a in agents}
+    assert {row["prefill_node"] for row in rows} <= addresses
+    assert {row["decode_node"] for row in rows} <= addresses
     for name in ("ttft_cdf.png", "hit_ratio.png"):
         assert (out / name).stat().st_size > 0
     assert not (out / "load.png").exists()  # no load samples live
