@@ -70,6 +70,8 @@ class StandInVllm:
         self.fail_with: httpx.HTTPError | None = None  # raised by the next completion
         self.replies: list[list[int]] = []  # token ids the next streams answer, in order
         self.event_per_read = False  # stream each SSE event as its own read, as tokens come
+        self.raw_prefill: bytes | None = None  # the next prefill answer's body, verbatim
+        self.raw_stream: bytes | None = None  # the next stream's body, verbatim
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -85,6 +87,12 @@ class StandInVllm:
             raise error
         body = json.loads(request.content)
         self.completions.append((request.headers.get("x-request-id", ""), body))
+        if not body["stream"] and self.raw_prefill is not None:
+            raw, self.raw_prefill = self.raw_prefill, None
+            return httpx.Response(200, content=raw, headers={"content-type": "application/json"})
+        if body["stream"] and self.raw_stream is not None:
+            raw, self.raw_stream = self.raw_stream, None
+            return httpx.Response(200, content=raw, headers={"content-type": "text/event-stream"})
         if not body["stream"]:  # the prefill leg
             return httpx.Response(
                 200,
@@ -243,6 +251,41 @@ async def test_a_connection_lost_under_a_prefill_is_named_and_frees_the_blocks(
         )
     assert r.status_code == 502, r.text
     assert "vLLM request failed: ReadError" in r.json()["error"]["message"]
+    assert_no_locks(prefill, decode)
+
+
+@pytest.mark.parametrize(
+    ("leg", "raw", "expected"),
+    [
+        ("prefill", b"<html>bad gateway</html>", "not JSON"),
+        ("prefill", b"[1, 2]", "not a JSON object: list"),
+        ("prefill", b'{"usage": "none"}', "no kv_transfer_params"),
+        ("decode", b"data: [1, 2]\n\ndata: [DONE]\n\n", "not a JSON object: list"),
+        ("decode", b"data: {oops\n\ndata: [DONE]\n\n", "not JSON"),
+    ],
+)
+async def test_a_malformed_200_from_vllm_is_a_named_502_and_frees_the_blocks(
+    vllm_agents: tuple[list[AgentServer], list[StandInVllm]],
+    conductor: ConductorFactory,
+    leg: str,
+    raw: bytes,
+    expected: str,
+) -> None:
+    """An engine (or a proxy in front of it) that answers 200 with a body that is not
+    vLLM's: the client gets a 502 that says what was wrong, never a 500."""
+    (prefill, decode, _), (p_vllm, d_vllm, _) = vllm_agents
+    if leg == "prefill":
+        p_vllm.raw_prefill = raw
+    else:
+        d_vllm.raw_stream = raw
+    async with conductor([prefill, decode], api_keys=["k1"]) as c:
+        r = await c.client.post(
+            "/v1/chat/completions",
+            json=chat_body("one two three four five six seven", max_tokens=3),
+            headers={"Authorization": "Bearer k1"},
+        )
+    assert r.status_code == 502, r.text
+    assert expected in r.json()["error"]["message"]
     assert_no_locks(prefill, decode)
 
 

@@ -447,13 +447,11 @@ class VllmEngineAdapter:
             raise EngineError(f"vLLM request failed: {exc}") from exc
         finally:
             self._queued_prefill_tokens -= len(job.prompt_ids)
-        data = fast_json.loads(content)
+        data = _json_object(content, "its prefill answer")
         params = data.get("kv_transfer_params")
         if not isinstance(params, dict):
             raise EngineError("vLLM returned no kv_transfer_params: is a KV connector configured?")
-        cached = int(((data.get("usage") or {}).get("prompt_tokens_details") or {}).get(
-            "cached_tokens"
-        ) or 0)  # fmt: skip
+        cached = _cached_tokens(data.get("usage"))
         return PrefillOutcome(
             kv=None,
             cached_tokens=cached,
@@ -502,7 +500,7 @@ class VllmEngineAdapter:
                     lps: list[TokenLogprob] = []
                     text = ""
                     for data in batch:
-                        chunk = fast_json.loads(data)
+                        chunk = _json_object(data, "a stream chunk")
                         if "error" in chunk:
                             raise EngineError(f"vLLM failed the request: {chunk['error']}")
                         ended_here = False
@@ -521,9 +519,7 @@ class VllmEngineAdapter:
                             ended_here = choice.get("finish_reason") is None
                         usage = chunk.get("usage")
                         if final is not None and usage:
-                            details = usage.get("prompt_tokens_details") or {}
-                            cached = int(details.get("cached_tokens") or 0)
-                            final = replace(final, cached_tokens=cached)
+                            final = replace(final, cached_tokens=_cached_tokens(usage))
                             done = True
                             break
                         if ended_here:
@@ -595,7 +591,7 @@ class VllmEngineAdapter:
                 async with http.stream("POST", "/v1/completions", json=body) as response:
                     await self._raise_for_status(response)
                     async for data in sse_data(response):
-                        chunk = json.loads(data)
+                        chunk = _json_object(data, "a calibration chunk")
                         if "error" in chunk:
                             raise EngineError(
                                 f"vLLM failed a calibration request: {chunk['error']}"
@@ -709,6 +705,24 @@ def _describe(exc: httpx.HTTPError) -> str:
     empty message, and "request failed: " alone does not say what happened."""
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _json_object(raw: bytes | str, what: str) -> dict[str, Any]:
+    """A JSON object vLLM sent, or :class:`EngineError` naming ``what`` was malformed."""
+    try:
+        value = fast_json.loads(raw)
+    except ValueError as exc:
+        raise EngineError(f"vLLM sent {what} that is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise EngineError(f"vLLM sent {what} that is not a JSON object: {type(value).__name__}")
+    return value
+
+
+def _cached_tokens(usage: object) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` (0 where absent or not a count)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached > 0 else 0
 
 
 def _status_error(status: int, body: bytes) -> Exception:
