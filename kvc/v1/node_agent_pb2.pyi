@@ -639,6 +639,9 @@ class LoadUpdate(_message.Message):
     ALLOCATABLE_BLOCKS_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
     queued_prefill_tokens: _builtins.int
+    """Prompt tokens of the prefills waiting or running, whole prompts (their cached
+    part included): a conductor subtracts a whole prompt when one of its own ends.
+    """
     running_requests: _builtins.int
     waiting_requests: _builtins.int
     free_blocks: _builtins.int

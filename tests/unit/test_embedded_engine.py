@@ -330,3 +330,42 @@ def test_an_out_of_vocabulary_id_is_refused_by_name(prompt: tuple[int, ...], nam
     validate_prompt(info, (0, 2047, 5))
     with pytest.raises(PromptRejected, match=f"token id {named} is outside"):
         validate_prompt(info, prompt)
+
+
+# -- load reports -------------------------------------------------------------------
+
+
+async def test_a_queued_prefill_reports_its_whole_prompt(
+    model: EmbeddedModel, prompt: list[int]
+) -> None:
+    """The queue counts whole prompts, the cached part included, as vLLM's adapter does
+    and as a conductor subtracts when its prefill ends (LoadUpdate.queued_prefill_tokens)."""
+    import asyncio
+    import threading
+
+    from node_agent.engines.base import PrefillJob
+    from node_agent.engines.embedded.adapter import EmbeddedEngineAdapter
+
+    engine = EmbeddedEngineAdapter(
+        model, ChatTokenizer.from_dir(DEFAULT_MODEL_DIR), served_model_name="m"
+    )
+    ids = tuple(prompt[: 4 * BLOCK + 5])
+    first = await engine.prefill(PrefillJob("r0", ids, BLOCK, (None,) * 4))
+    cached = (first.new_block_payloads[0], first.new_block_payloads[1])  # two blocks cached
+    release = threading.Event()
+    busy = asyncio.get_running_loop().run_in_executor(engine._executor, release.wait)
+    job = PrefillJob("r1", ids, BLOCK, (*cached, None, None))
+    task = asyncio.create_task(engine.prefill(job))
+    try:
+        for _ in range(100):  # the prefill is queued behind the held engine thread
+            await asyncio.sleep(0)
+            if engine.load().waiting_requests:
+                break
+        assert engine.load().queued_prefill_tokens == len(ids)
+    finally:
+        release.set()
+        await busy
+    outcome = await task
+    assert outcome.cached_tokens == 2 * BLOCK
+    assert engine.load().queued_prefill_tokens == 0
+    await engine.aclose()

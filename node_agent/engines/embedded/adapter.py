@@ -123,7 +123,9 @@ class EmbeddedEngineAdapter:
         if self._queued_prefills >= self._max_queued_prefills:
             raise EngineBusy("prefill queue is full")
         self._queued_prefills += 1
-        self._queued_prefill_tokens += len(to_compute)
+        # Whole prompts, cached part included: what vLLM's adapter reports and what a
+        # conductor subtracts when a prefill of its own ends (LoadUpdate in the proto).
+        self._queued_prefill_tokens += len(job.prompt_ids)
         try:
             started = time.perf_counter()
 
@@ -138,7 +140,7 @@ class EmbeddedEngineAdapter:
             prefill_s = time.perf_counter() - started
         finally:
             self._queued_prefills -= 1
-            self._queued_prefill_tokens -= len(to_compute)
+            self._queued_prefill_tokens -= len(job.prompt_ids)
         new_payloads: dict[int, KvContent] = {}
         if kv is not None:
             for i in range(len(reused), len(job.block_payloads)):
@@ -214,13 +216,13 @@ class EmbeddedEngineAdapter:
             prefix, last = split_prefix(job.prompt_ids)
             past = None if job.prefix_kv is None else tensor_kv(job.prefix_kv)
             if past is None and prefix:
-                self._queued_prefill_tokens += len(prefix)
+                self._queued_prefill_tokens += len(job.prompt_ids)
                 try:
                     _, past = await self._on_engine(
                         lambda: self._model.forward(tuple(prefix), None)
                     )
                 finally:
-                    self._queued_prefill_tokens -= len(prefix)
+                    self._queued_prefill_tokens -= len(job.prompt_ids)
             elif past is not None and past.num_tokens != len(prefix):
                 raise PromptRejected(
                     f"prefix KV covers {past.num_tokens} tokens, prompt prefix has {len(prefix)}"
