@@ -126,8 +126,8 @@ class CompletionRequest(_GenerationRequest):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value: str | list[int]) -> str | list[int]:
-        if isinstance(value, list) and (not value or min(value) < 0):
-            raise ValueError("a token-id prompt must be non-empty ids >= 0")
+        if isinstance(value, list) and not value:  # the range: one pass, in the route
+            raise ValueError("a token-id prompt must be non-empty")
         return value
 
 

@@ -302,6 +302,8 @@ async def test_models_and_errors(client: httpx.AsyncClient) -> None:
         ({"prompt": "x", "n": 2}, 400),
         ({"prompt": list(range(3, 300))}, 400),  # over max_model_len
         ({"prompt": [5, 999999]}, 400),  # out of vocabulary
+        ({"prompt": [5, -1]}, 400),
+        ({"prompt": []}, 400),
         ({"prompt": "x", "model": "other"}, 404),
         ({"prompt": "x", "vllm_xargs": {"kv_cache_report_mode": "sometimes"}}, 400),
         ({"prompt": "x", "skip_special_tokens": False}, 400),  # only vLLM's default

@@ -115,6 +115,12 @@ def _forget(
     return tuple(keys)
 
 
+def _ts_of(batch: object) -> float:
+    """A decoded batch's timestamp (0.0 where it has none)."""
+    ts = batch[0] if isinstance(batch, list | tuple) and batch else None
+    return float(ts) if isinstance(ts, int | float) else 0.0
+
+
 def _hash_of(value: object) -> EngineBlockHash | None:
     if isinstance(value, bool):
         return None
@@ -151,6 +157,7 @@ class KvEventDecoder:
         self._known: OrderedDict[EngineBlockHash, _Known] = OrderedDict()
         self._host: OrderedDict[EngineBlockHash, _Known] = OrderedDict()  # host copies
         self.skipped_blocks = 0
+        self.last_batch_ts = 0.0  # ``batch_ts`` of the batch ``decode`` read last
 
     @property
     def tracked(self) -> int:
@@ -186,6 +193,7 @@ class KvEventDecoder:
                 self.reset()
                 out.append(CacheCleared())
         ts = batch[0]
+        self.last_batch_ts = _ts_of(batch)
         if isinstance(ts, int | float) and not isinstance(ts, bool) and ts > 0:
             out = [replace(ev, engine_time_s=float(ts)) for ev in out]
         return out
@@ -193,9 +201,7 @@ class KvEventDecoder:
     @staticmethod
     def batch_ts(payload: bytes) -> float:
         """The batch's timestamp (to tell a replay duplicate from an engine restart)."""
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-        ts = batch[0] if isinstance(batch, list | tuple) and batch else None
-        return float(ts) if isinstance(ts, int | float) else 0.0
+        return _ts_of(msgpack.unpackb(payload, raw=False, strict_map_key=False))
 
     def _mirrored_tier(self, ev: Mapping[str, Any]) -> bool:
         return ev.get("medium") in _MAIN_MEDIUM and ev.get("group_idx") in (None, 0)
@@ -492,7 +498,7 @@ class KvEventSubscriber:
     async def _apply(self, seq: int, payload: bytes) -> None:
         events = self._decoder.decode(payload)
         self._next_seq = seq + 1
-        self._recent_ts[seq] = self._decoder.batch_ts(payload)
+        self._recent_ts[seq] = self._decoder.last_batch_ts  # read once: a batch can be MBs
         while len(self._recent_ts) > 4096:
             self._recent_ts.popitem(last=False)
         self.stats.batches += 1
