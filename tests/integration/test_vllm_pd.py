@@ -236,6 +236,18 @@ async def test_without_the_switch_a_vllm_node_refuses_prefill(
     assert "pd_connector" in (exc.value.details() or "")
 
 
+async def _short_chat(
+    conductor: ConductorFactory, prefill: AgentServer, decode: AgentServer
+) -> httpx.Response:
+    """A short chat completion through a conductor in front of ``prefill`` and ``decode``."""
+    async with conductor([prefill, decode], api_keys=["k1"]) as c:
+        return await c.client.post(
+            "/v1/chat/completions",
+            json=chat_body("one two three four five six seven", max_tokens=3),
+            headers={"Authorization": "Bearer k1"},
+        )
+
+
 async def test_a_connection_lost_under_a_prefill_is_named_and_frees_the_blocks(
     vllm_agents: tuple[list[AgentServer], list[StandInVllm]], conductor: ConductorFactory
 ) -> None:
@@ -243,12 +255,7 @@ async def test_a_connection_lost_under_a_prefill_is_named_and_frees_the_blocks(
     client is told its type, gets a 502, and nothing stays locked."""
     (prefill, decode, _), (p_vllm, _, _) = vllm_agents
     p_vllm.fail_with = httpx.ReadError("")
-    async with conductor([prefill, decode], api_keys=["k1"]) as c:
-        r = await c.client.post(
-            "/v1/chat/completions",
-            json=chat_body("one two three four five six seven", max_tokens=3),
-            headers={"Authorization": "Bearer k1"},
-        )
+    r = await _short_chat(conductor, prefill, decode)
     assert r.status_code == 502, r.text
     assert "vLLM request failed: ReadError" in r.json()["error"]["message"]
     assert_no_locks(prefill, decode)
@@ -278,12 +285,7 @@ async def test_a_malformed_200_from_vllm_is_a_named_502_and_frees_the_blocks(
         p_vllm.raw_prefill = raw
     else:
         d_vllm.raw_stream = raw
-    async with conductor([prefill, decode], api_keys=["k1"]) as c:
-        r = await c.client.post(
-            "/v1/chat/completions",
-            json=chat_body("one two three four five six seven", max_tokens=3),
-            headers={"Authorization": "Bearer k1"},
-        )
+    r = await _short_chat(conductor, prefill, decode)
     assert r.status_code == 502, r.text
     assert expected in r.json()["error"]["message"]
     assert_no_locks(prefill, decode)
