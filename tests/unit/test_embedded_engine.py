@@ -345,6 +345,7 @@ async def test_a_queued_prefill_reports_its_whole_prompt(
 
     from node_agent.engines.base import PrefillJob
     from node_agent.engines.embedded.adapter import EmbeddedEngineAdapter
+    from tests.conftest import wait_until
 
     engine = EmbeddedEngineAdapter(
         model, ChatTokenizer.from_dir(DEFAULT_MODEL_DIR), served_model_name="m"
@@ -357,10 +358,8 @@ async def test_a_queued_prefill_reports_its_whole_prompt(
     job = PrefillJob("r1", ids, BLOCK, (*cached, None, None))
     task = asyncio.create_task(engine.prefill(job))
     try:
-        for _ in range(100):  # the prefill is queued behind the held engine thread
-            await asyncio.sleep(0)
-            if engine.load().waiting_requests:
-                break
+        # The prefill is queued behind the held engine thread.
+        await wait_until(lambda: engine.load().waiting_requests > 0)
         assert engine.load().queued_prefill_tokens == len(ids)
     finally:
         release.set()
