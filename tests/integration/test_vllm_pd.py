@@ -269,6 +269,7 @@ async def test_a_connection_lost_under_a_prefill_is_named_and_frees_the_blocks(
         ("prefill", b'{"usage": "none"}', "no kv_transfer_params"),
         ("decode", b"data: [1, 2]\n\ndata: [DONE]\n\n", "not a JSON object: list"),
         ("decode", b"data: {oops\n\ndata: [DONE]\n\n", "not JSON"),
+        ("decode", b'data: {"choices": "abc"}\n\ndata: [DONE]\n\n', "choices are not JSON"),
     ],
 )
 async def test_a_malformed_200_from_vllm_is_a_named_502_and_frees_the_blocks(

@@ -504,7 +504,7 @@ class VllmEngineAdapter:
                         if "error" in chunk:
                             raise EngineError(f"vLLM failed the request: {chunk['error']}")
                         ended_here = False
-                        for choice in chunk.get("choices") or []:
+                        for choice in _choices(chunk):
                             step = self._step(choice, detok, stops, sampling.logprobs)
                             if step is None:
                                 continue
@@ -716,6 +716,14 @@ def _json_object(raw: bytes | str, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise EngineError(f"vLLM sent {what} that is not a JSON object: {type(value).__name__}")
     return value
+
+
+def _choices(chunk: dict[str, Any]) -> list[dict[str, Any]]:
+    """A stream chunk's ``choices``, or :class:`EngineError` where they are not objects."""
+    choices = chunk.get("choices") or []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise EngineError("vLLM sent a stream chunk whose choices are not JSON objects")
+    return choices
 
 
 def _cached_tokens(usage: object) -> int:
