@@ -62,7 +62,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, NewType
+from typing import Final, NewType, cast
 
 __all__ = [
     "KEY_BITS",
@@ -152,16 +152,17 @@ def compute_block_keys(
     view = memoryview(data)
     step = block_size * _TOKEN_BYTES
     prev = parent_key.to_bytes(_KEY_BYTES, "little")
-    keys: list[BlockKey] = []
+    keys: list[int] = []  # BlockKey is int at run time: no wrapper call per key
     append = keys.append
     from_bytes = int.from_bytes
+    copy = template.copy
     for off in range(0, n_blocks * step, step):
-        h = template.copy()
+        h = copy()
         h.update(prev)
         h.update(view[off : off + step])
         prev = h.digest()
-        append(BlockKey(from_bytes(prev, "little")))
-    return keys
+        append(from_bytes(prev, "little"))
+    return cast("list[BlockKey]", keys)
 
 
 @dataclass(frozen=True, slots=True)

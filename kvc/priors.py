@@ -249,16 +249,31 @@ def fit_decode_prior(samples: Sequence[tuple[float, float, float]]) -> DecodePri
 
 def prefill_features(total_tokens: int, cached_tokens: int) -> tuple[float, float]:
     """``(u, u*(n + p))`` with ``u`` uncached tokens; more cached than total: all cached."""
-    _check_count("total_tokens", total_tokens)
-    _check_count("cached_tokens", cached_tokens)
+    # Plain non-negative ints (every call of the scheduler's) skip the checks' calls.
+    if not (
+        total_tokens.__class__ is int
+        and cached_tokens.__class__ is int
+        and total_tokens >= 0
+        and cached_tokens >= 0
+    ):
+        _check_count("total_tokens", total_tokens)
+        _check_count("cached_tokens", cached_tokens)
     cached = min(cached_tokens, total_tokens)
     uncached = total_tokens - cached
     return float(uncached), float(uncached) * float(total_tokens + cached)
 
 
 def decode_features(batch_requests: float, context_tokens: float) -> tuple[float, float]:
-    _check_amount("batch_requests", batch_requests)
-    _check_amount("context_tokens", context_tokens)
+    # Finite non-negative floats and ints (every call of the scheduler's) skip the checks'
+    # calls; NaN fails the comparisons and takes the checks.
+    if not (
+        (batch_requests.__class__ is float or batch_requests.__class__ is int)
+        and (context_tokens.__class__ is float or context_tokens.__class__ is int)
+        and 0 <= batch_requests < math.inf
+        and 0 <= context_tokens < math.inf
+    ):
+        _check_amount("batch_requests", batch_requests)
+        _check_amount("context_tokens", context_tokens)
     return float(batch_requests), float(context_tokens)
 
 

@@ -268,7 +268,14 @@ class _LogRatioCorrection:
             return 0.0
         if self._seen == 0:
             return prior_s
-        h = self.log_estimate(prior_s)
+        # ``log_estimate`` inlined: the scheduler asks this ~100 times per decision.
+        if self._dirty:
+            self._refresh()
+        position = math.log2(prior_s / _POSITION_UNIT_S)
+        c, last_knot = self._shape(position)
+        h = position * _LOG2 + c
+        if last_knot >= 0:
+            h = max(h, self._knot_h_max[last_knot])
         if not math.isfinite(h):  # prior_s itself infinite
             return prior_s
         return _POSITION_UNIT_S * math.exp(min(h, _MAX_LOG_ESTIMATE))

@@ -47,7 +47,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 from conductor.core.prefix_index import NodeId
 from conductor.core.transfer_model import TransferModel
@@ -98,9 +98,12 @@ class Migration:
     transfer_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillCandidate:
-    """One prefill node as a prefix planner sees it for one request."""
+class PrefillCandidate(NamedTuple):
+    """One prefill node as a prefix planner sees it for one request.
+
+    A named tuple, not a frozen dataclass: a decision builds one per prefill node, and
+    a frozen dataclass costs four times as much to construct.
+    """
 
     node: NodeState
     prefix_blocks: int  # reusable there after any migration
@@ -116,9 +119,9 @@ class PrefillCandidate:
         return self.queue_s + self.load_s + self.prefill_s + pull_s
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeCandidate:
-    """One decode node that can take the request, with its predicted TBT."""
+class DecodeCandidate(NamedTuple):
+    """One decode node that can take the request, with its predicted TBT (a named
+    tuple, one per decode node per decision, like ``PrefillCandidate``)."""
 
     node: NodeState
     tbt_s: float

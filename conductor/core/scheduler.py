@@ -248,6 +248,9 @@ class Scheduler:
         self._prefill_models: dict[NodeId, PrefillTimeModel] = {}
         self._decode_models: dict[NodeId, DecodeTimeModel] = {}
         self._books: dict[NodeId, NodeBook] = {}
+        # One decision asks for the request's output-length distribution once per decode
+        # node: (length key, the model's sample count, the distribution) of the last ask.
+        self._lengths_memo: tuple[tuple[str, str], int, LengthDistribution] | None = None
 
     # ------------------------------------------------------------------ models
     def prefill_model(self, node: NodeId) -> PrefillTimeModel:
@@ -290,7 +293,19 @@ class Scheduler:
         return book
 
     def lengths_for(self, req: ScheduleRequest) -> LengthDistribution:
-        return self.output_lengths.distribution(*req.length_key)
+        """The output-length distribution ``req``'s decode is predicted from.
+
+        Remembered within one decision (``schedule`` forgets it first, so every decision
+        asks the model once and keeps its key recently used): the same snapshot as
+        asking again, since the model changes only by an observation.
+        """
+        memo = self._lengths_memo
+        samples = self.output_lengths.samples
+        if memo is not None and memo[0] == req.length_key and memo[1] == samples:
+            return memo[2]
+        dist = self.output_lengths.distribution(*req.length_key)
+        self._lengths_memo = (req.length_key, samples, dist)
+        return dist
 
     # ------------------------------------------------------------------ estimates
     def queue_s(self, node: NodeState) -> float:
@@ -377,6 +392,7 @@ class Scheduler:
         takes any request. Learned estimates therefore cannot lock the service into
         refusing work: every admitted request is a new observation.
         """
+        self._lengths_memo = None
         prefill_nodes = [n for n in nodes if n.can_prefill]
         decode_nodes = [n for n in nodes if n.can_decode]
         if not prefill_nodes:

@@ -167,6 +167,26 @@ def test_negative_counts_are_rejected() -> None:
         decode.estimate(-1, 0)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -0.5, True, "3"])
+def test_bad_decode_amounts_are_rejected(bad: object) -> None:
+    """The features' fast path for plain numbers lets nothing else through."""
+    decode = DecodeTimeModel(DecodePrior(0.01, 1e-4, 1e-8))
+    with pytest.raises(ValueError, match="batch_requests"):
+        decode.estimate(bad, 10.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="context_tokens"):
+        decode.estimate(2, bad)  # type: ignore[arg-type]
+    assert decode.estimate(2, 10) == decode.estimate(2.0, 10.0) > 0
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, True, "3"])
+def test_bad_prefill_counts_are_rejected(bad: object) -> None:
+    model = PrefillTimeModel(TRUE_PREFILL)
+    with pytest.raises(ValueError, match="total_tokens"):
+        model.estimate(bad, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cached_tokens"):
+        model.estimate(100, bad)  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------- sane learned estimates
 
 DEMO_PRIOR = PrefillPrior(fixed_s=0.002, per_token_s=2e-5, per_token_context_s=1e-9)
