@@ -392,6 +392,14 @@ class PrefillTimeModel(_CorrectedModel):
         factor = math.exp(self._correction.global_correction)
         return PrefillPrior(*(c * factor for c in self._prior.coefficients))
 
+    @property
+    def per_token_s(self) -> float:
+        """``coefficients.per_token_s`` without building the scaled prior (the queue
+        estimate asks it per prefill node per decision)."""
+        if self._correction.seen == 0:
+            return self._prior.per_token_s
+        return self._prior.per_token_s * math.exp(self._correction.global_correction)
+
     def _prior_s(self, total_tokens: int, cached_tokens: int) -> float:
         f1, f2 = prefill_features(total_tokens, cached_tokens)
         prior = self._prior

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from conductor.core.cost_model import DecodeTimeModel
 from conductor.core.output_length import LengthDistribution
@@ -76,9 +77,9 @@ class NodeBook:
     decodes: dict[str, PlacedDecode] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeForecast:
-    """Decode load on a node at a moment: expected batch (requests) and KV tokens."""
+class DecodeForecast(NamedTuple):
+    """Decode load on a node at a moment: expected batch (requests) and KV tokens (a
+    named tuple: one per decode node per decision)."""
 
     requests: float
     context_tokens: float

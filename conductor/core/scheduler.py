@@ -329,7 +329,7 @@ class Scheduler:
         foreign_tokens = max(0, node.queued_prefill_tokens - own_tokens)
         foreign_s = 0.0
         if foreign_tokens:
-            foreign_s = self.prefill_model(node.node_id).coefficients.per_token_s * foreign_tokens
+            foreign_s = model.per_token_s * foreign_tokens
         return own_s + foreign_s
 
     def forecast(
@@ -346,11 +346,12 @@ class Scheduler:
 
     def tbt_at(self, node: NodeState, at_s: float, now_s: float, req: ScheduleRequest) -> float:
         """Predicted TBT on ``node`` at ``at_s`` with ``req`` joining."""
-        load = self.forecast(node, at_s, now_s, self.lengths_for(req))
-        extra_context_tokens = req.prompt_tokens
-        return self.decode_model(node.node_id).estimate(
-            load.requests + 1, load.context_tokens + extra_context_tokens
-        )
+        model = self.decode_model(node.node_id)
+        load = forecast_decode_load(
+            self._book(node.node_id).decodes.values(), node.running_requests, at_s, now_s,
+            self.lengths_for(req), model,
+        )  # fmt: skip
+        return model.estimate(load.requests + 1, load.context_tokens + req.prompt_tokens)
 
     def load_s(self, node: NodeState, req: ScheduleRequest) -> float:
         """Time to load the node's lower-tier blocks of this prompt back onto its device."""

@@ -298,12 +298,14 @@ def test_non_finite_or_non_positive_durations_are_ignored() -> None:
 
 def test_coefficients_scale_the_prior_by_the_learned_factor() -> None:
     model = PrefillTimeModel(TRUE_PREFILL)
+    assert model.per_token_s == TRUE_PREFILL.per_token_s
     rng = random.Random(9)
     truth = PrefillPrior(*(c * 4 for c in TRUE_PREFILL.coefficients))
     for total, cached in random_prefills(rng, 100):
         model.observe(total, cached, prefill_truth(truth, total, cached))
     for got, want in zip(model.coefficients.coefficients, truth.coefficients, strict=True):
         assert got == pytest.approx(want, rel=0.05)
+    assert model.per_token_s == model.coefficients.per_token_s  # the same, not near
 
 
 def test_estimates_stay_monotone_on_adversarial_data() -> None:
