@@ -22,6 +22,9 @@ import bisect
 import functools
 import json
 import re
+import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -54,6 +57,9 @@ _DETOKENIZER_CONTEXT: Final = 5
 # (``encode`` holds it: 5 s for 7.9 MB with the demo tokenizer, every other thread and
 # the caller's event loop frozen meanwhile); shorter text is not worth the batch wrapper.
 _GIL_FREE_ENCODE_CHARS: Final = 4_096
+# Token ids a ChatTokenizer keeps of the chat pieces it encoded (4 bytes each, plus the
+# pieces' text): ~20 MiB at the default.
+DEFAULT_PIECE_CACHE_TOKENS: Final = 2_000_000
 # How much a normalizer can shorten text, by kind (tokenizer.json's "type"): Unicode
 # composition joins at most three code points into one (Hangul L+V+T); the others never
 # shorten. A normalizer of any other kind (Strip, Replace, BertNormalizer's control
@@ -115,6 +121,88 @@ def _chars_per_token_bound(tokenizer: Tokenizer) -> int | None:
     if kind == "WordPiece":  # a word it cannot split is one [UNK]
         longest = max(longest, int(model.get("max_input_chars_per_word") or 100))
     return max(1, longest) * shrink
+
+
+def _splits_independently(tokenizer: Tokenizer) -> bool:
+    """Whether the text between two added tokens encodes the same on its own as inside
+    the whole text, so the pieces of a rendered chat can be encoded (and remembered)
+    apart.
+
+    ``tokenizers`` first cuts the input at its added tokens (leftmost-longest, by plain
+    substring when no added token strips spaces, matches whole words only or matches
+    normalized text), then normalizes and pre-tokenizes each piece on its own. To be
+    safe, tokenizers with a step that may look at where a piece lies in the input (a
+    ``Metaspace`` pre-tokenizer, whose ``prepend_scheme`` can be ``first``) or with any
+    normalizer are encoded whole."""
+    if tokenizer.encode_special_tokens:  # added tokens are then encoded as text
+        return False
+    for added in tokenizer.get_added_tokens_decoder().values():
+        if added.lstrip or added.rstrip or added.single_word or added.normalized:
+            return False
+    spec = json.loads(tokenizer.to_str())
+    if spec.get("normalizer") is not None:
+        return False
+    pre = json.dumps(spec.get("pre_tokenizer"))
+    return "Metaspace" not in pre and "prepend_scheme" not in pre
+
+
+class _PieceCache:
+    """Token ids of the text between added tokens, remembered (least recently used
+    first out, bounded by the tokens kept), so a conversation sent again with one more
+    turn tokenizes only what is new: chat templates put special tokens around every
+    message. Pieces are kept per scope (the conductor's tenant): how fast a piece
+    encodes tells nothing of another scope's prompts. Thread-safe (long prompts are
+    encoded in worker threads)."""
+
+    __slots__ = ("_ids", "_lock", "_max_tokens", "_pieces", "_split", "_tokens")
+
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int) -> None:
+        added = {a.content: i for i, a in tokenizer.get_added_tokens_decoder().items()}
+        # Longest first: at the leftmost place, the longest added token wins (as the
+        # tokenizer's own leftmost-longest matcher).
+        alternatives = sorted(added, key=len, reverse=True)
+        self._split = (
+            re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
+            if alternatives
+            else None
+        )
+        self._ids = added
+        self._max_tokens = max_tokens
+        self._pieces: OrderedDict[tuple[str, str], array[int]] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def encode(self, text: str, encode: Callable[[str], list[int]], scope: str) -> list[int]:
+        parts = self._split.split(text) if self._split is not None else [text]
+        out: list[int] = []
+        for index, part in enumerate(parts):
+            if index % 2:  # the split pattern's group: an added token
+                out.append(self._ids[part])
+            elif part:
+                out.extend(self._piece((scope, part), encode))
+        return out
+
+    def _piece(self, key: tuple[str, str], encode: Callable[[str], list[int]]) -> list[int]:
+        with self._lock:
+            ids = self._pieces.get(key)
+            if ids is not None:
+                self._pieces.move_to_end(key)
+                return ids.tolist()
+        fresh = encode(key[1])
+        if len(fresh) <= self._max_tokens // 4:  # one piece never flushes the rest
+            with self._lock:
+                if key not in self._pieces:
+                    self._pieces[key] = array("I", fresh)
+                    self._tokens += len(fresh)
+                    while self._tokens > self._max_tokens:
+                        _, dropped = self._pieces.popitem(last=False)
+                        self._tokens -= len(dropped)
+        return fresh
+
+    @property
+    def tokens(self) -> int:
+        """Token ids held."""
+        return self._tokens
 
 
 class ChatTemplateError(ValueError):
@@ -312,7 +400,11 @@ class ChatTokenizer:
         extra_eos_token_ids: Sequence[int] = (),
         special_tokens: Mapping[str, str] | None = None,
         model_max_length: int | None = None,
+        piece_cache_tokens: int = DEFAULT_PIECE_CACHE_TOKENS,
     ) -> None:
+        if piece_cache_tokens < 0:
+            raise ValueError(f"piece_cache_tokens must be >= 0, got {piece_cache_tokens}")
+        self._piece_cache_tokens = piece_cache_tokens
         self._tokenizer = tokenizer
         self._chat_templates: dict[str, str] = dict(chat_templates or {})
         self._compiled: dict[str, jinja2.Template] = {}
@@ -435,6 +527,22 @@ class ChatTokenizer:
         # vocabulary), which agents and other users that never bound a prompt skip.
         return _chars_per_token_bound(self._tokenizer)
 
+    @functools.cached_property
+    def _piece_cache(self) -> _PieceCache | None:
+        # On first use (reads tokenizer.json, like ``_chars_per_token``).
+        if self._piece_cache_tokens == 0 or not _splits_independently(self._tokenizer):
+            return None
+        return _PieceCache(self._tokenizer, self._piece_cache_tokens)
+
+    @property
+    def piece_cache_tokens(self) -> int | None:
+        """Token ids the chat piece cache holds now (None: this tokenizer has none)."""
+        cache = self._piece_cache
+        return None if cache is None else cache.tokens
+
+    def _encode_piece(self, piece: str) -> list[int]:
+        return self.encode(piece, add_special_tokens=False)
+
     def min_tokens(self, text: str) -> int:
         """A lower bound on the tokens ``text`` encodes into, from its length alone
         (0 when the tokenizer's normalizer allows no bound)."""
@@ -539,11 +647,18 @@ class ChatTokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         limit: int | None = None,
+        cache_scope: str = "",
     ) -> list[int]:
         """Prompt token ids for a chat request (``limit`` as for ``encode``).
 
         The rendered template already contains BOS/turn markers, so it is
         encoded without the post-processor's special tokens (as HF and vLLM do).
+        The text between its added tokens (the messages, in every template that wraps
+        them in special tokens) is encoded piece by piece and remembered, so a
+        conversation sent again with one more turn encodes only the new turn: the ids
+        are the same as encoding the whole text (``_splits_independently`` says for
+        which tokenizers; the others are encoded whole). Pieces are remembered per
+        ``cache_scope`` (the conductor passes the tenant).
         """
         text = self.apply_chat_template(
             messages,
@@ -551,7 +666,12 @@ class ChatTokenizer:
             tools=tools,
             template_kwargs=template_kwargs,
         )
-        return self.encode(text, add_special_tokens=False, limit=limit)
+        cache = self._piece_cache
+        if cache is None:
+            return self.encode(text, add_special_tokens=False, limit=limit)
+        if limit is not None and (bound := self.min_tokens(text)) > limit:
+            raise TextTooLong(bound, limit)
+        return cache.encode(text, self._encode_piece, cache_scope)
 
     def chat_token_ids_marked(
         self,
@@ -630,17 +750,20 @@ class ChatTokenizer:
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        cache_scope: str = "",
     ) -> list[int]:
         """What vLLM's ``/tokenize`` answers: exactly one of a ``prompt`` (its special
         tokens added unless ``add_special_tokens`` is false) or chat ``messages`` (rendered
-        as for a chat completion). Raises ``ValueError`` for neither or both, and
-        ``ChatTemplateError`` (a ``ValueError``) when the template fails."""
+        as for a chat completion, ``cache_scope`` as there). Raises ``ValueError`` for
+        neither or both, and ``ChatTemplateError`` (a ``ValueError``) when the template
+        fails."""
         if (prompt is None) == (messages is None):
             raise ValueError("give either prompt or messages")
         if messages is not None:
             return self.chat_token_ids(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools
-            )
+                messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                cache_scope=cache_scope,
+            )  # fmt: skip
         assert prompt is not None
         add = True if add_special_tokens is None else add_special_tokens
         return self.encode(prompt, add_special_tokens=add)

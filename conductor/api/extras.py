@@ -49,6 +49,7 @@ async def tokenize(body: TokenizeRequest, state: StateDep, tenant: TenantDep) ->
             add_special_tokens=body.add_special_tokens,
             add_generation_prompt=body.add_generation_prompt,
             tools=body.tools,
+            cache_scope=tenant.name,
         )
 
     try:

@@ -616,6 +616,7 @@ async def start_chat(
                     messages,
                     add_generation_prompt=True,
                     tools=tools,
+                    cache_scope=tenant.name,
                 ),
                 "messages",
             )

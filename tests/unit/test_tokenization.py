@@ -489,3 +489,148 @@ def test_marks_work_with_a_template_that_checks_the_whole_conversation() -> None
     head = tok.decode(ids[:count], skip_special_tokens=False)
     assert head.rstrip().endswith("Rules.")
     assert "Hi" not in head
+
+
+# -- the chat piece cache ---------------------------------------------------------
+
+_WORDS = CORPUS_PATH.read_text(encoding="utf-8").split()[:400]
+_ADDED = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|end_of_text|>"]
+
+
+def _with_cache(max_tokens: int) -> ChatTokenizer:
+    shipped = tokenizer()
+    return ChatTokenizer(
+        shipped.tokenizer,
+        chat_templates={"default": shipped.chat_template_source},
+        bos_token=shipped.bos_token,
+        eos_token=shipped.eos_token,
+        piece_cache_tokens=max_tokens,
+    )
+
+
+_text = st.lists(
+    st.one_of(
+        st.sampled_from(_WORDS),
+        st.sampled_from(_ADDED),  # a special token's text inside a message is one too
+        st.sampled_from([" ", "  ", "\n", "\n\n ", "\t", "’", "🎉", "日本"]),
+    ),
+    max_size=40,
+).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    turns=st.lists(_text, min_size=1, max_size=6),
+    again=st.integers(min_value=0, max_value=5),
+)
+def test_chat_pieces_encode_as_the_whole_text(turns: list[str], again: int) -> None:
+    """Encoded piece by piece (and from the cache, for the turns seen before), a chat
+    prompt has exactly the ids of encoding its whole rendered text."""
+    cached = _with_cache(10_000)
+    whole = _with_cache(0)
+    assert whole.piece_cache_tokens is None
+    messages: list[dict[str, Any]] = []
+    for i, text in enumerate([*turns, *turns[:again]]):  # later turns repeat earlier ones
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+        got = cached.chat_token_ids(messages, add_generation_prompt=True)
+        assert got == whole.chat_token_ids(messages, add_generation_prompt=True)
+        rendered = whole.apply_chat_template(messages, add_generation_prompt=True)
+        assert got == whole.encode(rendered)
+
+
+def test_a_conversation_sent_again_reuses_its_pieces() -> None:
+    tok = _with_cache(10_000)
+    encoded: list[str] = []
+    encode_piece = tok._encode_piece
+
+    def counting(piece: str) -> list[int]:
+        encoded.append(piece)
+        return encode_piece(piece)
+
+    tok._encode_piece = counting  # type: ignore[method-assign]
+    long_turn = " ".join(_WORDS[:200])
+    history = [{"role": "user", "content": long_turn}]
+    tok.chat_token_ids(history)
+    assert any(long_turn in piece for piece in encoded)
+    held = tok.piece_cache_tokens
+    assert held is not None
+    assert held > 150
+    encoded.clear()
+    history += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    tok.chat_token_ids(history)
+    assert encoded  # the new turns were encoded ...
+    assert all(long_turn not in piece for piece in encoded)  # ... the old one was not
+    assert sum(map(len, encoded)) < 40
+
+
+def test_the_piece_cache_stays_within_its_bound() -> None:
+    tok = _with_cache(400)
+    for i in range(30):
+        text = " ".join(_WORDS[i * 10 : i * 10 + 40])
+        ids = tok.chat_token_ids([{"role": "user", "content": text}])
+        assert ids == tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+        held = tok.piece_cache_tokens
+        assert held is not None
+        assert held <= 400
+    big = " ".join(_WORDS[:300])  # more than a quarter of the bound: encoded, not kept
+    before = tok.piece_cache_tokens
+    tok.chat_token_ids([{"role": "user", "content": big}])
+    assert before is not None
+    assert tok.piece_cache_tokens == before  # the others were not pushed out for it
+    with pytest.raises(ValueError, match="piece_cache_tokens"):
+        ChatTokenizer(tokenizer().tokenizer, piece_cache_tokens=-1)
+
+
+def _variant(change: Any) -> ChatTokenizer:
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tokenizer().tokenizer.to_str())
+    change(spec)
+    return ChatTokenizer(
+        Tokenizer.from_str(json.dumps(spec)),
+        chat_templates={"default": tokenizer().chat_template_source},
+    )
+
+
+def _metaspace_first(spec: dict[str, Any]) -> None:
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first",
+                             "split": True}  # fmt: skip
+    spec["decoder"] = None
+
+
+def _stripping_added_token(spec: dict[str, Any]) -> None:
+    spec["added_tokens"][3]["lstrip"] = True
+
+
+def _normalizer(spec: dict[str, Any]) -> None:
+    spec["normalizer"] = {"type": "NFC"}
+
+
+@pytest.mark.parametrize("change", [_metaspace_first, _stripping_added_token, _normalizer])
+def test_tokenizers_whose_pieces_depend_on_the_whole_are_encoded_whole(change: Any) -> None:
+    tok = _variant(change)
+    assert tok.piece_cache_tokens is None
+    messages = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "x"}]
+    rendered = tok.apply_chat_template(messages)
+    assert tok.chat_token_ids(messages) == tok.encode(rendered)
+
+
+def test_pieces_are_kept_per_scope() -> None:
+    """A tenant's pieces are not another's: the same text in another scope is encoded
+    again (its timing cannot tell whether another tenant sent it)."""
+    tok = _with_cache(10_000)
+    encoded: list[str] = []
+    encode_piece = tok._encode_piece
+
+    def counting(piece: str) -> list[int]:
+        encoded.append(piece)
+        return encode_piece(piece)
+
+    tok._encode_piece = counting  # type: ignore[method-assign]
+    messages = [{"role": "user", "content": " ".join(_WORDS[:50])}]
+    first = tok.chat_token_ids(messages, cache_scope="tenant-a")
+    n = len(encoded)
+    assert tok.chat_token_ids(messages, cache_scope="tenant-a") == first
+    assert len(encoded) == n  # all from the cache
+    assert tok.chat_token_ids(messages, cache_scope="tenant-b") == first
+    assert len(encoded) == 2 * n  # encoded again
