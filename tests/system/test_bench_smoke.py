@@ -38,7 +38,24 @@ def test_scheduler_decision_bench_writes_table_json_and_plot(tmp_path: Path) -> 
         (1024, 8), (1024, 64), (8192, 8), (8192, 64)
     }  # fmt: skip
     assert all(r["p99_ms"] > 0 for r in data["rows"])
+    assert all(0 < r["placement_p50_ms"] <= r["p99_ms"] for r in data["rows"])
     assert (tmp_path / "scheduler_decision.png").stat().st_size > 1000
+
+
+def test_chat_tokenize_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
+    from bench import chat_tokenize
+
+    code = chat_tokenize.main(
+        ["--out", str(tmp_path), "--turns", "1", "4", "--words", "20", "--repeats", "2"]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "chat_tokenize.json").read_text())
+    assert [r["turns"] for r in data["rows"]] == [1, 4]
+    assert data["rows"][1]["prompt_tokens"] > data["rows"][0]["prompt_tokens"]
+    assert all(r["whole_p50_ms"] > 0 and r["pieces_p50_ms"] > 0 for r in data["rows"])
+    assert (tmp_path / "chat_tokenize.png").stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        chat_tokenize.main(["--out", str(tmp_path), "--turns", "0"])
 
 
 def test_kv_transfer_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
