@@ -134,7 +134,7 @@ def _splits_independently(tokenizer: Tokenizer) -> bool:
     safe, tokenizers with a step that may look at where a piece lies in the input (a
     ``Metaspace`` pre-tokenizer, whose ``prepend_scheme`` can be ``first``) or with any
     normalizer are encoded whole."""
-    if tokenizer.encode_special_tokens:  # added tokens are then encoded as text
+    if getattr(tokenizer, "encode_special_tokens", False):  # added tokens as plain text
         return False
     for added in tokenizer.get_added_tokens_decoder().values():
         if added.lstrip or added.rstrip or added.single_word or added.normalized:
@@ -157,7 +157,7 @@ class _PieceCache:
     __slots__ = ("_ids", "_lock", "_max_tokens", "_pieces", "_split", "_tokens")
 
     def __init__(self, tokenizer: Tokenizer, max_tokens: int) -> None:
-        added = {a.content: i for i, a in tokenizer.get_added_tokens_decoder().items()}
+        added = {a.content: i for i, a in tokenizer.get_added_tokens_decoder().items() if a.content}
         # Longest first: at the leftmost place, the longest added token wins (as the
         # tokenizer's own leftmost-longest matcher).
         alternatives = sorted(added, key=len, reverse=True)

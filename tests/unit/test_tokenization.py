@@ -538,8 +538,8 @@ def test_chat_pieces_encode_as_the_whole_text(turns: list[str], again: int) -> N
         assert got == whole.encode(rendered)
 
 
-def test_a_conversation_sent_again_reuses_its_pieces() -> None:
-    tok = _with_cache(10_000)
+def _count_pieces(tok: ChatTokenizer) -> list[str]:
+    """The pieces ``tok`` encodes from now on (cache misses), in order."""
     encoded: list[str] = []
     encode_piece = tok._encode_piece
 
@@ -548,6 +548,12 @@ def test_a_conversation_sent_again_reuses_its_pieces() -> None:
         return encode_piece(piece)
 
     tok._encode_piece = counting  # type: ignore[method-assign]
+    return encoded
+
+
+def test_a_conversation_sent_again_reuses_its_pieces() -> None:
+    tok = _with_cache(10_000)
+    encoded = _count_pieces(tok)
     long_turn = " ".join(_WORDS[:200])
     history = [{"role": "user", "content": long_turn}]
     tok.chat_token_ids(history)
@@ -619,14 +625,7 @@ def test_pieces_are_kept_per_scope() -> None:
     """A tenant's pieces are not another's: the same text in another scope is encoded
     again (its timing cannot tell whether another tenant sent it)."""
     tok = _with_cache(10_000)
-    encoded: list[str] = []
-    encode_piece = tok._encode_piece
-
-    def counting(piece: str) -> list[int]:
-        encoded.append(piece)
-        return encode_piece(piece)
-
-    tok._encode_piece = counting  # type: ignore[method-assign]
+    encoded = _count_pieces(tok)
     messages = [{"role": "user", "content": " ".join(_WORDS[:50])}]
     first = tok.chat_token_ids(messages, cache_scope="tenant-a")
     n = len(encoded)
