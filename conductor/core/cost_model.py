@@ -136,7 +136,7 @@ class _LogRatioCorrection:
 
     See "Learning" in the module docstring. Positions are ``t = log2(prior_s / 1 us)``;
     a bucket is an integer ``t``. Knots (buckets with data) are rebuilt lazily after
-    new observations; ``log_estimate`` is O(log buckets).
+    new observations; ``estimate`` is O(log buckets).
     """
 
     __slots__ = (
@@ -253,22 +253,13 @@ class _LogRatioCorrection:
         c0, c1 = self._knot_c[right - 1], self._knot_c[right]
         return c0 + share * (c1 - c0), right - 1
 
-    def log_estimate(self, prior_s: float) -> float:
-        """``log(estimate / 1 us)``, non-decreasing in ``prior_s`` (> 0)."""
-        self._refresh()
-        position = self.position(prior_s)
-        c, last_knot = self._shape(position)
-        h = position * _LOG2 + c
-        if last_knot >= 0:
-            h = max(h, self._knot_h_max[last_knot])
-        return h
-
     def estimate(self, prior_s: float) -> float:
+        """The corrected estimate; its log ``h`` (in 1 us units) is non-decreasing in
+        ``prior_s``. One flat body: the scheduler asks this ~100 times per decision."""
         if not prior_s > 0:
             return 0.0
         if self._seen == 0:
             return prior_s
-        # ``log_estimate`` inlined: the scheduler asks this ~100 times per decision.
         if self._dirty:
             self._refresh()
         position = math.log2(prior_s / _POSITION_UNIT_S)
