@@ -265,8 +265,9 @@ class Dispatcher:
                         max(free, load.allocatable_blocks) if load else info.capacity_blocks
                     ),
                     kv_bytes_per_token=info.kv_layout.bytes_per_token,
-                    # Engines that own their KV (vLLM) cannot lend or receive pool blocks.
-                    kv_migration=info.engine == "embedded",
+                    # Pool payloads (embedded) or the engine's own connector (vLLM with
+                    # pd_connector); agents from before the flag: embedded only.
+                    kv_migration=info.kv_migration or info.engine == "embedded",
                     queued_prefill_tokens=agent.queued_prefill_tokens,
                     running_requests=agent.running_requests,
                     max_running_requests=info.max_running_requests,
@@ -374,16 +375,18 @@ class Dispatcher:
             locked = lock.reused_blocks
             if locked <= local_blocks:
                 return 0
-            pulled = await prefill.stub.PullBlocks(
-                pb.PullBlocksRequest(
-                    tx_id=tx_id,
-                    source_address=source.info.advertise_address if source.info else source.address,
-                    source_tx_id=src_tx,
-                    source_read_token=lock.read_token,
-                    num_blocks=locked,
-                ),
-                timeout=self._request_timeout_s,
+            pull = pb.PullBlocksRequest(
+                tx_id=tx_id,
+                source_address=source.info.advertise_address if source.info else source.address,
+                source_tx_id=src_tx,
+                source_read_token=lock.read_token,
+                num_blocks=locked,
             )
+            if prefill.info is not None and prefill.info.engine != "embedded":
+                # An engine that owns its KV (vLLM) loads the prefix by its tokens.
+                block_size = prefill.info.block_size
+                pull.prompt_token_ids.extend(req.prompt_ids[: locked * block_size])
+            pulled = await prefill.stub.PullBlocks(pull, timeout=self._request_timeout_s)
             self.scheduler.transfer.observe(
                 migration.source, placement.prefill, pulled.bytes, pulled.transfer_s
             )

@@ -182,6 +182,7 @@ def _run_fleet_up(ns: argparse.Namespace, log_level: LogLevel) -> int:
             ttft_slo_s=ns.ttft_slo_s,
             tbt_slo_s=ns.tbt_slo_s,
             max_running=ns.max_running,
+            prefix_pulls=ns.prefix_pulls,
             engine_args=tuple(ns.engine_arg),
             agent_args=tuple(ns.agent_arg),
             conductor_args=tuple(ns.conductor_arg),
@@ -239,6 +240,11 @@ def _add_fleet(
     p_up.add_argument(
         "--max-running", type=int, default=d.max_running, help="generations per agent"
     )
+    p_up.add_argument(
+        "--prefix-pulls", action=argparse.BooleanOptionalAction, default=d.prefix_pulls,
+        help="prefill engines pull hot prefixes from each other through kv_transfer_params "
+        "(off by default: the live-parity scenario's simulator plans no pulls)",
+    )  # fmt: skip
     for kind in ("engine", "agent", "conductor"):
         p_up.add_argument(
             f"--{kind}-arg", action="append", default=[], metavar="ARG",

@@ -74,6 +74,9 @@ class FleetOptions:
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
     max_running: int = 256
+    # Hot-spot replication between the engines (LendBlocks/PullBlocks through
+    # kv_transfer_params). Off: the live-parity scenario's simulator plans no pulls.
+    prefix_pulls: bool = False
     engine_args: tuple[str, ...] = ()
     agent_args: tuple[str, ...] = ()
     conductor_args: tuple[str, ...] = ()
@@ -177,6 +180,7 @@ def plan_fleet(opts: FleetOptions, ipc_dir: str) -> FleetPlan:
             "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay,
             "--pd-connector", "none" if role == "both" else "nixl",
             "--max-running", str(opts.max_running),
+            "--vllm-prefix-pulls" if opts.prefix_pulls else "--no-vllm-prefix-pulls",
             *opts.agent_args,
         )  # fmt: skip
         agents.append(ProcessSpec(f"agent-{name}", agent_args, (grpc,)))

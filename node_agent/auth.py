@@ -3,9 +3,9 @@
 With mTLS on (``kvc.tls``), every call carries a verified certificate of the cluster's
 CA, and its name says the caller's role. Only conductors may change or read the block
 table, run prefills and generations, or drain the node; a peer agent may only pull KV
-(``FetchKv``, ``ReadBlocks``), and then only what a conductor handed it: a staged
-prefill's single-use handle with its tenant, or an open transaction's read token with
-its tenant and keys. ``GetInfo`` is open to both.
+(``FetchKv``, ``ReadBlocks``; ``LendBlocks`` where the engines move it themselves), and
+then only what a conductor handed it: a staged prefill's single-use handle with its
+tenant, or an open transaction's read token with its tenant and keys. ``GetInfo`` is open to both.
 
 A conductor also names the one node each grant is for (``grantee``: the decode node that
 fetches a prefill, the destination that reads a locked prefix). An agent whose
@@ -23,7 +23,8 @@ Abort, Snapshot,
 WatchEvents, Prefill,
 Generate, PullBlocks,
 Drain
-FetchKv, ReadBlocks    conductor, agent
+FetchKv, ReadBlocks,   conductor, agent
+LendBlocks
 GetInfo                conductor, agent
 =====================  ==========================================
 """

@@ -63,7 +63,7 @@ from node_agent.blocks.types import (
     TxMode,
 )
 from node_agent.calibration import Calibration, calibrate_before_serving
-from node_agent.engines.base import CacheMirroringEngine, EngineAdapter
+from node_agent.engines.base import CacheMirroringEngine, EngineAdapter, PrefixLendingEngine
 from node_agent.errors import Draining
 from node_agent.event_stream import EngineHostTier, EventPublisher
 from node_agent.generation import Generation
@@ -96,6 +96,13 @@ def calibration_to_pb(cal: Calibration) -> pb.EngineCalibration:
         decode_samples=cal.decode_samples,
         duration_s=cal.duration_s,
     )
+
+
+def _moves_prefixes(engine: EngineAdapter) -> bool:
+    """Pool payloads through ReadBlocks (a KV codec), or the engine's own connector."""
+    if isinstance(engine, PrefixLendingEngine):
+        return engine.lends_prefixes
+    return engine.kv_codec is not None
 
 
 def _lower_tiers(settings: AgentSettings, engine: EngineAdapter) -> LowerTiers | None:
@@ -185,6 +192,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             version=package_version(),
             max_running_requests=s.resolved_max_running(),
             fused_tx=True,
+            kv_migration=_moves_prefixes(self.state.engine),
         )
         lower = self.pool.lower
         if lower is not None:  # bandwidth of each tier, before any traffic
@@ -479,6 +487,13 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             await self.events.after_mutation()  # the lookups may have expired leases
             raise
         return pb.PullBlocksResponse(blocks_copied=copied, bytes=nbytes, transfer_s=transfer_s)
+
+    @maps_errors
+    @authorized("conductor", "agent")
+    async def LendBlocks(
+        self, request: pb.LendBlocksRequest, context: Context
+    ) -> pb.LendBlocksResponse:
+        return await self.sender.lend_blocks(request, Caller.of(context, self.tls))
 
 
 class AgentServer:

@@ -308,6 +308,16 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         "NixlConnector, GPUs only); none: vLLM nodes run role both",
         json_schema_extra=_VLLM,
     )
+    vllm_prefix_pulls: bool = Field(
+        True,
+        description=(
+            "With pd_connector: lend and take prefixes between vLLM nodes through the "
+            "connector (hot-spot replication: the holder's vLLM keeps a prefix for one "
+            "pull, this node's vLLM loads it into its prefix cache); false: this node "
+            "neither lends nor pulls and conductors plan no pulls to or from it"
+        ),
+        json_schema_extra=_VLLM,
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AgentSettings:

@@ -224,6 +224,7 @@ class NodeInfo(_message.Message):
     FUSED_TX_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
     STREAM_ADDRESS_FIELD_NUMBER: _builtins.int
+    KV_MIGRATION_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -256,6 +257,12 @@ class NodeInfo(_message.Message):
     """host:port of the agent's token stream listener (--stream-port): Generate over
     length-prefixed frames (kvc/stream_frames.py), TLS with the gRPC port's mTLS files.
     Empty: Generate over gRPC only.
+    """
+    kv_migration: _builtins.bool
+    """Gives and takes prefix blocks of its own engine kind (hot-spot replication):
+    ReadBlocks/PullBlocks with pool payloads (embedded), or LendBlocks/PullBlocks
+    through the engine's own KV connector (vLLM with pd_connector). Conductors
+    plan prefix pulls only between such nodes of the same engine.
     """
     @_builtins.property
     def kv_layout(self) -> Global___KvLayout: ...
@@ -292,10 +299,11 @@ class NodeInfo(_message.Message):
         fused_tx: _builtins.bool = ...,
         tiers: _abc.Iterable[Global___KvTier] | None = ...,
         stream_address: _builtins.str = ...,
+        kv_migration: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "stream_address", b"stream_address", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "kv_migration", b"kv_migration", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "stream_address", b"stream_address", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1592,6 +1600,7 @@ class PullBlocksRequest(_message.Message):
     SOURCE_TX_ID_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     SOURCE_READ_TOKEN_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     tx_id: _builtins.str
     """the open Tx on this (destination) node"""
     source_address: _builtins.str
@@ -1602,6 +1611,14 @@ class PullBlocksRequest(_message.Message):
     """copy the first num_blocks blocks of tx_id"""
     source_read_token: _builtins.str
     """the source Tx's read_token, passed to its ReadBlocks"""
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tokens of the first num_blocks blocks (num_blocks x block_size of them).
+        Required when this node's engine owns its KV (NodeInfo.engine "vllm"): it
+        loads the prefix by its tokens, through the source's LendBlocks. Ignored
+        (and may be empty) for pool payloads.
+        """
+
     def __init__(
         self,
         *,
@@ -1610,14 +1627,81 @@ class PullBlocksRequest(_message.Message):
         source_tx_id: _builtins.str = ...,
         num_blocks: _builtins.int = ...,
         source_read_token: _builtins.str = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "source_address", b"source_address", "source_read_token", b"source_read_token", "source_tx_id", b"source_tx_id", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "prompt_token_ids", b"prompt_token_ids", "source_address", b"source_address", "source_read_token", b"source_read_token", "source_tx_id", b"source_tx_id", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullBlocksRequest: _TypeAlias = PullBlocksRequest  # noqa: Y015
+
+@_typing.final
+class LendBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TX_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    READ_TOKEN_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    tx_id: _builtins.str
+    """an open Tx on the serving (source) node"""
+    tenant: _builtins.str
+    """must be the Tx's tenant (else PERMISSION_DENIED)"""
+    read_token: _builtins.str
+    """required: the Tx's TxAllocateResponse.read_token"""
+    request_id: _builtins.str
+    """for the engine's logs (the pulling node's Tx id)"""
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Whole blocks; their block keys must equal the Tx's first keys, in order."""
+
+    def __init__(
+        self,
+        *,
+        tx_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        read_token: _builtins.str = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "read_token", b"read_token", "request_id", b"request_id", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LendBlocksRequest: _TypeAlias = LendBlocksRequest  # noqa: Y015
+
+@_typing.final
+class LendBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    engine_transfer_params: _builtins.str
+    """The engine's parameters for one pull (vLLM: kv_transfer_params as JSON)."""
+    num_tokens: _builtins.int
+    """tokens lent (len(prompt_token_ids))"""
+    cached_tokens: _builtins.int
+    """of them, found in the engine's cache (not computed)"""
+    def __init__(
+        self,
+        *,
+        engine_transfer_params: _builtins.str = ...,
+        num_tokens: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "engine_transfer_params", b"engine_transfer_params", "num_tokens", b"num_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LendBlocksResponse: _TypeAlias = LendBlocksResponse  # noqa: Y015
 
 @_typing.final
 class PullBlocksResponse(_message.Message):

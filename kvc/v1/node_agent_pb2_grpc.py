@@ -94,6 +94,11 @@ class NodeAgentStub:
                 request_serializer=kvc_dot_v1_dot_node__agent__pb2.PullBlocksRequest.SerializeToString,
                 response_deserializer=kvc_dot_v1_dot_node__agent__pb2.PullBlocksResponse.FromString,
                 _registered_method=True)
+        self.LendBlocks = channel.unary_unary(
+                '/kvc.v1.NodeAgent/LendBlocks',
+                request_serializer=kvc_dot_v1_dot_node__agent__pb2.LendBlocksRequest.SerializeToString,
+                response_deserializer=kvc_dot_v1_dot_node__agent__pb2.LendBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -184,6 +189,20 @@ class NodeAgentServicer:
         """Hot-spot replication, destination side (role prefill|both): copy the KV of
         the first num_blocks blocks of this node's open Tx from a source node's
         open Tx (ReadBlocks there) into the blocks that have no content yet.
+        Engines that keep KV in their own process (vLLM) move it through their own
+        connector instead: PullBlocks on such a node sends the prefix's tokens to the
+        source's LendBlocks, and loads the KV with the engine transfer parameters it
+        answers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LendBlocks(self, request, context):
+        """Hot-spot replication, source side for engines that own their KV (vLLM, any
+        role): the engine holds the KV of the prompt_token_ids (the leading blocks
+        of an open Tx, usually LOCK_ONLY) for one pull by the read grant's node and
+        answers its transfer parameters (vLLM: kv_transfer_params of a prefill leg).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -251,6 +270,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.PullBlocks,
                     request_deserializer=kvc_dot_v1_dot_node__agent__pb2.PullBlocksRequest.FromString,
                     response_serializer=kvc_dot_v1_dot_node__agent__pb2.PullBlocksResponse.SerializeToString,
+            ),
+            'LendBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.LendBlocks,
+                    request_deserializer=kvc_dot_v1_dot_node__agent__pb2.LendBlocksRequest.FromString,
+                    response_serializer=kvc_dot_v1_dot_node__agent__pb2.LendBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -577,6 +601,33 @@ class NodeAgent:
             '/kvc.v1.NodeAgent/PullBlocks',
             kvc_dot_v1_dot_node__agent__pb2.PullBlocksRequest.SerializeToString,
             kvc_dot_v1_dot_node__agent__pb2.PullBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LendBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvc.v1.NodeAgent/LendBlocks',
+            kvc_dot_v1_dot_node__agent__pb2.LendBlocksRequest.SerializeToString,
+            kvc_dot_v1_dot_node__agent__pb2.LendBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -83,6 +83,16 @@ class NodeAgentStub:
     """Hot-spot replication, destination side (role prefill|both): copy the KV of
     the first num_blocks blocks of this node's open Tx from a source node's
     open Tx (ReadBlocks there) into the blocks that have no content yet.
+    Engines that keep KV in their own process (vLLM) move it through their own
+    connector instead: PullBlocks on such a node sends the prefix's tokens to the
+    source's LendBlocks, and loads the KV with the engine transfer parameters it
+    answers.
+    """
+    LendBlocks: _grpc.UnaryUnaryMultiCallable[_node_agent_pb2.LendBlocksRequest, _node_agent_pb2.LendBlocksResponse]
+    """Hot-spot replication, source side for engines that own their KV (vLLM, any
+    role): the engine holds the KV of the prompt_token_ids (the leading blocks
+    of an open Tx, usually LOCK_ONLY) for one pull by the read grant's node and
+    answers its transfer parameters (vLLM: kv_transfer_params of a prefill leg).
     """
 
 @_typing.type_check_only
@@ -123,6 +133,16 @@ class NodeAgentAsyncStub(NodeAgentStub):
     """Hot-spot replication, destination side (role prefill|both): copy the KV of
     the first num_blocks blocks of this node's open Tx from a source node's
     open Tx (ReadBlocks there) into the blocks that have no content yet.
+    Engines that keep KV in their own process (vLLM) move it through their own
+    connector instead: PullBlocks on such a node sends the prefix's tokens to the
+    source's LendBlocks, and loads the KV with the engine transfer parameters it
+    answers.
+    """
+    LendBlocks: _aio.UnaryUnaryMultiCallable[_node_agent_pb2.LendBlocksRequest, _node_agent_pb2.LendBlocksResponse]  # type: ignore[assignment]
+    """Hot-spot replication, source side for engines that own their KV (vLLM, any
+    role): the engine holds the KV of the prompt_token_ids (the leading blocks
+    of an open Tx, usually LOCK_ONLY) for one pull by the read grant's node and
+    answers its transfer parameters (vLLM: kv_transfer_params of a prefill leg).
     """
 
 class NodeAgentServicer(metaclass=_abc_1.ABCMeta):
@@ -232,6 +252,22 @@ class NodeAgentServicer(metaclass=_abc_1.ABCMeta):
         """Hot-spot replication, destination side (role prefill|both): copy the KV of
         the first num_blocks blocks of this node's open Tx from a source node's
         open Tx (ReadBlocks there) into the blocks that have no content yet.
+        Engines that keep KV in their own process (vLLM) move it through their own
+        connector instead: PullBlocks on such a node sends the prefix's tokens to the
+        source's LendBlocks, and loads the KV with the engine transfer parameters it
+        answers.
+        """
+
+    @_abc_1.abstractmethod
+    def LendBlocks(
+        self,
+        request: _node_agent_pb2.LendBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_agent_pb2.LendBlocksResponse, _abc.Awaitable[_node_agent_pb2.LendBlocksResponse]]:
+        """Hot-spot replication, source side for engines that own their KV (vLLM, any
+        role): the engine holds the KV of the prompt_token_ids (the leading blocks
+        of an open Tx, usually LOCK_ONLY) for one pull by the read grant's node and
+        answers its transfer parameters (vLLM: kv_transfer_params of a prefill leg).
         """
 
 def add_NodeAgentServicer_to_server(servicer: NodeAgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

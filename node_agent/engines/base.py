@@ -197,6 +197,52 @@ class CacheMirroringEngine(Protocol):
     def set_cache_sink(self, sink: EngineCacheSink) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixJob:
+    """Whole blocks of a prompt's prefix, lent to or loaded from a peer engine."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    tenant: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLent:
+    """A prefix held by the lending engine for one pull."""
+
+    transfer_params: Mapping[str, Any]  # what the pulling engine passes to its connector
+    cached_tokens: int  # of the prefix, found in the lending engine's cache
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLoaded:
+    """A prefix pulled into this engine's own cache."""
+
+    # Of the prefix, tokens the engine did not compute (loaded, or already cached); the
+    # engine computes the last one itself, so a whole load reports one less.
+    cached_tokens: int
+    seconds: float
+
+
+@runtime_checkable
+class PrefixLendingEngine(Protocol):
+    """An engine that owns its KV but moves a prefix between two engines of its kind
+    through its own connector (vLLM: ``kv_transfer_params``): the holder's engine keeps
+    the prefix's KV for one pull (``lend_prefix``), the other engine loads it into its
+    prefix cache (``load_prefix``), where the request's own prefill then finds it."""
+
+    @property
+    def lends_prefixes(self) -> bool:
+        """Configured to (vLLM: a KV connector); False: pulls are refused."""
+        ...
+
+    async def lend_prefix(self, job: PrefixJob) -> PrefixLent: ...
+
+    async def load_prefix(
+        self, job: PrefixJob, transfer_params: Mapping[str, Any]
+    ) -> PrefixLoaded: ...
+
+
 def split_prefix(prompt_ids: Sequence[int]) -> tuple[Sequence[int], int]:
     """Return the cacheable prefix ``prompt[:-1]`` and the last prompt token."""
     if not prompt_ids:

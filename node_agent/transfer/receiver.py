@@ -8,6 +8,13 @@ order with good checksums, and no more and no fewer bytes than announced. Any fa
 the peer's refusal included, is a ``TransferError``. A migration writes nothing until
 everything was received and verified, and only into blocks of a still-open transaction
 that still lack content, so a failed pull leaves this node's pool exactly as it was.
+
+An engine that keeps KV in its own process (vLLM) takes a prefix through its own
+connector instead: the source's ``LendBlocks`` has its engine hold the prefix (the
+tokens checked against both Txs' keys), this node's engine loads it into its prefix
+cache, where the request's prefill finds it. Best effort like any migration: vLLM may
+evict the loaded blocks before the prefill runs (then it computes them), and a failed
+load is computed by the engine (``cached_tokens`` says how much was loaded).
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ import contextlib
 import time
 import zlib
 
+from kvc import fast_json
+from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.agent_state import AgentState
 from node_agent.blocks.types import InvalidArgument
+from node_agent.engines.base import PrefixJob, PrefixLendingEngine
 from node_agent.errors import PromptRejected, TransferError
 from node_agent.kv import KvContent
 from node_agent.transfer.transport import KvRequest, KvTransport
@@ -67,6 +77,8 @@ class KvReceiver:
         wanted = [i for i, h in enumerate(handles) if state.needs_content(h)]
         if not wanted:
             return 0, 0, 0.0  # everything is here already: no transfer
+        if state.engine.info.owns_kv_cache:
+            return await self._pull_through_engine(request, handles, len(wanted))
         keys = [k for h in handles if (k := state.pool.block_key(h)) is not None]
         lease_left = max(0.001, tx.lease_deadline - state.clock())
         read = pb.ReadBlocksRequest(
@@ -98,6 +110,62 @@ class KvReceiver:
             if state.needs_content(handles[i]) and state.pool.set_payload(handles[i], block):
                 copied += 1
         return copied, nbytes, transfer_s
+
+    async def _pull_through_engine(
+        self, request: pb.PullBlocksRequest, handles: tuple[int, ...], missing: int
+    ) -> tuple[int, int, float]:
+        """The prefix pull of an engine that owns its KV (module docstring): (blocks
+        loaded that this node lacked, their bytes, seconds of the engine's load)."""
+        state = self._state
+        engine = state.engine
+        if not isinstance(engine, PrefixLendingEngine) or not engine.lends_prefixes:
+            raise PromptRejected(
+                f"this node's engine ({engine.info.engine}) cannot take a prefix from a peer"
+            )
+        bs = state.settings.block_size
+        n = len(handles)
+        tokens = tuple(request.prompt_token_ids)
+        if len(tokens) != n * bs:
+            raise InvalidArgument(
+                f"prompt_token_ids must be the {n * bs} tokens of the first {n} blocks "
+                f"(this engine pulls by tokens), got {len(tokens)}"
+            )
+        tenant = state.pool.tx_tenant(request.tx_id)
+        keys = compute_block_keys(tokens, tenant=tenant, model=engine.info.model, block_size=bs)
+        if any(state.pool.block_key(h) != k for h, k in zip(handles, keys, strict=True)):
+            raise InvalidArgument(
+                f"prompt_token_ids are not the tokens of transaction {request.tx_id!r}'s blocks"
+            )
+        tx = state.pool.get_tx(request.tx_id)
+        lease_left = max(0.001, tx.lease_deadline - state.clock())
+        lend = pb.LendBlocksRequest(
+            tx_id=request.source_tx_id,
+            tenant=tenant,
+            read_token=request.source_read_token,
+            prompt_token_ids=tokens,
+            request_id=request.tx_id,
+        )
+        try:
+            lent = await self._transport.lend(request.source_address, lend, timeout_s=lease_left)
+            try:
+                params = fast_json.loads(lent.engine_transfer_params)
+            except ValueError:
+                params = None
+            if not isinstance(params, dict):
+                raise TransferError("the source's engine_transfer_params are not a JSON object")
+        except TransferError:
+            state.metrics.transfer_failures.labels("migration").inc()
+            await state.require_open(request.tx_id)  # our lease ran out: report that instead
+            raise
+        job = PrefixJob(request_id=request.tx_id, prompt_ids=tokens, tenant=tenant)
+        loaded = await engine.load_prefix(job, params)
+        await state.require_open(request.tx_id)
+        # The engine computes the prefix's last token itself: a whole load is one short.
+        loaded_blocks = min(n, (loaded.cached_tokens + 1) // bs)
+        copied = max(0, loaded_blocks - (n - missing))
+        nbytes = copied * bs * engine.info.kv_layout.bytes_per_token
+        state.metrics.record_transfer("received", "migration", nbytes, loaded.seconds)
+        return copied, nbytes, loaded.seconds
 
     async def _receive(
         self,

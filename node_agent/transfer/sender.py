@@ -1,7 +1,10 @@
 """The sending half of KV transfer: a staged prefill (``FetchKv``) or the KV of an open
-transaction's blocks (``ReadBlocks``), streamed through the ``KvTransport``.
+transaction's blocks (``ReadBlocks``), streamed through the ``KvTransport``; or, for an
+engine that keeps KV in its own process (vLLM), a prefix of an open transaction lent
+engine to engine (``LendBlocks``: the engine holds it for one pull by its peer).
 
 Bytes sent are counted even of a transfer cut short; the duration only of complete ones.
+A lend sends no bytes through the agent: the engines move them.
 """
 
 from __future__ import annotations
@@ -10,11 +13,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
+from kvc import fast_json
+from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.agent_state import AgentState
 from node_agent.auth import Caller, check_grantee
 from node_agent.blocks.types import BlockPoolError, InvalidArgument, TenantMismatch
-from node_agent.errors import ContentMissing, NotPermitted, NotStaged
+from node_agent.engines.base import PrefixJob, PrefixLendingEngine
+from node_agent.errors import ContentMissing, NotPermitted, NotStaged, PromptRejected
 from node_agent.kv import KvContent
 from node_agent.transfer.staging import ReadGrants, StagingArea
 from node_agent.transfer.transport import KvTransport
@@ -55,15 +61,19 @@ class KvSender:
         async for msg in self._count_sent(stream, "handoff"):
             yield msg
 
+    def _check_grant(self, tx_id: str, read_token: str, caller: Caller) -> None:
+        """The caller holds the Tx's read grant, and the grant is for its node."""
+        grantee = self._grants.grantee(tx_id, read_token)
+        if grantee is None:
+            raise NotPermitted(f"no read grant for transaction {tx_id!r}")
+        self._may_use(caller)(grantee)
+
     async def read_blocks(
         self, request: pb.ReadBlocksRequest, caller: Caller
     ) -> AsyncIterator[pb.KvChunk]:
         """Stream the KV of the first blocks of an open Tx (any role may serve), to a
         caller holding the Tx's read grant, if the grant is for its node."""
-        grantee = self._grants.grantee(request.tx_id, request.read_token)
-        if grantee is None:
-            raise NotPermitted(f"no read grant for transaction {request.tx_id!r}")
-        self._may_use(caller)(grantee)
+        self._check_grant(request.tx_id, request.read_token, caller)
         try:
             kv = await self._read_tx_blocks(
                 request.tx_id, tuple(request.block_keys), request.tenant
@@ -75,6 +85,44 @@ class KvSender:
         stream = self._stream(kv, num_tokens, request.max_chunk_bytes)
         async for msg in self._count_sent(stream, "migration"):
             yield msg
+
+    async def lend_blocks(
+        self, request: pb.LendBlocksRequest, caller: Caller
+    ) -> pb.LendBlocksResponse:
+        """Have the engine hold the prefix of an open Tx for one pull by its peer engine
+        (the caller holds the Tx's read grant, for its node) and answer how to pull it.
+
+        The tokens are checked against the Tx's keys, so a caller cannot have this node
+        lend anything but the blocks the conductor locked for it."""
+        self._check_grant(request.tx_id, request.read_token, caller)
+        state = self._state
+        engine = state.engine
+        if not isinstance(engine, PrefixLendingEngine) or not engine.lends_prefixes:
+            raise PromptRejected(
+                f"this node's engine ({engine.info.engine}) does not lend prefixes to peers"
+            )
+        tokens = tuple(request.prompt_token_ids)
+        bs = state.settings.block_size
+        if not tokens or len(tokens) % bs:
+            raise InvalidArgument(
+                f"prompt_token_ids must be whole blocks of {bs} tokens, got {len(tokens)}"
+            )
+        keys = compute_block_keys(
+            tokens, tenant=request.tenant, model=engine.info.model, block_size=bs
+        )
+        try:
+            self._tx_handles(request.tx_id, tuple(keys), request.tenant)
+        except BlockPoolError:
+            await state.events.after_mutation()  # the lookup may have expired leases
+            raise
+        lent = await engine.lend_prefix(
+            PrefixJob(request_id=request.request_id, prompt_ids=tokens, tenant=request.tenant)
+        )
+        return pb.LendBlocksResponse(
+            engine_transfer_params=fast_json.dumps(dict(lent.transfer_params)).decode(),
+            num_tokens=len(tokens),
+            cached_tokens=lent.cached_tokens,
+        )
 
     def _stream(
         self, kv: KvContent | None, num_tokens: int, max_chunk_bytes: int
@@ -111,8 +159,8 @@ class KvSender:
             if complete:
                 metrics.transfer_seconds.labels("sent", kind).observe(time.perf_counter() - started)
 
-    async def _read_tx_blocks(self, tx_id: str, keys: tuple[int, ...], tenant: str) -> KvContent:
-        """KV of the open Tx's first ``len(keys)`` blocks, which must hold exactly ``keys``."""
+    def _tx_handles(self, tx_id: str, keys: tuple[int, ...], tenant: str) -> tuple[int, ...]:
+        """The open Tx's first ``len(keys)`` blocks, which must hold exactly ``keys``."""
         state = self._state
         if not keys:
             raise InvalidArgument("block_keys must not be empty")
@@ -125,9 +173,15 @@ class KvSender:
             )
         if any(state.pool.block_key(h) != k for h, k in zip(handles, keys, strict=False)):
             raise InvalidArgument(f"transaction {tx_id!r} holds other blocks than those asked for")
+        return handles[: len(keys)]
+
+    async def _read_tx_blocks(self, tx_id: str, keys: tuple[int, ...], tenant: str) -> KvContent:
+        """KV of the open Tx's first ``len(keys)`` blocks, which must hold exactly ``keys``."""
+        state = self._state
+        handles = self._tx_handles(tx_id, keys, tenant)
         # Taken now, before any await: payloads are immutable, so what is streamed
         # stays the content of these keys even if the lease ran out meanwhile.
-        payloads = [state.content(h) for h in handles[: len(keys)]]
+        payloads = [state.content(h) for h in handles]
         bs = state.settings.block_size
         missing = sum(p is None or p.num_tokens != bs for p in payloads)
         if missing:

@@ -7,7 +7,10 @@ migration, ``ReadBlocks``) go through one ``KvTransport``:
   announced size in the first, a CRC32 in each, at least one chunk (an empty one for
   zero tokens) so the receiver always learns the layout;
 * receiving: ``receive`` opens a peer's ``FetchKv``/``ReadBlocks`` stream and yields its
-  chunks as they come; any failure of the peer or the link is a ``TransferError``.
+  chunks as they come; any failure of the peer or the link is a ``TransferError``;
+* lending: ``lend`` asks a peer whose engine owns its KV (vLLM) to hold a prefix for
+  one pull by this node's engine (``LendBlocks``); the bytes then travel engine to
+  engine, outside this transport.
 
 What the chunks must satisfy (layout, size, order, checksums) is checked by the
 receiver (``node_agent.transfer.receiver``), never by the transport, so a transport
@@ -57,6 +60,12 @@ class KvTransport(Protocol):
         self, address: str, request: KvRequest, *, timeout_s: float | None = None
     ) -> AsyncGenerator[pb.KvChunk, None]:
         """The chunks the agent at ``address`` answers ``request`` with."""
+        ...
+
+    async def lend(
+        self, address: str, request: pb.LendBlocksRequest, *, timeout_s: float | None = None
+    ) -> pb.LendBlocksResponse:
+        """The peer's engine transfer parameters for a prefix it holds."""
         ...
 
     async def aclose(self) -> None: ...
@@ -111,6 +120,18 @@ class GrpcKvTransport:
             ) from exc
         finally:
             call.cancel()  # no-op when complete; stops the peer when we gave up early
+
+    async def lend(
+        self, address: str, request: pb.LendBlocksRequest, *, timeout_s: float | None = None
+    ) -> pb.LendBlocksResponse:
+        stub = self._stub(address)
+        try:
+            response: pb.LendBlocksResponse = await stub.LendBlocks(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise TransferError(
+                f"prefix lend by {address} failed: {exc.code().name}: {exc.details()}"
+            ) from exc
+        return response
 
     def _stub(self, address: str) -> pb_grpc.NodeAgentAsyncStub:
         channel = self._channels.get(address)

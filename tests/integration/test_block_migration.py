@@ -83,6 +83,11 @@ class SlowToFinish:
             yield chunk
         await wait_until(self.until)
 
+    async def lend(
+        self, address: str, request: pb.LendBlocksRequest, *, timeout_s: float | None = None
+    ) -> pb.LendBlocksResponse:
+        return await self._real.lend(address, request, timeout_s=timeout_s)
+
     async def aclose(self) -> None:
         await self._real.aclose()
 

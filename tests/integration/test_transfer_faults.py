@@ -45,6 +45,11 @@ class LinkDropsAfter:
     ) -> AsyncGenerator[pb.KvChunk, None]:
         return self._real.receive(address, request, timeout_s=timeout_s)
 
+    async def lend(
+        self, address: str, request: pb.LendBlocksRequest, *, timeout_s: float | None = None
+    ) -> pb.LendBlocksResponse:
+        return await self._real.lend(address, request, timeout_s=timeout_s)
+
     async def aclose(self) -> None:
         await self._real.aclose()
 

@@ -7,15 +7,20 @@ Checked: the agent's pool takes the engine's geometry; a generation streams; the
 KV events land in the agent's pool under the canonical keys the conductor computes; a
 second identical request reports cached tokens; prefill/decode through
 ``kv_transfer_params`` (``pd_connector=nixl``) moves the KV from the prefill engine to
-the decode engine (the prefill engine's held blocks are released by the pull).
+the decode engine (the prefill engine's held blocks are released by the pull); a
+prefix pull between two vLLM nodes (``PullBlocks`` → the holder's ``LendBlocks``) through
+the same protocol lands the prefix in the puller's engine cache, where its prefill finds it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
+from typing import Any
 
+import grpc
 import httpx
 import pytest
 
@@ -25,12 +30,13 @@ from kvc.models import DEFAULT_MODEL_DIR
 from kvc.roles import NodeRole
 from kvc.tokenization import ChatTokenizer
 from kvc.v1 import node_agent_pb2 as pb
+from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc_sim.profile import load_profile
 from kvc_sim.vllm_sim.config import KvEventsConfig, SimEngineConfig
 from kvc_sim.vllm_sim.server import SimEngineServer, SimEngineState, create_app
 from node_agent.blocks.types import KvMedium
 from node_agent.engines.vllm.adapter import VllmEngineAdapter
-from node_agent.engines.vllm.config import VllmConfig
+from node_agent.engines.vllm.config import VllmConfig, salt_for_tenant
 from node_agent.main import start_engine
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
@@ -56,7 +62,9 @@ async def start_node() -> AsyncIterator[StartNode]:
     """A sim engine with KV events and an agent attached to it; all stopped at teardown."""
     nodes: list[Node] = []
 
-    async def start(role: NodeRole, pd_connector: str, *, cpu_blocks: int = 0) -> Node:
+    async def start(
+        role: NodeRole, pd_connector: str, *, cpu_blocks: int = 0, **agent_settings: Any
+    ) -> Node:
         config = SimEngineConfig(
             model_dir=DEFAULT_MODEL_DIR,
             served_model_name=MODEL,
@@ -87,6 +95,7 @@ async def start_node() -> AsyncIterator[StartNode]:
             load_interval_s=0.05,
             calibrate=False,
             vllm_cpu_offload_bytes=cpu_blocks * BLOCK_SIZE * 2048,  # tiny-llama: 2 KiB/token
+            **agent_settings,
         )
         adapter = VllmEngineAdapter(VllmConfig.from_settings(settings), TOKENIZER)
         settings = await start_engine(adapter, settings)
@@ -301,3 +310,177 @@ async def test_a_vllm_node_answers_breakpoints_unsupported_and_serves(
     registry = agent.service.metrics.registry
     assert registry.get_sample_value("node_agent_retentions_total", {"outcome": "unsupported"}) == 1
     assert_no_locks(agent)
+
+
+def _stub(agent: AgentServer) -> tuple[grpc.aio.Channel, pb_grpc.NodeAgentAsyncStub]:
+    channel = grpc.aio.insecure_channel(agent.address)
+    return channel, pb_grpc.NodeAgentStub(channel)
+
+
+# Five whole blocks of a shared prefix, then a tail of the puller's own.
+SHARED_IDS = [(7 * i + 11) % 1900 + 10 for i in range(5 * BLOCK_SIZE)]
+PULL_PROMPT = [*SHARED_IDS, *range(40, 61)]
+
+
+async def _seed(agent: AgentServer, engine: SimEngineServer, ids: list[int]) -> list[BlockKey]:
+    """Cache ``ids`` in the engine under the tenant's salt; wait for the agent's mirror."""
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "cache_salt": salt_for_tenant(TENANT)}
+    async with httpx.AsyncClient(base_url=engine.url) as http:
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+    keys = compute_block_keys(ids[:-1], tenant=TENANT, model=MODEL, block_size=BLOCK_SIZE)
+    await wait_until(partial(_mirrored, agent, {int(k) for k in keys}))
+    return keys
+
+
+async def test_a_prefix_moves_between_vllm_nodes_through_kv_transfer_params(
+    start_node: StartNode,
+) -> None:
+    """The conductor's choreography for hot-spot replication, on two prefill vLLM nodes:
+    the puller allocates the whole prompt, the holder locks the shared prefix, the puller's
+    ``PullBlocks`` has the holder's engine lend it (a prefill leg of the prefix) and its
+    own engine load it (a decode leg of one token); the puller's prefill then finds the
+    prefix in its engine's cache instead of computing it."""
+    holder, h_engine = await start_node("prefill", "nixl")
+    puller, p_engine = await start_node("prefill", "nixl")
+    assert holder.service.node_info.kv_migration
+    assert puller.service.node_info.kv_migration
+    await _seed(holder, h_engine, [*SHARED_IDS, 7])
+    keys = compute_block_keys(PULL_PROMPT[:-1], tenant=TENANT, model=MODEL, block_size=BLOCK_SIZE)
+    h_channel, h_stub = _stub(holder)
+    p_channel, p_stub = _stub(puller)
+    try:
+        alloc = await p_stub.TxAllocate(
+            pb.TxAllocateRequest(tx_id="p", tenant=TENANT, block_keys=keys, lease_s=30)
+        )
+        assert alloc.reused_blocks == 0
+        lock = await h_stub.TxAllocate(
+            pb.TxAllocateRequest(
+                tx_id="s", tenant=TENANT, block_keys=keys[:5], lease_s=30,
+                mode=pb.TX_MODE_LOCK_ONLY, grantee=puller.service.node_info.node_id,
+            )
+        )  # fmt: skip
+        assert lock.reused_blocks == 5
+        pull = pb.PullBlocksRequest(
+            tx_id="p", source_address=holder.address, source_tx_id="s",
+            source_read_token=lock.read_token, num_blocks=5,
+            prompt_token_ids=PULL_PROMPT[: 5 * BLOCK_SIZE],
+        )  # fmt: skip
+        # Tokens that are not the Tx's blocks, or no read token: refused, nothing moved.
+        wrong = pb.PullBlocksRequest()
+        wrong.CopyFrom(pull)
+        wrong.prompt_token_ids[0] += 1
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await p_stub.PullBlocks(wrong)
+        assert exc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        no_token = pb.PullBlocksRequest()
+        no_token.CopyFrom(pull)
+        no_token.source_read_token = "forged"
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await p_stub.PullBlocks(no_token)
+        assert "no read grant" in (exc.value.details() or "")
+        assert _engine_state(p_engine).puller.pulls == 0
+
+        pulled = await p_stub.PullBlocks(pull)
+        assert pulled.blocks_copied == 5
+        assert pulled.bytes == 5 * BLOCK_SIZE * 2048  # tiny-llama: 2 KiB of KV per token
+        assert pulled.transfer_s > 0
+        assert _engine_state(p_engine).puller.pulls == 1
+        assert _engine_state(h_engine).runner.scheduler.held == {}  # the pull released them
+        await h_stub.TxCommit(pb.TxCommitRequest(tx_id="s"))
+
+        hits_before = _engine_state(p_engine).runner.scheduler.prefix_cache_hits
+        pre = await p_stub.Prefill(
+            pb.PrefillRequest(
+                request_id="r1", tenant=TENANT, tx_id="p", prompt_token_ids=PULL_PROMPT
+            )
+        )
+        assert pre.cached_tokens == 5 * BLOCK_SIZE  # found in the engine's cache
+        hits = _engine_state(p_engine).runner.scheduler.prefix_cache_hits - hits_before
+        assert hits == 5 * BLOCK_SIZE
+        await p_stub.TxCommit(pb.TxCommitRequest(tx_id="p"))
+    finally:
+        await h_channel.close()
+        await p_channel.close()
+    # The request's prefill leg holds its KV for a decode engine, nothing else is held.
+    assert len(_engine_state(p_engine).runner.scheduler.held) == 1
+    assert_no_locks(holder, puller)
+
+
+async def test_a_vllm_node_without_prefix_pulls_neither_lends_nor_pulls(
+    start_node: StartNode,
+) -> None:
+    holder, h_engine = await start_node("prefill", "nixl", vllm_prefix_pulls=False)
+    colocated, _ = await start_node("both", "none")
+    assert not holder.service.node_info.kv_migration
+    assert not colocated.service.node_info.kv_migration
+    await _seed(holder, h_engine, [*SHARED_IDS, 7])
+    keys = compute_block_keys(SHARED_IDS, tenant=TENANT, model=MODEL, block_size=BLOCK_SIZE)
+    channel, stub = _stub(holder)
+    try:
+        lock = await stub.TxAllocate(
+            pb.TxAllocateRequest(
+                tx_id="s", tenant=TENANT, block_keys=keys, lease_s=30, mode=pb.TX_MODE_LOCK_ONLY
+            )
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.LendBlocks(
+                pb.LendBlocksRequest(
+                    tx_id="s", tenant=TENANT, read_token=lock.read_token,
+                    prompt_token_ids=SHARED_IDS, request_id="r",
+                )
+            )  # fmt: skip
+        assert exc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not lend prefixes" in (exc.value.details() or "")
+        await stub.TxAbort(pb.TxAbortRequest(tx_id="s"))
+    finally:
+        await channel.close()
+    assert _engine_state(h_engine).runner.scheduler.held == {}
+    assert_no_locks(holder, colocated)
+
+
+async def test_the_conductor_replicates_a_hot_prefix_between_vllm_nodes(
+    start_node: StartNode, conductor: ConductorFactory
+) -> None:
+    """Through the conductor: a prefix cached on one prefill node, a prior that makes
+    prefill expensive (queueing on the holder costs more than a pull, Algorithm 1 lines
+    5-8), concurrent requests: the idle prefill node pulls the prefix from the holder
+    through vLLM's protocol, and every request is served from cached KV."""
+    holder, _ = await start_node("prefill", "nixl")
+    puller, p_engine = await start_node("prefill", "nixl")
+    decode, _ = await start_node("decode", "nixl")
+    system = " ".join(f"rule{i}" for i in range(80))
+
+    def body(question: str) -> dict[str, object]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return chat_body(messages=messages, max_tokens=3)
+
+    async with conductor([holder, decode]) as c:
+        r = await c.client.post("/v1/chat/completions", json=body("hello"))
+        assert r.status_code == 200, r.text
+    shared = len(TOKENIZER.chat_token_ids([{"role": "system", "content": system}])) // BLOCK_SIZE
+    assert shared >= 8
+    slow = {"prefill_prior_per_token_s": 0.01, "kvcache_balancing_threshold": 2.0}
+    async with conductor([holder, puller, decode], placement_headers=True, **slow) as c:
+        node = NodeId(holder.address)
+        await wait_until(lambda: c.state.index.node_key_count(node) >= shared)
+        responses = await asyncio.gather(
+            *(c.client.post("/v1/chat/completions", json=body(f"question {i}?")) for i in range(4))
+        )
+        # At least one ran on the node that pulled the prefix, and was served from it.
+        assert puller.address in {r.headers.get("x-kvc-prefill-node") for r in responses}
+        for r in responses:
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= (
+                (shared - 1) * BLOCK_SIZE
+            )
+        metrics = (await c.client.get("/metrics")).text
+        migrations = next(
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("conductor_kv_migrations_total ")
+        )
+        assert migrations >= 1
+        await wait_until(lambda: c.state.index.node_key_count(NodeId(puller.address)) >= shared)
+    assert _engine_state(p_engine).puller.pulls >= 1
+    assert _engine_state(p_engine).puller.failures == 0
+    assert_no_locks(holder, puller, decode)

@@ -36,6 +36,9 @@ def test_disaggregated_fleet_pairs_each_engine_with_an_agent() -> None:
         assert _flag(agent.args, "--kv-events-replay-endpoint") == events["replay_endpoint"]
         assert _flag(agent.args, "--pd-connector") == "nixl"
         assert _flag(agent.args, "--role") in ("prefill", "decode")
+        assert "--no-vllm-prefix-pulls" in agent.args  # as live-parity's simulator: no pulls
+    pulls = plan_fleet(FleetOptions(prefill=2, decode=1, prefix_pulls=True), IPC)
+    assert all("--vllm-prefix-pulls" in a.args for a in pulls.agents)
     for conductor in plan.conductors:
         assert _flag(conductor.args, "--agents").split(",") == list(plan.agent_addresses)
     assert plan.conductor_urls == ("http://127.0.0.1:8000", "http://127.0.0.1:8001")
@@ -87,9 +90,10 @@ def test_impossible_fleets_are_refused(options: FleetOptions, message: str) -> N
 def test_cli_flags_map_onto_the_options() -> None:
     ns = build_parser().parse_args(
         ["fleet", "up", "--prefill", "4", "--decode", "4", "--time-scale", "0.5",
-         "--agent-arg=--no-calibrate", "--policy", "kv_centric"]
+         "--agent-arg=--no-calibrate", "--policy", "kv_centric", "--prefix-pulls"]
     )  # fmt: skip
     assert (ns.prefill, ns.decode, ns.time_scale, ns.policy) == (4, 4, 0.5, "kv_centric")
+    assert ns.prefix_pulls
     assert ns.agent_arg == ["--no-calibrate"]
 
 

@@ -68,6 +68,9 @@ from node_agent.engines.base import (
     PrefillOutcome,
     PrefillProbe,
     PrefillProbeResult,
+    PrefixJob,
+    PrefixLent,
+    PrefixLoaded,
     validate_prompt,
 )
 from node_agent.engines.vllm.config import (
@@ -416,6 +419,39 @@ class VllmEngineAdapter:
         if response.status_code != 200:
             raise _status_error(response.status_code, await response.aread())
 
+    async def _unstreamed(self, body: dict[str, Any], request_id: str, what: str) -> dict[str, Any]:
+        """One unstreamed completion's answer (the legs of a KV hand-off)."""
+        assert self._stream is not None
+        try:
+            # The lean client, as for Generate: httpx cost ~3 ms of CPU per call here.
+            async with self._stream.post(
+                "/v1/completions", fast_json.dumps(body), {"X-Request-Id": request_id}
+            ) as response:
+                content = await response.aread()
+                if response.status != 200:
+                    raise _status_error(response.status, content)
+        except StreamClientError as exc:
+            raise EngineError(f"vLLM request failed: {exc}") from exc
+        return _json_object(content, what)
+
+    async def _prefill_leg(
+        self, prompt_ids: tuple[int, ...], tenant: str, request_id: str
+    ) -> tuple[dict[str, Any], int]:
+        """vLLM's prefill leg (``do_remote_decode``): it keeps the KV for one pull and
+        answers ``(kv_transfer_params, cached tokens)``."""
+        body = self._body(
+            prompt_ids, tenant, _ONE_TOKEN, stream=False, token_ids=False,
+            transfer={
+                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None,
+            },
+        )  # fmt: skip
+        data = await self._unstreamed(body, request_id, "its prefill answer")
+        params = data.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise EngineError("vLLM returned no kv_transfer_params: is a KV connector configured?")
+        return params, _cached_tokens(data.get("usage"))
+
     async def prefill(self, job: PrefillJob) -> PrefillOutcome:
         """The prefill leg of vLLM's P/D protocol; only with ``pd_connector`` set."""
         if self._config.pd_connector == "none":
@@ -425,39 +461,59 @@ class VllmEngineAdapter:
             )
         self._require_open()
         self._validate(job.prompt_ids, 1)
-        body = self._body(
-            job.prompt_ids, job.tenant, _ONE_TOKEN, stream=False, token_ids=False,
-            transfer={
-                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None,
-            },
-        )  # fmt: skip
         self._queued_prefill_tokens += len(job.prompt_ids)
         started = time.perf_counter()
-        assert self._stream is not None
         try:
-            # The lean client, as for Generate: httpx cost ~3 ms of CPU per call here.
-            async with self._stream.post(
-                "/v1/completions", fast_json.dumps(body), {"X-Request-Id": job.request_id}
-            ) as response:
-                content = await response.aread()
-                if response.status != 200:
-                    raise _status_error(response.status, content)
-        except StreamClientError as exc:
-            raise EngineError(f"vLLM request failed: {exc}") from exc
+            params, cached = await self._prefill_leg(job.prompt_ids, job.tenant, job.request_id)
         finally:
             self._queued_prefill_tokens -= len(job.prompt_ids)
-        data = _json_object(content, "its prefill answer")
-        params = data.get("kv_transfer_params")
-        if not isinstance(params, dict):
-            raise EngineError("vLLM returned no kv_transfer_params: is a KV connector configured?")
-        cached = _cached_tokens(data.get("usage"))
         return PrefillOutcome(
             kv=None,
             cached_tokens=cached,
             computed_tokens=len(job.prompt_ids) - cached,
             prefill_s=time.perf_counter() - started,
             engine_transfer_params=params,
+        )
+
+    # ------------------------------------------------------------------ prefix pulls
+    @property
+    def lends_prefixes(self) -> bool:
+        return self._config.pd_connector != "none" and self._config.prefix_pulls
+
+    def _require_lending(self, job: PrefixJob) -> None:
+        if not self.lends_prefixes:
+            raise PromptRejected(
+                "this vLLM node neither lends nor pulls prefixes (it needs pd_connector=nixl "
+                "and vllm_prefix_pulls=true)"
+            )
+        self._require_open()
+        self._validate(job.prompt_ids, 1)
+
+    async def lend_prefix(self, job: PrefixJob) -> PrefixLent:
+        """A prefill leg of the prefix alone: vLLM finds it cached (it computes only the
+        last token again) and keeps its blocks for the pulling engine.
+
+        Not counted as queued prefill: the holder's cache is what is lent, not its compute.
+        """
+        self._require_lending(job)
+        params, cached = await self._prefill_leg(job.prompt_ids, job.tenant, job.request_id)
+        return PrefixLent(transfer_params=params, cached_tokens=cached)
+
+    async def load_prefix(self, job: PrefixJob, transfer_params: Mapping[str, Any]) -> PrefixLoaded:
+        """The decode leg of the prefix alone (one token): vLLM loads the lent KV through
+        its connector and caches the prefix's blocks, where the request's own prefill then
+        finds them. A failed load is computed here instead (vLLM's
+        ``kv_load_failure_policy="recompute"``): ``cached_tokens`` tells which happened."""
+        self._require_lending(job)
+        body = self._body(
+            job.prompt_ids, job.tenant, _ONE_TOKEN, stream=False, token_ids=False,
+            transfer={**transfer_params, "do_remote_prefill": True, "do_remote_decode": False},
+        )  # fmt: skip
+        started = time.perf_counter()
+        data = await self._unstreamed(body, job.request_id, "its prefix load answer")
+        return PrefixLoaded(
+            cached_tokens=_cached_tokens(data.get("usage")),
+            seconds=time.perf_counter() - started,
         )
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[GenerationStep]:

@@ -77,6 +77,7 @@ class VllmConfig:
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = "kv-events"
     pd_connector: str = "none"
+    prefix_pulls: bool = True  # with pd_connector: lend and load prefixes (LendBlocks)
     host_media: frozenset[str] = frozenset()  # KV-event media mirrored as host copies
     max_running: int = 16
     metrics_interval_s: float = 0.5
@@ -98,6 +99,7 @@ class VllmConfig:
             kv_events_replay_endpoint=settings.kv_events_replay_endpoint,
             kv_events_topic=settings.kv_events_topic,
             pd_connector=settings.pd_connector,
+            prefix_pulls=settings.vllm_prefix_pulls,
             host_media=frozenset({"CPU"}) if settings.vllm_cpu_offload_bytes > 0 else frozenset(),
             max_running=settings.resolved_max_running(),
             metrics_interval_s=settings.load_interval_s,
