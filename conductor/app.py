@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from conductor.adapters.agents import AgentFleet
 from conductor.adapters.discovery import run_discovery
 from conductor.adapters.ratelimit import RateLimiter
+from conductor.adapters.replica_hints import ReplicaHinter
 from conductor.adapters.shadow import ShadowSync
 from conductor.api.admin import router as admin_router
 from conductor.api.anthropic import MESSAGES_PATH, anthropic_error_body
@@ -294,6 +295,10 @@ def create_app(
                     fleet, index, on_lag=metrics.event_lag.observe, lower=lower_tiers
                 )
                 tasks.append(asyncio.create_task(shadow.run(stop)))
+                hinter = ReplicaHinter(fleet, index)
+                tasks.append(
+                    asyncio.create_task(hinter.run(settings.replica_hints_interval_s, stop))
+                )
 
             async def stop_background() -> None:
                 stop.set()

@@ -190,6 +190,15 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
     agent_poll_interval_s: float = Field(
         2.0, gt=0, description="Agent health/info poll period", json_schema_extra=_AGENTS
     )
+    replica_hints_interval_s: float = Field(
+        2.0,
+        gt=0,
+        description=(
+            "Period of the replica hints pushed to agents that evict replica-aware "
+            "(their replica_aware_eviction); other agents get none"
+        ),
+        json_schema_extra=_AGENTS,
+    )
     lease_s: float = Field(
         30.0,
         gt=0,

@@ -169,6 +169,7 @@ def plan_fleet(opts: FleetOptions, ipc_dir: str) -> FleetPlan:
             "--num-gpu-blocks", str(opts.num_gpu_blocks),
             "--max-model-len", str(opts.max_model_len),
             "--kv-events-config", json.dumps(events_config),
+            *(("--scheduling-policy", "priority") if opts.prefix_pulls else ()),
             *opts.engine_args,
         )  # fmt: skip
         engines.append(ProcessSpec(f"engine-{name}", engine_args, (http,)))
@@ -180,7 +181,10 @@ def plan_fleet(opts: FleetOptions, ipc_dir: str) -> FleetPlan:
             "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay,
             "--pd-connector", "none" if role == "both" else "nixl",
             "--max-running", str(opts.max_running),
-            "--vllm-prefix-pulls" if opts.prefix_pulls else "--no-vllm-prefix-pulls",
+            *(
+                ("--vllm-prefix-pulls", "--vllm-prefix-pull-priority=-1")
+                if opts.prefix_pulls else ("--no-vllm-prefix-pulls",)
+            ),
             *opts.agent_args,
         )  # fmt: skip
         agents.append(ProcessSpec(f"agent-{name}", agent_args, (grpc,)))

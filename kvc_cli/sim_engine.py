@@ -18,7 +18,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 from pydantic import Field, field_validator
 from pydantic.config import JsonDict
@@ -102,6 +102,14 @@ class SimEngineSettings(BaseSettings):
         description="Token budget per step (default: the profile's prefill chunk_tokens)",
         json_schema_extra=_SCHED,
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description=(
+            "vLLM's --scheduling-policy: fcfs (a request's priority must be 0) or priority "
+            "(waiting requests by priority, lower first, then arrival)"
+        ),
+        json_schema_extra=_SCHED,
+    )
     kv_events_config: str = Field(
         "",
         description="vLLM's --kv-events-config JSON (empty: no KV events)",
@@ -144,6 +152,7 @@ def _run(ns: argparse.Namespace, log_level: str) -> int:
             num_cpu_blocks=settings.num_cpu_blocks,
             enable_prefix_caching=settings.enable_prefix_caching,
             max_num_seqs=settings.max_num_seqs,
+            scheduling_policy=settings.scheduling_policy,
             max_num_batched_tokens=(
                 settings.max_num_batched_tokens or profile.prefill.chunk_tokens
             ),

@@ -22,7 +22,7 @@ TxAllocate/Commit/     conductor
 Abort, Snapshot,
 WatchEvents, Prefill,
 Generate, PullBlocks,
-Drain
+Drain, ReplicaHints
 FetchKv, ReadBlocks,   conductor, agent
 LendBlocks
 GetInfo                conductor, agent

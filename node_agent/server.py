@@ -64,10 +64,11 @@ from node_agent.blocks.types import (
 )
 from node_agent.calibration import Calibration, calibrate_before_serving
 from node_agent.engines.base import CacheMirroringEngine, EngineAdapter, PrefixLendingEngine
-from node_agent.errors import Draining
+from node_agent.errors import Draining, PromptRejected
 from node_agent.event_stream import EngineHostTier, EventPublisher
 from node_agent.generation import Generation
 from node_agent.metrics import AgentMetrics, MetricsServer
+from node_agent.replica_hints import ReplicaHintSet
 from node_agent.rpc_errors import AGENT_ERRORS, Context, maps_errors
 from node_agent.settings import AgentSettings
 from node_agent.tier_runner import ThreadRunner, prefetch
@@ -133,6 +134,8 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         metrics: AgentMetrics | None = None,
     ) -> None:
         self.metrics = metrics if metrics is not None else AgentMetrics()
+        # Two conductors' pushes may interleave: room for twice the pool.
+        self.replica_hints = ReplicaHintSet(max_keys=2 * settings.capacity_blocks)
         self.pool = BlockPool(
             capacity_blocks=settings.capacity_blocks,
             clock=clock,
@@ -142,10 +145,14 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             retention_budget_block_s=settings.resolved_retention_budget_block_s(),
             max_retained_blocks=settings.max_retained_blocks(),
             max_retention_s=settings.max_retention_s,
+            replicas_elsewhere=(
+                self.replica_hints.count if settings.replica_aware_eviction else None
+            ),
         )
         self.events = EventPublisher(
             self.pool, engine, self.metrics, max_buffered=settings.event_buffer
         )
+        self.replica_hints.epoch = self.events.epoch
         self.state = AgentState(settings, engine, self.pool, self.metrics, self.events, clock)
         self.tls = settings.tls_files() is not None  # callers carry role certificates
         self.transport: KvTransport = (
@@ -193,6 +200,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             max_running_requests=s.resolved_max_running(),
             fused_tx=True,
             kv_migration=_moves_prefixes(self.state.engine),
+            replica_hints=s.replica_aware_eviction,
         )
         lower = self.pool.lower
         if lower is not None:  # bandwidth of each tier, before any traffic
@@ -487,6 +495,17 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             await self.events.after_mutation()  # the lookups may have expired leases
             raise
         return pb.PullBlocksResponse(blocks_copied=copied, bytes=nbytes, transfer_s=transfer_s)
+
+    @maps_errors
+    @authorized("conductor")
+    async def ReplicaHints(
+        self, request: pb.ReplicaHintsRequest, context: Context
+    ) -> pb.ReplicaHintsResponse:
+        if not self.state.settings.replica_aware_eviction:
+            raise PromptRejected(
+                "this node does not evict replica-aware (replica_aware_eviction is off)"
+            )
+        return self.replica_hints.apply(request)
 
     @maps_errors
     @authorized("conductor", "agent")

@@ -227,6 +227,16 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         description="Disk (L3) budget in bytes (needs disk_tier_dir); 0: off",
         json_schema_extra=_BLOCKS,
     )
+    replica_aware_eviction: bool = Field(
+        False,
+        description=(
+            "Evicted blocks that conductors see on another node are dropped, not demoted, "
+            "so the lower tiers keep the fleet's last copies (replica hints pushed by "
+            "conductors); needs host_tier_bytes or disk_tier_bytes. Off by default: it "
+            "did not pay in the simulator (docs/benchmarks.md)"
+        ),
+        json_schema_extra=_BLOCKS,
+    )
     stage_ttl_s: float = Field(
         30.0, gt=0, description="Staged KV expires unfetched after this", json_schema_extra=_BLOCKS
     )
@@ -308,6 +318,18 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         "NixlConnector, GPUs only); none: vLLM nodes run role both",
         json_schema_extra=_VLLM,
     )
+    vllm_prefix_pull_priority: int = Field(
+        0,
+        ge=-(2**31),
+        lt=2**31,
+        description=(
+            "vLLM request priority of a prefix pull's two legs (the holder's lend, this "
+            "node's load): below 0 they go before waiting requests under vLLM's "
+            "--scheduling-policy priority (which vLLM then needs); 0: none sent, they "
+            "queue first come first served, behind the engines' whole waiting queues"
+        ),
+        json_schema_extra=_VLLM,
+    )
     vllm_prefix_pulls: bool = Field(
         True,
         description=(
@@ -335,6 +357,11 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
             raise ValueError(
                 f"host/disk KV tiers need the embedded engine; {self.engine} keeps its KV "
                 "in its own process (vLLM: its own CPU offloading, see docs/engines.md)"
+            )
+        if self.replica_aware_eviction and not (self.host_tier_bytes or self.disk_tier_bytes):
+            raise ValueError(
+                "replica_aware_eviction chooses between demoting and dropping: it needs a "
+                "lower tier (host_tier_bytes or disk_tier_bytes)"
             )
         return self
 

@@ -737,6 +737,28 @@ class PrefixIndex:
             mask &= ~state.bit
         return mask.bit_count()
 
+    def replicated_keys(self, nodes: Iterable[NodeId]) -> dict[NodeId, npt.NDArray[np.uint64]]:
+        """For each of ``nodes``, its keys that another node also holds, sorted: the
+        replica hints a replica-aware agent evicts by (unknown nodes: none).
+
+        One vectorised pass over the table for the keys held twice or more, then per node
+        O(holder sets + those keys)."""
+        masks = self._masks
+        table = self._table
+        twice = np.array([m & (m - 1) != 0 for m in masks], dtype=bool)  # >= 2 holders
+        selected = twice[table.ids]
+        keys, ids = table.keys[selected], table.ids[selected]
+        out: dict[NodeId, npt.NDArray[np.uint64]] = {}
+        for node in nodes:
+            state = self._nodes.get(node)
+            if state is None or not len(keys):
+                out[node] = np.empty(0, dtype=np.uint64)
+                continue
+            bit = state.bit
+            holds = np.array([bool(m & bit) for m in masks], dtype=bool)
+            out[node] = np.sort(keys[holds[ids]])
+        return out
+
     def node_key_count(self, node: NodeId) -> int:
         """Keys the shadow holds for ``node`` (0 when unknown)."""
         state = self._nodes.get(node)

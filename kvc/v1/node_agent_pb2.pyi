@@ -225,6 +225,7 @@ class NodeInfo(_message.Message):
     TIERS_FIELD_NUMBER: _builtins.int
     STREAM_ADDRESS_FIELD_NUMBER: _builtins.int
     KV_MIGRATION_FIELD_NUMBER: _builtins.int
+    REPLICA_HINTS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -264,6 +265,10 @@ class NodeInfo(_message.Message):
     through the engine's own KV connector (vLLM with pd_connector). Conductors
     plan prefix pulls only between such nodes of the same engine.
     """
+    replica_hints: _builtins.bool
+    """Evicts replica-aware (the agent's replica_aware_eviction): conductors push it
+    ReplicaHints.
+    """
     @_builtins.property
     def kv_layout(self) -> Global___KvLayout: ...
     @_builtins.property
@@ -300,10 +305,11 @@ class NodeInfo(_message.Message):
         tiers: _abc.Iterable[Global___KvTier] | None = ...,
         stream_address: _builtins.str = ...,
         kv_migration: _builtins.bool = ...,
+        replica_hints: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "kv_migration", b"kv_migration", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "role", b"role", "stream_address", b"stream_address", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "kv_migration", b"kv_migration", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "replica_hints", b"replica_hints", "role", b"role", "stream_address", b"stream_address", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1636,6 +1642,71 @@ class PullBlocksRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullBlocksRequest: _TypeAlias = PullBlocksRequest  # noqa: Y015
+
+@_typing.final
+class ReplicaHintsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    RESET_FIELD_NUMBER: _builtins.int
+    REPLICATED_FIELD_NUMBER: _builtins.int
+    UNREPLICATED_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.str
+    """The agent epoch the conductor's view is of; hints for another epoch (the
+    agent restarted) are not applied (applied = false): send them again with reset.
+    """
+    reset: _builtins.bool
+    """replace every hint with `replicated` (else: a change)"""
+    @_builtins.property
+    def replicated(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """keys another node also holds now"""
+
+    @_builtins.property
+    def unreplicated(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """keys no other node holds any more"""
+
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.str = ...,
+        reset: _builtins.bool = ...,
+        replicated: _abc.Iterable[_builtins.int] | None = ...,
+        unreplicated: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "replicated", b"replicated", "reset", b"reset", "unreplicated", b"unreplicated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaHintsRequest: _TypeAlias = ReplicaHintsRequest  # noqa: Y015
+
+@_typing.final
+class ReplicaHintsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APPLIED_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    HINTED_KEYS_FIELD_NUMBER: _builtins.int
+    applied: _builtins.bool
+    epoch: _builtins.str
+    """the agent's epoch"""
+    hinted_keys: _builtins.int
+    """keys the agent now counts as held elsewhere"""
+    def __init__(
+        self,
+        *,
+        applied: _builtins.bool = ...,
+        epoch: _builtins.str = ...,
+        hinted_keys: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "epoch", b"epoch", "hinted_keys", b"hinted_keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaHintsResponse: _TypeAlias = ReplicaHintsResponse  # noqa: Y015
 
 @_typing.final
 class LendBlocksRequest(_message.Message):

@@ -99,6 +99,11 @@ class NodeAgentStub:
                 request_serializer=kvc_dot_v1_dot_node__agent__pb2.LendBlocksRequest.SerializeToString,
                 response_deserializer=kvc_dot_v1_dot_node__agent__pb2.LendBlocksResponse.FromString,
                 _registered_method=True)
+        self.ReplicaHints = channel.unary_unary(
+                '/kvc.v1.NodeAgent/ReplicaHints',
+                request_serializer=kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsRequest.SerializeToString,
+                response_deserializer=kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -208,6 +213,15 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplicaHints(self, request, context):
+        """Replica-aware eviction (agents with NodeInfo.replica_hints): which of this
+        node's cached blocks another node also holds, as a conductor's shadow sees
+        them. Such blocks are dropped on eviction instead of demoted to a lower tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -275,6 +289,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.LendBlocks,
                     request_deserializer=kvc_dot_v1_dot_node__agent__pb2.LendBlocksRequest.FromString,
                     response_serializer=kvc_dot_v1_dot_node__agent__pb2.LendBlocksResponse.SerializeToString,
+            ),
+            'ReplicaHints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicaHints,
+                    request_deserializer=kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsRequest.FromString,
+                    response_serializer=kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -628,6 +647,33 @@ class NodeAgent:
             '/kvc.v1.NodeAgent/LendBlocks',
             kvc_dot_v1_dot_node__agent__pb2.LendBlocksRequest.SerializeToString,
             kvc_dot_v1_dot_node__agent__pb2.LendBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaHints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvc.v1.NodeAgent/ReplicaHints',
+            kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsRequest.SerializeToString,
+            kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -94,6 +94,11 @@ class NodeAgentStub:
     of an open Tx, usually LOCK_ONLY) for one pull by the read grant's node and
     answers its transfer parameters (vLLM: kv_transfer_params of a prefill leg).
     """
+    ReplicaHints: _grpc.UnaryUnaryMultiCallable[_node_agent_pb2.ReplicaHintsRequest, _node_agent_pb2.ReplicaHintsResponse]
+    """Replica-aware eviction (agents with NodeInfo.replica_hints): which of this
+    node's cached blocks another node also holds, as a conductor's shadow sees
+    them. Such blocks are dropped on eviction instead of demoted to a lower tier.
+    """
 
 @_typing.type_check_only
 class NodeAgentAsyncStub(NodeAgentStub):
@@ -143,6 +148,11 @@ class NodeAgentAsyncStub(NodeAgentStub):
     role): the engine holds the KV of the prompt_token_ids (the leading blocks
     of an open Tx, usually LOCK_ONLY) for one pull by the read grant's node and
     answers its transfer parameters (vLLM: kv_transfer_params of a prefill leg).
+    """
+    ReplicaHints: _aio.UnaryUnaryMultiCallable[_node_agent_pb2.ReplicaHintsRequest, _node_agent_pb2.ReplicaHintsResponse]  # type: ignore[assignment]
+    """Replica-aware eviction (agents with NodeInfo.replica_hints): which of this
+    node's cached blocks another node also holds, as a conductor's shadow sees
+    them. Such blocks are dropped on eviction instead of demoted to a lower tier.
     """
 
 class NodeAgentServicer(metaclass=_abc_1.ABCMeta):
@@ -268,6 +278,17 @@ class NodeAgentServicer(metaclass=_abc_1.ABCMeta):
         role): the engine holds the KV of the prompt_token_ids (the leading blocks
         of an open Tx, usually LOCK_ONLY) for one pull by the read grant's node and
         answers its transfer parameters (vLLM: kv_transfer_params of a prefill leg).
+        """
+
+    @_abc_1.abstractmethod
+    def ReplicaHints(
+        self,
+        request: _node_agent_pb2.ReplicaHintsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_agent_pb2.ReplicaHintsResponse, _abc.Awaitable[_node_agent_pb2.ReplicaHintsResponse]]:
+        """Replica-aware eviction (agents with NodeInfo.replica_hints): which of this
+        node's cached blocks another node also holds, as a conductor's shadow sees
+        them. Such blocks are dropped on eviction instead of demoted to a lower tier.
         """
 
 def add_NodeAgentServicer_to_server(servicer: NodeAgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -74,6 +74,7 @@ class SimEngineConfig:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" | "priority"
     time_scale: float = 1.0
     engine_id: str = "sim-engine-0"
     side_channel_host: str = "127.0.0.1"
@@ -89,6 +90,10 @@ class SimEngineConfig:
             (self.max_num_seqs > 0, "max_num_seqs must be > 0"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0"),
             (self.time_scale >= 0, "time_scale must be >= 0"),
+            (
+                self.scheduling_policy in ("fcfs", "priority"),
+                "scheduling_policy must be 'fcfs' or 'priority'",
+            ),
             (self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s must be > 0"),
             (bool(self.engine_id), "engine_id must not be empty"),
         ]

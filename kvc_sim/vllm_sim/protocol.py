@@ -7,7 +7,7 @@ In
     ``temperature``, ``top_p``, ``seed``, ``stop``, ``ignore_eos``, ``return_token_ids``,
     ``cache_salt``, ``kv_transfer_params``, ``vllm_xargs.kv_cache_report_mode``,
     ``add_special_tokens``, ``add_generation_prompt``, ``chat_template_kwargs``,
-    ``request_id``, ``user``) and fields that are accepted at their neutral value only
+    ``request_id``, ``user``, ``priority``) and fields that are accepted at their neutral value only
     (``n=1``, ``echo=false``, ``logprobs`` unset (chat: or false),
     ``continue_final_message=false`` (chat), ``skip_special_tokens=true``,
     ``no_stop_trim=false``, ``return_hidden_states=false`` — vLLM's defaults, which
@@ -78,6 +78,8 @@ class _GenerationRequest(BaseModel):
     return_hidden_states: Literal[False] = False
     request_id: str | None = None
     user: str | None = None
+    # vLLM's request priority (lower first) under --scheduling-policy priority; else 0.
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
     # Sampling that reshapes logits: this engine has none (its output ids are fixed), so
     # only the values that change nothing are served.
     frequency_penalty: float = Field(0.0, ge=0, le=0)

@@ -6,12 +6,14 @@ One step (``schedule`` then, after the step's time has passed, ``complete``)
       arrival order: a decoding request takes 1 token, a request still prefilling takes
       the rest of its prompt, capped by what is left of the budget (chunked prefill:
       prefill chunks share the step with decodes).
-    * Then waiting requests, first come first served, while budget is left and fewer
-      than ``max_num_seqs`` run. On admission the prefix cache is looked up (full
-      blocks only, at most ``tokens - 1`` tokens: the last one is always computed);
-      the hits are counted as cached tokens, and with ``kv_cache_report_mode="full"``
-      announced again (``BlockStored``). A request whose blocks do not fit waits, and
-      so does everything behind it (FCFS, as vLLM).
+    * Then waiting requests, first come first served (with ``by_priority``, vLLM's
+      ``--scheduling-policy priority``: by ``priority``, lower first, then arrival;
+      running requests are not preempted for a higher priority, as vLLM would), while
+      budget is left and fewer than ``max_num_seqs`` run. On admission the prefix cache
+      is looked up (full blocks only, at most ``tokens - 1`` tokens: the last one is
+      always computed); the hits are counted as cached tokens, and with
+      ``kv_cache_report_mode="full"`` announced again (``BlockStored``). A request whose
+      blocks do not fit waits, and so does everything behind it (as vLLM).
     * Blocks are allocated for the tokens scheduled; when a running request cannot get
       one, the most recently admitted running request is preempted (its blocks freed,
       back to the head of the waiting queue, recomputed later with whatever prefix is
@@ -83,6 +85,7 @@ class EngineRequest:
     report_full: bool = False  # kv_cache_report_mode="full"
     hold_blocks: bool = False  # prefill leg: keep the KV for a decode engine
     external_tokens: int = 0  # decode leg: prompt tokens whose KV was pulled
+    priority: int = 0  # lower first, with by_priority
     # progress
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed: int = 0
@@ -168,6 +171,7 @@ class EngineScheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         hold_timeout_s: float = 480.0,
+        by_priority: bool = False,
     ) -> None:
         self.pool = pool
         self.profile = profile
@@ -176,6 +180,7 @@ class EngineScheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.hold_timeout_s = hold_timeout_s
+        self.by_priority = by_priority
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.held: dict[str, HeldBlocks] = {}
@@ -199,6 +204,14 @@ class EngineScheduler:
         if request.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         self._by_id[request.request_id] = request
+        if self.by_priority and self.waiting and request.priority < self.waiting[-1].priority:
+            # Before the first waiting request of a larger priority value (stable: FCFS
+            # among equals). O(waiting).
+            at = next(
+                i for i, other in enumerate(self.waiting) if other.priority > request.priority
+            )
+            self.waiting.insert(at, request)
+            return
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> bool:

@@ -175,6 +175,7 @@ def create_app(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 hold_timeout_s=config.kv_transfer_timeout_s,
+                by_priority=config.scheduling_policy == "priority",
             )
             sink = None
             if events.publishes:
@@ -385,6 +386,10 @@ async def _generate(
             "any output tokens. Please reduce the length of the input prompt."
         )
     max_tokens = min(requested_max_tokens or limit, limit - len(prompt_ids))
+    if body.priority and config.scheduling_policy != "priority":
+        raise SimRequestError(
+            f"Got priority {body.priority} but Priority scheduling is not enabled."
+        )
     params = body.kv_transfer_params or {}
     hold = bool(params.get("do_remote_decode"))
     if hold and body.stream:
@@ -408,6 +413,7 @@ async def _generate(
         report_full=body.report_full,
         hold_blocks=hold,
         external_tokens=external,
+        priority=body.priority,
     )
     stream = state.runner.submit(engine_request)
     generation = _Generation(state, stream, body.stops)

@@ -137,7 +137,10 @@ class KvReceiver:
                 f"prompt_token_ids are not the tokens of transaction {request.tx_id!r}'s blocks"
             )
         tx = state.pool.get_tx(request.tx_id)
-        lease_left = max(0.001, tx.lease_deadline - state.clock())
+        # Half of what the lease has left, at most: the request's prefill still needs the
+        # Tx after a pull given up (seen live: pulls queued behind busy engines outlived
+        # the lease, and the request failed with it).
+        budget_s = max(0.001, (tx.lease_deadline - state.clock()) / 2)
         lend = pb.LendBlocksRequest(
             tx_id=request.source_tx_id,
             tenant=tenant,
@@ -145,20 +148,26 @@ class KvReceiver:
             prompt_token_ids=tokens,
             request_id=request.tx_id,
         )
+        job = PrefixJob(request_id=request.tx_id, prompt_ids=tokens, tenant=tenant)
         try:
-            lent = await self._transport.lend(request.source_address, lend, timeout_s=lease_left)
-            try:
-                params = fast_json.loads(lent.engine_transfer_params)
-            except ValueError:
-                params = None
-            if not isinstance(params, dict):
-                raise TransferError("the source's engine_transfer_params are not a JSON object")
-        except TransferError:
+            async with asyncio.timeout(budget_s):
+                lent = await self._transport.lend(request.source_address, lend)
+                try:
+                    params = fast_json.loads(lent.engine_transfer_params)
+                except ValueError:
+                    params = None
+                if not isinstance(params, dict):
+                    raise TransferError("the source's engine_transfer_params are not a JSON object")
+                loaded = await engine.load_prefix(job, params)
+        except (TransferError, TimeoutError) as exc:
             state.metrics.transfer_failures.labels("migration").inc()
             await state.require_open(request.tx_id)  # our lease ran out: report that instead
+            if isinstance(exc, TimeoutError):
+                raise TransferError(
+                    f"the prefix pull took over {budget_s:.3f} s, half of what the "
+                    "transaction's lease had left; computing the prefix instead"
+                ) from None
             raise
-        job = PrefixJob(request_id=request.tx_id, prompt_ids=tokens, tenant=tenant)
-        loaded = await engine.load_prefix(job, params)
         await state.require_open(request.tx_id)
         # The engine computes the prefix's last token itself: a whole load is one short.
         loaded_blocks = min(n, (loaded.cached_tokens + 1) // bs)

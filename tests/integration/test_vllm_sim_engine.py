@@ -40,6 +40,7 @@ from node_agent.engines.vllm.config import VllmConfig, salt_for_tenant
 from node_agent.main import start_engine
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
+from node_agent.transfer.transport import GrpcKvTransport, KvTransport
 from tests.conftest import ConductorFactory, assert_no_locks, chat_body, wait_until
 
 MODEL = "tiny-llama"
@@ -63,7 +64,12 @@ async def start_node() -> AsyncIterator[StartNode]:
     nodes: list[Node] = []
 
     async def start(
-        role: NodeRole, pd_connector: str, *, cpu_blocks: int = 0, **agent_settings: Any
+        role: NodeRole,
+        pd_connector: str,
+        *,
+        cpu_blocks: int = 0,
+        transport: KvTransport | None = None,
+        **agent_settings: Any,
     ) -> Node:
         config = SimEngineConfig(
             model_dir=DEFAULT_MODEL_DIR,
@@ -99,7 +105,7 @@ async def start_node() -> AsyncIterator[StartNode]:
         )
         adapter = VllmEngineAdapter(VllmConfig.from_settings(settings), TOKENIZER)
         settings = await start_engine(adapter, settings)
-        agent = AgentServer(settings, adapter)
+        agent = AgentServer(settings, adapter, transport=transport)
         await agent.start()
         nodes.append((agent, engine))
         return agent, engine
@@ -484,3 +490,63 @@ async def test_the_conductor_replicates_a_hot_prefix_between_vllm_nodes(
     assert _engine_state(p_engine).puller.pulls >= 1
     assert _engine_state(p_engine).puller.failures == 0
     assert_no_locks(holder, puller, decode)
+
+
+class LendNeverAnswers(GrpcKvTransport):
+    """A KV transport whose ``LendBlocks`` calls hang (a holder stuck behind its queue)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lends = 0
+
+    async def lend(
+        self, address: str, request: pb.LendBlocksRequest, *, timeout_s: float | None = None
+    ) -> pb.LendBlocksResponse:
+        self.lends += 1
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_a_prefix_pull_gives_up_in_time_for_the_prefill(start_node: StartNode) -> None:
+    """A pull that has not finished within half of what its Tx's lease had left is given
+    up (UNAVAILABLE, reason transfer): the Tx is still open and the prefill computes."""
+    stuck = LendNeverAnswers()
+    holder, h_engine = await start_node("prefill", "nixl")
+    puller, _ = await start_node("prefill", "nixl", transport=stuck)
+    await _seed(holder, h_engine, [*SHARED_IDS, 7])
+    keys = compute_block_keys(PULL_PROMPT[:-1], tenant=TENANT, model=MODEL, block_size=BLOCK_SIZE)
+    h_channel, h_stub = _stub(holder)
+    p_channel, p_stub = _stub(puller)
+    try:
+        await p_stub.TxAllocate(
+            pb.TxAllocateRequest(tx_id="p", tenant=TENANT, block_keys=keys, lease_s=1.0)
+        )
+        lock = await h_stub.TxAllocate(
+            pb.TxAllocateRequest(
+                tx_id="s", tenant=TENANT, block_keys=keys[:5], lease_s=30,
+                mode=pb.TX_MODE_LOCK_ONLY,
+            )
+        )  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await p_stub.PullBlocks(
+                pb.PullBlocksRequest(
+                    tx_id="p", source_address=holder.address, source_tx_id="s",
+                    source_read_token=lock.read_token, num_blocks=5,
+                    prompt_token_ids=PULL_PROMPT[: 5 * BLOCK_SIZE],
+                )
+            )  # fmt: skip
+        assert exc.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "half of what the transaction's lease had left" in (exc.value.details() or "")
+        assert stuck.lends == 1
+        await h_stub.TxCommit(pb.TxCommitRequest(tx_id="s"))
+        pre = await p_stub.Prefill(
+            pb.PrefillRequest(
+                request_id="r1", tenant=TENANT, tx_id="p", prompt_token_ids=PULL_PROMPT
+            )
+        )
+        assert pre.cached_tokens == 0  # computed
+        await p_stub.TxCommit(pb.TxCommitRequest(tx_id="p"))
+    finally:
+        await h_channel.close()
+        await p_channel.close()
+    assert_no_locks(holder, puller)

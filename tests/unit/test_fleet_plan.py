@@ -39,6 +39,9 @@ def test_disaggregated_fleet_pairs_each_engine_with_an_agent() -> None:
         assert "--no-vllm-prefix-pulls" in agent.args  # as live-parity's simulator: no pulls
     pulls = plan_fleet(FleetOptions(prefill=2, decode=1, prefix_pulls=True), IPC)
     assert all("--vllm-prefix-pulls" in a.args for a in pulls.agents)
+    # The legs of a pull go before waiting requests: vLLM's priority scheduling.
+    assert all("--vllm-prefix-pull-priority=-1" in a.args for a in pulls.agents)
+    assert {_flag(e.args, "--scheduling-policy") for e in pulls.engines} == {"priority"}
     for conductor in plan.conductors:
         assert _flag(conductor.args, "--agents").split(",") == list(plan.agent_addresses)
     assert plan.conductor_urls == ("http://127.0.0.1:8000", "http://127.0.0.1:8001")

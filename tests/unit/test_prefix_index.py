@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import event, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -436,3 +436,32 @@ def test_other_holders_counts_the_replicas_elsewhere() -> None:
     assert index.other_holders(BlockKey(1), NodeId("c")) == 2
     assert index.other_holders(BlockKey(9), NodeId("a")) == 0
     assert index.other_holders(BlockKey(1), NodeId("unknown")) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    holdings=st.lists(
+        st.sets(st.integers(min_value=0, max_value=40), max_size=30), min_size=1, max_size=6
+    ),
+    removed=st.sets(st.integers(min_value=0, max_value=40), max_size=10),
+)
+def test_replicated_keys_are_each_nodes_keys_held_elsewhere(
+    holdings: list[set[int]], removed: set[int]
+) -> None:
+    """Against a brute-force count over the same holdings, after removals too."""
+    index = PrefixIndex()
+    nodes = [NodeId(f"n{i}") for i in range(len(holdings))]
+    for node, held in zip(nodes, holdings, strict=True):
+        index.reset_node(node, "e", 0, [BlockKey(k) for k in held])
+    index.apply(nodes[0], "e", 1, removed=[BlockKey(k) for k in removed])
+    holdings[0] -= removed
+    got = index.replicated_keys([*nodes, NodeId("unknown")])
+    for i, node in enumerate(nodes):
+        others = set().union(*(h for j, h in enumerate(holdings) if j != i))
+        assert got[node].tolist() == sorted(holdings[i] & others)
+        assert other_holders_agree(index, node, got[node].tolist())
+    assert got[NodeId("unknown")].tolist() == []
+
+
+def other_holders_agree(index: PrefixIndex, node: NodeId, keys: list[int]) -> bool:
+    return all(index.other_holders(BlockKey(k), node) > 0 for k in keys)

@@ -394,3 +394,13 @@ async def test_tokenize_and_reset(client: httpx.AsyncClient) -> None:
         "True",
         "65",
     )
+
+
+async def test_a_priority_needs_priority_scheduling(client: httpx.AsyncClient) -> None:
+    """As vLLM: under --scheduling-policy fcfs (the default) a priority other than 0 is
+    refused, not ignored; 0 is served."""
+    body = {"prompt": "x", "max_tokens": 1}
+    assert (await client.post("/v1/completions", json={**body, "priority": 0})).status_code == 200
+    r = await client.post("/v1/completions", json={**body, "priority": -1})
+    assert r.status_code == 400, r.text
+    assert "Priority scheduling is not enabled" in r.text

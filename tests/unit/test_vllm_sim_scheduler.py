@@ -125,6 +125,19 @@ def test_max_num_seqs_bounds_the_batch() -> None:
     assert len(engine.waiting) == 1
 
 
+def test_priority_scheduling_admits_lower_priority_values_first() -> None:
+    """vLLM's --scheduling-policy priority: waiting requests by priority, then arrival;
+    without it, arrival order whatever the priority."""
+    for by_priority, expected in ((True, ["p", "q", "a", "b"]), (False, ["a", "b", "p", "q"])):
+        engine = _engine(seqs=1)
+        engine.by_priority = by_priority
+        for rid, priority in (("a", 0), ("b", 0), ("p", -1), ("q", -1)):
+            request = _request(rid, 8, max_tokens=1)
+            request.priority = priority
+            engine.add(request)
+        assert [r.request_id for r in engine.waiting] == expected
+
+
 def test_a_request_that_does_not_fit_waits() -> None:
     engine = _engine(blocks=5)  # 4 usable blocks of 16
     first = _request("a", 40, max_tokens=3)  # 3 blocks

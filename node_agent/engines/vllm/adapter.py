@@ -435,7 +435,7 @@ class VllmEngineAdapter:
         return _json_object(content, what)
 
     async def _prefill_leg(
-        self, prompt_ids: tuple[int, ...], tenant: str, request_id: str
+        self, prompt_ids: tuple[int, ...], tenant: str, request_id: str, *, priority: int = 0
     ) -> tuple[dict[str, Any], int]:
         """vLLM's prefill leg (``do_remote_decode``): it keeps the KV for one pull and
         answers ``(kv_transfer_params, cached tokens)``."""
@@ -446,6 +446,8 @@ class VllmEngineAdapter:
                 "remote_block_ids": None, "remote_host": None, "remote_port": None,
             },
         )  # fmt: skip
+        if priority:
+            body["priority"] = priority
         data = await self._unstreamed(body, request_id, "its prefill answer")
         params = data.get("kv_transfer_params")
         if not isinstance(params, dict):
@@ -496,7 +498,9 @@ class VllmEngineAdapter:
         Not counted as queued prefill: the holder's cache is what is lent, not its compute.
         """
         self._require_lending(job)
-        params, cached = await self._prefill_leg(job.prompt_ids, job.tenant, job.request_id)
+        params, cached = await self._prefill_leg(
+            job.prompt_ids, job.tenant, job.request_id, priority=self._config.prefix_pull_priority
+        )
         return PrefixLent(transfer_params=params, cached_tokens=cached)
 
     async def load_prefix(self, job: PrefixJob, transfer_params: Mapping[str, Any]) -> PrefixLoaded:
@@ -509,6 +513,8 @@ class VllmEngineAdapter:
             job.prompt_ids, job.tenant, _ONE_TOKEN, stream=False, token_ids=False,
             transfer={**transfer_params, "do_remote_prefill": True, "do_remote_decode": False},
         )  # fmt: skip
+        if self._config.prefix_pull_priority:
+            body["priority"] = self._config.prefix_pull_priority
         started = time.perf_counter()
         data = await self._unstreamed(body, job.request_id, "its prefix load answer")
         return PrefixLoaded(

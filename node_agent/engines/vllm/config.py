@@ -78,6 +78,7 @@ class VllmConfig:
     kv_events_topic: str = "kv-events"
     pd_connector: str = "none"
     prefix_pulls: bool = True  # with pd_connector: lend and load prefixes (LendBlocks)
+    prefix_pull_priority: int = 0  # vLLM priority of the lend and load legs; 0: none sent
     host_media: frozenset[str] = frozenset()  # KV-event media mirrored as host copies
     max_running: int = 16
     metrics_interval_s: float = 0.5
@@ -100,6 +101,7 @@ class VllmConfig:
             kv_events_topic=settings.kv_events_topic,
             pd_connector=settings.pd_connector,
             prefix_pulls=settings.vllm_prefix_pulls,
+            prefix_pull_priority=settings.vllm_prefix_pull_priority,
             host_media=frozenset({"CPU"}) if settings.vllm_cpu_offload_bytes > 0 else frozenset(),
             max_running=settings.resolved_max_running(),
             metrics_interval_s=settings.load_interval_s,
