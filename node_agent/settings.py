@@ -331,12 +331,13 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         json_schema_extra=_VLLM,
     )
     vllm_prefix_pulls: bool = Field(
-        True,
+        False,
         description=(
             "With pd_connector: lend and take prefixes between vLLM nodes through the "
             "connector (hot-spot replication: the holder's vLLM keeps a prefix for one "
-            "pull, this node's vLLM loads it into its prefix cache); false: this node "
-            "neither lends nor pulls and conductors plan no pulls to or from it"
+            "pull, this node's vLLM loads it into its prefix cache); off by default: "
+            "measured live, it raised the hit ratio but not TTFT (docs/benchmarks.md); "
+            "false: this node neither lends nor pulls, conductors plan no pulls with it"
         ),
         json_schema_extra=_VLLM,
     )

@@ -346,8 +346,8 @@ async def test_a_prefix_moves_between_vllm_nodes_through_kv_transfer_params(
     ``PullBlocks`` has the holder's engine lend it (a prefill leg of the prefix) and its
     own engine load it (a decode leg of one token); the puller's prefill then finds the
     prefix in its engine's cache instead of computing it."""
-    holder, h_engine = await start_node("prefill", "nixl")
-    puller, p_engine = await start_node("prefill", "nixl")
+    holder, h_engine = await start_node("prefill", "nixl", vllm_prefix_pulls=True)
+    puller, p_engine = await start_node("prefill", "nixl", vllm_prefix_pulls=True)
     assert holder.service.node_info.kv_migration
     assert puller.service.node_info.kv_migration
     await _seed(holder, h_engine, [*SHARED_IDS, 7])
@@ -415,7 +415,7 @@ async def test_a_prefix_moves_between_vllm_nodes_through_kv_transfer_params(
 async def test_a_vllm_node_without_prefix_pulls_neither_lends_nor_pulls(
     start_node: StartNode,
 ) -> None:
-    holder, h_engine = await start_node("prefill", "nixl", vllm_prefix_pulls=False)
+    holder, h_engine = await start_node("prefill", "nixl")  # pulls are opt-in
     colocated, _ = await start_node("both", "none")
     assert not holder.service.node_info.kv_migration
     assert not colocated.service.node_info.kv_migration
@@ -451,8 +451,8 @@ async def test_the_conductor_replicates_a_hot_prefix_between_vllm_nodes(
     prefill expensive (queueing on the holder costs more than a pull, Algorithm 1 lines
     5-8), concurrent requests: the idle prefill node pulls the prefix from the holder
     through vLLM's protocol, and every request is served from cached KV."""
-    holder, _ = await start_node("prefill", "nixl")
-    puller, p_engine = await start_node("prefill", "nixl")
+    holder, _ = await start_node("prefill", "nixl", vllm_prefix_pulls=True)
+    puller, p_engine = await start_node("prefill", "nixl", vllm_prefix_pulls=True)
     decode, _ = await start_node("decode", "nixl")
     system = " ".join(f"rule{i}" for i in range(80))
 
@@ -511,8 +511,8 @@ async def test_a_prefix_pull_gives_up_in_time_for_the_prefill(start_node: StartN
     """A pull that has not finished within half of what its Tx's lease had left is given
     up (UNAVAILABLE, reason transfer): the Tx is still open and the prefill computes."""
     stuck = LendNeverAnswers()
-    holder, h_engine = await start_node("prefill", "nixl")
-    puller, _ = await start_node("prefill", "nixl", transport=stuck)
+    holder, h_engine = await start_node("prefill", "nixl", vllm_prefix_pulls=True)
+    puller, _ = await start_node("prefill", "nixl", transport=stuck, vllm_prefix_pulls=True)
     await _seed(holder, h_engine, [*SHARED_IDS, 7])
     keys = compute_block_keys(PULL_PROMPT[:-1], tenant=TENANT, model=MODEL, block_size=BLOCK_SIZE)
     h_channel, h_stub = _stub(holder)

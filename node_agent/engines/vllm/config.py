@@ -77,7 +77,7 @@ class VllmConfig:
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = "kv-events"
     pd_connector: str = "none"
-    prefix_pulls: bool = True  # with pd_connector: lend and load prefixes (LendBlocks)
+    prefix_pulls: bool = False  # with pd_connector: lend and load prefixes (LendBlocks)
     prefix_pull_priority: int = 0  # vLLM priority of the lend and load legs; 0: none sent
     host_media: frozenset[str] = frozenset()  # KV-event media mirrored as host copies
     max_running: int = 16
