@@ -63,6 +63,15 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
         return json.loads(data)
 
 
+def loads_object(data: bytes | str) -> dict[str, Any] | None:
+    """The JSON object ``data`` holds; None when it is not JSON, or not an object."""
+    try:
+        value = loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def dumps(value: Any) -> bytes:
     """Compact UTF-8 JSON of ``value`` (``json.dumps(value, separators=(",", ":"),
     ensure_ascii=False)``, encoded), by orjson when it can."""

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvc import fast_json
 from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.wire import logprobs_to_pb, sampling_from_pb
@@ -221,10 +222,7 @@ def _engine_transfer(source: pb.KvSource, owns_kv_cache: bool) -> dict[str, Any]
     """The engine-to-engine hand-off of a ``KvSource`` (vLLM P/D), checked."""
     if not owns_kv_cache:
         raise PromptRejected("this node's engine cannot pull KV from another engine")
-    try:
-        params = json.loads(source.engine_transfer_params)
-    except ValueError:
-        params = None
-    if not isinstance(params, dict):
+    params = fast_json.loads_object(source.engine_transfer_params)
+    if params is None:
         raise PromptRejected("kv_source.engine_transfer_params must be a JSON object")
     return params

@@ -189,6 +189,13 @@ def tool_result_turns(call_id: str, name: str, arguments: str, result: str) -> l
     ]
 
 
+def metric_value(exposition: str, series: str) -> float:
+    """The value of one unlabelled series (``name``) in a Prometheus text exposition."""
+    return next(
+        float(line.split()[-1]) for line in exposition.splitlines() if line.startswith(f"{series} ")
+    )
+
+
 def assert_no_locks(*agents: AgentServer) -> None:
     """The invariant every request must leave behind: nothing locked, no open Tx."""
     for agent in agents:

@@ -152,11 +152,8 @@ class KvReceiver:
         try:
             async with asyncio.timeout(budget_s):
                 lent = await self._transport.lend(request.source_address, lend)
-                try:
-                    params = fast_json.loads(lent.engine_transfer_params)
-                except ValueError:
-                    params = None
-                if not isinstance(params, dict):
+                params = fast_json.loads_object(lent.engine_transfer_params)
+                if params is None:
                     raise TransferError("the source's engine_transfer_params are not a JSON object")
                 loaded = await engine.load_prefix(job, params)
         except (TransferError, TimeoutError) as exc:

@@ -17,6 +17,7 @@ from tests.conftest import (
     ConductorFactory,
     assert_no_locks,
     chat_body,
+    metric_value,
     tls_settings,
     wait_until,
 )
@@ -103,12 +104,7 @@ async def test_hot_prefix_is_replicated_under_load(
         )
         assert all(cached(r) >= 4 * 32 for r in responses), [cached(r) for r in responses]
         metrics = (await c.client.get("/metrics")).text
-        migrations = next(
-            float(line.split()[-1])
-            for line in metrics.splitlines()
-            if line.startswith("conductor_kv_migrations_total ")
-        )
-        assert migrations >= 1
+        assert metric_value(metrics, "conductor_kv_migrations_total") >= 1
         assert 'conductor_prompt_cache_tokens_total{source="migrated"} 0.0' not in metrics
         # The prefix now lives on both nodes, and the shadow index knows it.
         await synced(c, b)

@@ -41,7 +41,7 @@ from node_agent.main import start_engine
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
 from node_agent.transfer.transport import GrpcKvTransport, KvTransport
-from tests.conftest import ConductorFactory, assert_no_locks, chat_body, wait_until
+from tests.conftest import ConductorFactory, assert_no_locks, chat_body, metric_value, wait_until
 
 MODEL = "tiny-llama"
 TENANT = "default"  # the conductor's tenant for unauthenticated requests
@@ -480,12 +480,7 @@ async def test_the_conductor_replicates_a_hot_prefix_between_vllm_nodes(
                 (shared - 1) * BLOCK_SIZE
             )
         metrics = (await c.client.get("/metrics")).text
-        migrations = next(
-            float(line.split()[-1])
-            for line in metrics.splitlines()
-            if line.startswith("conductor_kv_migrations_total ")
-        )
-        assert migrations >= 1
+        assert metric_value(metrics, "conductor_kv_migrations_total") >= 1
         await wait_until(lambda: c.state.index.node_key_count(NodeId(puller.address)) >= shared)
     assert _engine_state(p_engine).puller.pulls >= 1
     assert _engine_state(p_engine).puller.failures == 0
