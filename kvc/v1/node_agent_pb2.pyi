@@ -1621,8 +1621,9 @@ class PullBlocksRequest(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The tokens of the first num_blocks blocks (num_blocks x block_size of them).
         Required when this node's engine owns its KV (NodeInfo.engine "vllm"): it
-        loads the prefix by its tokens, through the source's LendBlocks. Ignored
-        (and may be empty) for pool payloads.
+        loads the prefix by its tokens, through the source's LendBlocks. Optional
+        for pool payloads; given, they must be those blocks' tokens there too
+        (else INVALID_ARGUMENT).
         """
 
     def __init__(

@@ -28,7 +28,7 @@ from kvc import fast_json
 from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.agent_state import AgentState
-from node_agent.blocks.types import InvalidArgument
+from node_agent.blocks.types import AllocateResult, InvalidArgument
 from node_agent.engines.base import PrefixJob, PrefixLendingEngine
 from node_agent.errors import PromptRejected, TransferError
 from node_agent.kv import KvContent
@@ -74,11 +74,15 @@ class KvReceiver:
                 f"transaction {request.tx_id!r} holds {len(tx.handles)} blocks, num_blocks is {n}"
             )
         handles = tx.handles[:n]
+        tokens = tuple(request.prompt_token_ids)
+        owns_kv = state.engine.info.owns_kv_cache
+        if tokens or owns_kv:  # given, they must be the blocks' tokens, whatever the engine
+            self._check_tokens(request.tx_id, handles, tokens, pulls_by_tokens=owns_kv)
         wanted = [i for i, h in enumerate(handles) if state.needs_content(h)]
         if not wanted:
             return 0, 0, 0.0  # everything is here already: no transfer
-        if state.engine.info.owns_kv_cache:
-            return await self._pull_through_engine(request, handles, len(wanted))
+        if owns_kv:
+            return await self._pull_through_engine(request, tx, tokens, len(wanted))
         keys = [k for h in handles if (k := state.pool.block_key(h)) is not None]
         lease_left = max(0.001, tx.lease_deadline - state.clock())
         read = pb.ReadBlocksRequest(
@@ -111,11 +115,41 @@ class KvReceiver:
                 copied += 1
         return copied, nbytes, transfer_s
 
+    def _check_tokens(
+        self,
+        tx_id: str,
+        handles: tuple[int, ...],
+        tokens: tuple[int, ...],
+        *,
+        pulls_by_tokens: bool,
+    ) -> None:
+        """``tokens`` are exactly the tokens of ``handles``, the Tx's first blocks."""
+        state = self._state
+        bs = state.settings.block_size
+        n = len(handles)
+        if len(tokens) != n * bs:
+            why = " (this engine pulls by tokens)" if pulls_by_tokens else ""
+            raise InvalidArgument(
+                f"prompt_token_ids must be the {n * bs} tokens of the first {n} blocks{why}, "
+                f"got {len(tokens)}"
+            )
+        keys = compute_block_keys(
+            tokens, tenant=state.pool.tx_tenant(tx_id), model=state.engine.info.model, block_size=bs
+        )
+        if any(state.pool.block_key(h) != k for h, k in zip(handles, keys, strict=True)):
+            raise InvalidArgument(
+                f"prompt_token_ids are not the tokens of transaction {tx_id!r}'s blocks"
+            )
+
     async def _pull_through_engine(
-        self, request: pb.PullBlocksRequest, handles: tuple[int, ...], missing: int
+        self,
+        request: pb.PullBlocksRequest,
+        tx: AllocateResult,
+        tokens: tuple[int, ...],
+        missing: int,
     ) -> tuple[int, int, float]:
-        """The prefix pull of an engine that owns its KV (module docstring): (blocks
-        loaded that this node lacked, their bytes, seconds of the engine's load)."""
+        """The prefix pull of an engine that owns its KV (module docstring), ``tokens``
+        checked: (blocks loaded that this node lacked, their bytes, seconds of the load)."""
         state = self._state
         engine = state.engine
         if not isinstance(engine, PrefixLendingEngine) or not engine.lends_prefixes:
@@ -123,20 +157,8 @@ class KvReceiver:
                 f"this node's engine ({engine.info.engine}) cannot take a prefix from a peer"
             )
         bs = state.settings.block_size
-        n = len(handles)
-        tokens = tuple(request.prompt_token_ids)
-        if len(tokens) != n * bs:
-            raise InvalidArgument(
-                f"prompt_token_ids must be the {n * bs} tokens of the first {n} blocks "
-                f"(this engine pulls by tokens), got {len(tokens)}"
-            )
+        n = request.num_blocks
         tenant = state.pool.tx_tenant(request.tx_id)
-        keys = compute_block_keys(tokens, tenant=tenant, model=engine.info.model, block_size=bs)
-        if any(state.pool.block_key(h) != k for h, k in zip(handles, keys, strict=True)):
-            raise InvalidArgument(
-                f"prompt_token_ids are not the tokens of transaction {request.tx_id!r}'s blocks"
-            )
-        tx = state.pool.get_tx(request.tx_id)
         # Half of what the lease has left, at most: the request's prefill still needs the
         # Tx after a pull given up (seen live: pulls queued behind busy engines outlived
         # the lease, and the request failed with it).

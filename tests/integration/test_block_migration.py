@@ -174,6 +174,17 @@ async def test_pulled_prefix_is_reused_and_decodes_like_recompute(
     assert (src_tx.reused_blocks, src_tx.new_blocks) == (n, 0)
     # 3. pull: block 0 is cached on P already and left alone; blocks 1, 2 are copied.
     block0 = payloads(dst, "T_dst")[0]
+    # Tokens are optional here; given, they must be those blocks' tokens.
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await p.PullBlocks(
+            pb.PullBlocksRequest(
+                tx_id="T_dst", source_address=src.address, source_tx_id="T_src",
+                source_read_token=src_tx.read_token, num_blocks=n,
+                prompt_token_ids=[t + 1 for t in P_PROMPT[: n * BS]],
+            )
+        )  # fmt: skip
+    assert exc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert payloads(dst, "T_dst")[1:] == [None, None, None]
     pulled = await p.PullBlocks(
         pb.PullBlocksRequest(
             tx_id="T_dst",
