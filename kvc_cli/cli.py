@@ -183,6 +183,7 @@ def _run_fleet_up(ns: argparse.Namespace, log_level: LogLevel) -> int:
             tbt_slo_s=ns.tbt_slo_s,
             max_running=ns.max_running,
             prefix_pulls=ns.prefix_pulls,
+            calibration_turns=ns.calibration_turns,
             engine_args=tuple(ns.engine_arg),
             agent_args=tuple(ns.agent_arg),
             conductor_args=tuple(ns.conductor_arg),
@@ -244,6 +245,12 @@ def _add_fleet(
         "--prefix-pulls", action=argparse.BooleanOptionalAction, default=d.prefix_pulls,
         help="prefill engines pull hot prefixes from each other through kv_transfer_params "
         "(off by default: the live-parity scenario's simulator plans no pulls)",
+    )  # fmt: skip
+    p_up.add_argument(
+        "--calibration-turns", type=int, default=d.calibration_turns, metavar="N",
+        help="agents that calibrate their engines at once, the others waiting their turn "
+        "(default: one per CPU core; 0: all at once; the engines share this machine's CPUs "
+        "and would measure each other)",
     )  # fmt: skip
     for kind in ("engine", "agent", "conductor"):
         p_up.add_argument(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -77,6 +78,10 @@ class FleetOptions:
     # Hot-spot replication between the engines (LendBlocks/PullBlocks through
     # kv_transfer_params). Off: the live-parity scenario's simulator plans no pulls.
     prefix_pulls: bool = False
+    # Agents calibrating their engines at once (``--calibration-turns``): the engines
+    # share this machine's CPUs, and 16 calibrating together measured each other (fits
+    # 2-6x off). None: one per CPU core; 0: all at once.
+    calibration_turns: int | None = None
     engine_args: tuple[str, ...] = ()
     agent_args: tuple[str, ...] = ()
     conductor_args: tuple[str, ...] = ()
@@ -127,11 +132,23 @@ def _validate(opts: FleetOptions) -> None:
         raise FleetConfigError("--conductors must be >= 1")
     if opts.time_scale <= 0:
         raise FleetConfigError("--time-scale must be > 0")
+    if opts.calibration_turns is not None and opts.calibration_turns < 0:
+        raise FleetConfigError("--calibration-turns must be >= 0")
     if opts.ttft_slo_s <= 0 or opts.tbt_slo_s <= 0:
         raise FleetConfigError("SLOs must be > 0")
     last = opts.base_port + _PORTS_PER_ENGINE * (opts.prefill + opts.decode + opts.aggregated)
     if opts.base_port <= 0 or last > 65_535 or opts.port + opts.conductors - 1 > 65_535:
         raise FleetConfigError("ports out of range")
+
+
+_CALIBRATION_S = 20.0  # one agent's calibration budget at time scale 1
+
+
+def calibration_turns(opts: FleetOptions) -> int:
+    """Agents that calibrate at once: ``opts.calibration_turns``, or one per CPU core."""
+    if opts.calibration_turns is not None:
+        return opts.calibration_turns
+    return max(1, os.cpu_count() or 1)
 
 
 def plan_fleet(opts: FleetOptions, ipc_dir: str) -> FleetPlan:
@@ -147,6 +164,11 @@ def plan_fleet(opts: FleetOptions, ipc_dir: str) -> FleetPlan:
     )
     engines: list[ProcessSpec] = []
     agents: list[ProcessSpec] = []
+    turns = calibration_turns(opts)
+    # An agent's own calibration takes ~10 s of the profile's time; taking turns, the
+    # last one also waits for the others (the wait counts against its budget).
+    rounds = -(-len(roles) // turns) if turns else 1
+    budget_s = min(600.0, _CALIBRATION_S * max(1.0, opts.time_scale) * rounds)
     for k, (role, i) in enumerate(roles):
         http = opts.base_port + _PORTS_PER_ENGINE * k
         grpc = http + 1
@@ -181,6 +203,7 @@ def plan_fleet(opts: FleetOptions, ipc_dir: str) -> FleetPlan:
             "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay,
             "--pd-connector", "none" if role == "both" else "nixl",
             "--max-running", str(opts.max_running),
+            "--calibration-turns", str(turns), "--calibration-budget-s", repr(budget_s),
             *(
                 ("--vllm-prefix-pulls", "--vllm-prefix-pull-priority=-1")
                 if opts.prefix_pulls else ("--no-vllm-prefix-pulls",)

@@ -15,7 +15,16 @@ something to fit:
 
 1. prefills of the two smallest sizes, then decode probes at the two smallest batches;
 2. the remaining prefill sizes, the remaining decode probes, then prefills whose head is
-   cached (``cached_prefills``: they separate the attention term's ``n + p``).
+   cached (``cached_prefills``: they separate the attention term's ``n + p``);
+3. long prompts (``long_prefill_sizes``, 4k and 16k tokens), as far as the budget, the
+   cache share and the context length allow. Without them the attention term is fitted
+   on prompts of at most 1k tokens, where it is a percent of the time and noise decides
+   it, then extrapolated 40-fold: measured on a 16-engine simulated fleet (llama3-70b
+   profile), eight identical engines got ``per_token_context`` from 0 to 25x the truth,
+   so the conductor saw one node as ten times faster than the others for 40k-token
+   prompts and queued four of them there while others idled, until the first of them
+   ended. Each long size runs ``long_prefill_repeats`` times without a warm-up (at
+   these lengths interference is a smaller share of the time).
 
 Every prefill size runs once as a warm-up (discarded), then ``prefill_repeats`` timed
 times, and the fastest of those is the size's sample (interference from elsewhere on a
@@ -28,8 +37,9 @@ tokens (each request's first interval dropped). The engine does the work through
 reuse (see each adapter).
 
 Budget: ``budget_s`` is a hard bound. Before each step its duration is guessed from
-what was measured (prefill time scaled by the square of the size ratio, decode by the
-batch and the steps: conservative); a step that would not fit is skipped, and a probe
+what was measured (prefill time scaled by the size ratio to the power the two largest
+measured sizes show, between 1.25 and 2; decode by the batch and the steps); a step
+that would not fit is skipped, and a probe
 still running at the deadline is cancelled. An engine that keeps calibration's KV in its
 own prefix cache (vLLM: unreachable for tenants, but it takes room) also gets a token
 budget, ``cache_tokens``: steps beyond it are skipped, so a restart next to a warm
@@ -82,18 +92,24 @@ class CalibrationPlan:
     prefill_sizes: tuple[int, ...] = (16, 64, 256, 1024)  # prompt tokens, ascending
     prefill_repeats: int = 3  # timed runs per size (the fastest counts), after a warm-up
     cached_prefills: tuple[tuple[int, int], ...] = ((1024, 768),)  # (total, cached) tokens
+    # Measured last, when budget, cache share and context length allow (module docstring).
+    long_prefill_sizes: tuple[int, ...] = (4096, 16384)
+    long_prefill_repeats: int = 2  # timed runs per long size (the fastest counts), no warm-up
     # (concurrent generations, prompt tokens of each): batch and context varied apart.
     decode_probes: tuple[tuple[int, int], ...] = ((1, 32), (2, 32), (4, 32), (1, 512), (4, 256))
     decode_steps: int = 8  # tokens each generation decodes after its first
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.prefill_repeats < 1 or self.decode_steps < 2:
-            raise ValueError("prefill_repeats must be >= 1 and decode_steps >= 2")
-        if list(self.prefill_sizes) != sorted(set(self.prefill_sizes)) or any(
-            n < 2 for n in self.prefill_sizes
-        ):
-            raise ValueError("prefill_sizes must be distinct, ascending and >= 2")
+        if self.prefill_repeats < 1 or self.long_prefill_repeats < 1 or self.decode_steps < 2:
+            raise ValueError(
+                "prefill_repeats and long_prefill_repeats must be >= 1, decode_steps >= 2"
+            )
+        sizes = (*self.prefill_sizes, *self.long_prefill_sizes)
+        if list(sizes) != sorted(set(sizes)) or any(n < 2 for n in sizes):
+            raise ValueError(
+                "prefill_sizes then long_prefill_sizes must be distinct, ascending and >= 2"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,12 +130,22 @@ class _Samples:
     decode: list[tuple[float, float, float]] = field(default_factory=list)
 
     def prefill_guess_s(self, tokens: int) -> float | None:
-        """Conservative guess: the largest smaller measured size, scaled quadratically."""
-        below = [(n, d) for n, p, d in self.prefill if p == 0 and n <= tokens]
-        if not below:
+        """The largest smaller measured size, scaled by the size ratio to the power the
+        two largest measured sizes show (1.25 to 2; 2 when only one was measured)."""
+        fastest: dict[int, float] = {}  # a cached-head run may report nothing cached
+        for n, p, d in self.prefill:
+            if p == 0 and n <= tokens:
+                fastest[n] = min(d, fastest.get(n, math.inf))
+        if not fastest:
             return None
-        n, d = max(below)
-        return d * (tokens / n) ** 2
+        below = sorted(fastest.items())
+        n, d = below[-1]
+        power = 2.0
+        if len(below) >= 2:
+            n0, d0 = below[-2]
+            if d0 > 0 and d > 0:
+                power = min(2.0, max(1.25, math.log(d / d0) / math.log(n / n0)))
+        return d * math.pow(tokens / n, power)
 
     def decode_guess_s(self, batch: int, prompt_tokens: int, steps: int) -> float | None:
         if not self.decode:
@@ -155,33 +181,46 @@ class _Budget:
 
 
 @contextlib.asynccontextmanager
-async def host_lock(name: str, timeout_s: float, *, poll_s: float = 0.05) -> AsyncIterator[bool]:
+async def host_lock(
+    name: str, timeout_s: float, *, slots: int = 1, poll_s: float = 0.05
+) -> AsyncIterator[bool]:
     """An advisory lock shared by the processes of this host (``flock`` on a file in the
-    temp dir, released when its holder exits, even by a crash). Yields whether it is
-    held: False after ``timeout_s`` of waiting. When the file cannot be opened the
-    caller goes ahead unlocked (True)."""
+    temp dir, released when its holder exits, even by a crash), which ``slots``
+    holders may hold at once (one file per slot). Yields whether it is held: False after
+    ``timeout_s`` of waiting. When the files cannot be opened the caller goes ahead
+    unlocked (True)."""
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
     safe = "".join(c if c.isalnum() else "_" for c in name)
+    folder = Path(tempfile.gettempdir())
+    paths = [folder / f"kvc-{safe}.lock"]
+    paths += [folder / f"kvc-{safe}-{i}.lock" for i in range(1, slots)]
+    fds: list[int] = []
     try:
-        fd = os.open(Path(tempfile.gettempdir()) / f"kvc-{safe}.lock", os.O_RDWR | os.O_CREAT)
-    except OSError as exc:
-        log.info("no host lock %s (%s): going ahead unlocked", name, exc)
-        yield True
-        return
-    try:
+        try:
+            for path in paths:
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT))
+        except OSError as exc:
+            log.info("no host lock %s (%s): going ahead unlocked", name, exc)
+            yield True
+            return
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    held = False
+        held = False
+        while not held:
+            for fd in fds:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held = True
                     break
-                await asyncio.sleep(poll_s)
+                except BlockingIOError:
+                    continue
+            if held or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(poll_s)
         yield held
     finally:
-        os.close(fd)  # releases the lock
+        for fd in fds:
+            os.close(fd)  # releases the lock
 
 
 def _prompt(rng: random.Random, vocab: int, tokens: int) -> tuple[int, ...]:
@@ -214,6 +253,10 @@ async def calibrate(
     except EngineError as exc:
         log.warning("calibration stopped: %s; fitting what was measured", exc)
     duration_s = clock() - started
+    log.debug(
+        "calibration samples: prefill (tokens, cached, s) %s; decode (batch, context, s) %s",
+        samples.prefill, samples.decode,
+    )  # fmt: skip
     sizes = {n for n, p, _ in samples.prefill if p == 0}
     batches = {b for b, _, _ in samples.decode}
     if len(sizes) < 2 or len(batches) < 2:
@@ -254,15 +297,17 @@ async def _measure(
     sizes = [n for n in plan.prefill_sizes if n <= limit]
     decodes = [(b, t) for b, t in plan.decode_probes if t + plan.decode_steps + 1 <= limit]
 
-    async def prefill(tokens: int, cached: int = 0) -> None:
-        """A warm-up run, then the timed ones; their median is the sample."""
+    async def prefill(tokens: int, cached: int = 0, *, long: bool = False) -> None:
+        """A warm-up run (not for long sizes), then the timed ones; the fastest is the
+        sample."""
         runs: list[PrefillProbeResult] = []
-        for run in range(1 + plan.prefill_repeats):
+        warmup = 0 if long else 1
+        for run in range(warmup + (plan.long_prefill_repeats if long else plan.prefill_repeats)):
             if not budget.take(samples.prefill_guess_s(tokens), tokens + 1):
                 break
             prompt = _prompt(rng, info.vocab_size, tokens)
             result = await engine.probe_prefill(PrefillProbe(prompt, cached_tokens=cached))
-            if run:
+            if run >= warmup:
                 runs.append(result)
         if runs:
             samples.prefill_runs += len(runs)
@@ -298,13 +343,21 @@ async def _measure(
     for total, cached in plan.cached_prefills:
         if total <= limit and 0 < cached < total:
             await prefill(total, cached)
+    for tokens in plan.long_prefill_sizes:
+        if tokens <= limit:
+            await prefill(tokens, long=True)
 
 
 _AGENT_CACHE_SHARE = 0.125  # of an engine-owned cache's tokens calibration may fill
 
 
 async def calibrate_before_serving(
-    engine: EngineAdapter, *, cache_capacity_tokens: int, budget_s: float
+    engine: EngineAdapter,
+    *,
+    cache_capacity_tokens: int,
+    budget_s: float,
+    turns: int = 0,
+    plan: CalibrationPlan | None = None,
 ) -> Calibration | None:
     """An agent's start-up calibration; whatever goes wrong, None (it serves without).
 
@@ -312,7 +365,10 @@ async def calibrate_before_serving(
     salt no tenant has) until it evicts them: calibration may send at most
     ``_AGENT_CACHE_SHARE`` of ``cache_capacity_tokens``, so little of a warm cache is
     displaced. An engine that computes in this process takes turns with this host's
-    other agents (``host_lock``); the wait counts against ``budget_s``.
+    other agents (``host_lock``, one at a time); ``turns`` > 0 makes every engine take
+    turns, that many at once, with the host's agents that set it (engines computing
+    elsewhere that still share this host's CPUs: a fleet of simulated engines measured
+    each other otherwise). The wait counts against ``budget_s``.
     """
     info = engine.info
     started = time.monotonic()
@@ -320,6 +376,9 @@ async def calibrate_before_serving(
     cache_tokens: int | None = None
     if info.owns_kv_cache:  # vLLM computes in its own server; its cache is bounded
         cache_tokens = int(cache_capacity_tokens * _AGENT_CACHE_SHARE)
+    if turns > 0:
+        turn = host_lock("calibration-turns", budget_s, slots=turns)
+    elif info.owns_kv_cache:
         turn = contextlib.nullcontext(True)
     else:
         turn = host_lock(f"calibration-{info.device}", budget_s)
@@ -329,7 +388,7 @@ async def calibrate_before_serving(
                 log.warning("calibration skipped: other agents of this host took %.1f s", budget_s)
                 return None
             left_s = budget_s - (time.monotonic() - started)
-            return await calibrate(engine, left_s, cache_tokens=cache_tokens)
+            return await calibrate(engine, left_s, plan, cache_tokens=cache_tokens)
     except Exception:
         log.warning("engine calibration failed; serving without", exc_info=True)
         return None

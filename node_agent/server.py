@@ -62,7 +62,7 @@ from node_agent.blocks.types import (
     RetentionOutcome,
     TxMode,
 )
-from node_agent.calibration import Calibration, calibrate_before_serving
+from node_agent.calibration import Calibration, CalibrationPlan, calibrate_before_serving
 from node_agent.engines.base import CacheMirroringEngine, EngineAdapter, PrefixLendingEngine
 from node_agent.errors import Draining, PromptRejected
 from node_agent.event_stream import EngineHostTier, EventPublisher
@@ -220,10 +220,14 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
     async def calibrate(self, budget_s: float) -> Calibration | None:
         """Measure the engine (before serving) and put the fit into ``NodeInfo``."""
         s = self.state.settings
+        # A decode node's prefill estimates never place a prefill: no long prompts.
+        plan = CalibrationPlan(long_prefill_sizes=()) if s.role == "decode" else None
         result = await calibrate_before_serving(
             self.state.engine,
             cache_capacity_tokens=s.capacity_blocks * s.block_size,
             budget_s=budget_s,
+            turns=s.calibration_turns,
+            plan=plan,
         )
         if result is None:
             self.node_info.ClearField("calibration")

@@ -136,6 +136,19 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         description="Hard bound on the start-up calibration; it fits what was measured by then",
         json_schema_extra=_ENGINE,
     )
+    calibration_turns: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description=(
+            "Calibrations that may run at once among this host's agents that set it "
+            "(advisory locks in the temp dir; the wait counts against the budget): for "
+            "engines that compute elsewhere but share this host's CPUs, such as a fleet of "
+            "simulated engines. 0: only engines computing in the agent's process take "
+            "turns, one at a time"
+        ),
+        json_schema_extra=_ENGINE,
+    )
 
     block_size: int = Field(
         32, ge=1, le=4096, description="Tokens per KV block", json_schema_extra=_BLOCKS

@@ -123,6 +123,7 @@ async def test_sizes_beyond_the_context_length_are_left_out(
     plan = CalibrationPlan(
         prefill_sizes=(16, 64, 100_000),
         cached_prefills=((100_000, 50_000),),
+        long_prefill_sizes=(200_000,),
         decode_probes=((1, 16), (2, 16), (1, 100_000)),
         decode_steps=3,
     )
@@ -145,9 +146,27 @@ async def test_agents_of_one_host_take_turns() -> None:
     (Path(tempfile.gettempdir()) / f"kvc-{name}.lock").unlink()
 
 
+async def test_a_lock_of_two_slots_lets_two_in_and_the_third_waits() -> None:
+    name = f"test_{uuid.uuid4().hex}"
+    async with host_lock(name, 1.0, slots=2) as first, host_lock(name, 1.0, slots=2) as second:
+        assert first
+        assert second
+        async with host_lock(name, timeout_s=0.2, slots=2) as third:
+            assert not third
+    async with host_lock(name, 0.2, slots=2) as again:
+        assert again
+    folder = Path(tempfile.gettempdir())
+    for path in (folder / f"kvc-{name}.lock", folder / f"kvc-{name}-1.lock"):
+        path.unlink()
+    with pytest.raises(ValueError, match="slots"):
+        async with host_lock(name, 0.1, slots=0):
+            pass  # pragma: no cover
+
+
 # ------------------------------------------------------------------ vLLM (stand-in)
 
 PREFILL_FIXED_S, PREFILL_PER_TOKEN_S = 0.004, 40e-6
+PREFILL_QUADRATIC_S = 1e-9  # per token squared: 2% of a 1k prefill, 29% of a 16k one
 TBT_FIXED_S, TBT_PER_REQUEST_S = 0.004, 0.002
 METRICS = """\
 # TYPE vllm:cache_config_info gauge
@@ -159,8 +178,12 @@ class TimedVllm:
     """Answers completions like vLLM, taking the time a simple engine model says:
     prefill ``fixed + per_token*n``, then one token per ``fixed + per_request*streams``."""
 
-    def __init__(self, *, fail: bool = False) -> None:
+    def __init__(
+        self, *, fail: bool = False, quadratic_s: float = 0.0, max_model_len: int = 2048
+    ) -> None:
         self.fail = fail
+        self.quadratic_s = quadratic_s
+        self.max_model_len = max_model_len
         self.bodies: list[dict[str, Any]] = []
         self.streams = 0
 
@@ -169,7 +192,9 @@ class TimedVllm:
         if path == "/health":
             return httpx.Response(200)
         if path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": MODEL, "max_model_len": 2048}]})
+            return httpx.Response(
+                200, json={"data": [{"id": MODEL, "max_model_len": self.max_model_len}]}
+            )
         if path == "/metrics":
             return httpx.Response(200, text=METRICS)
         assert path == "/v1/completions", path
@@ -179,7 +204,7 @@ class TimedVllm:
             return httpx.Response(500, json={"error": {"message": "engine died"}})
         n = len(body["prompt"])
         if not body["stream"]:
-            await asyncio.sleep(PREFILL_FIXED_S + PREFILL_PER_TOKEN_S * n)
+            await asyncio.sleep(self.prefill_s(n))
             return httpx.Response(
                 200,
                 json={
@@ -197,11 +222,14 @@ class TimedVllm:
             200, headers={"content-type": "text/event-stream"}, content=self._sse(n, body)
         )
 
+    def prefill_s(self, n: int) -> float:
+        return PREFILL_FIXED_S + PREFILL_PER_TOKEN_S * n + self.quadratic_s * n * n
+
     async def _sse(self, n: int, body: dict[str, Any]) -> AsyncIterator[bytes]:
         # Counted out before the last yield: a reader that stops at [DONE] may never
         # resume (or close) this generator.
         self.streams += 1
-        await asyncio.sleep(PREFILL_FIXED_S + PREFILL_PER_TOKEN_S * n)
+        await asyncio.sleep(self.prefill_s(n))
         chunks = []
         count = body["max_tokens"]
         for i in range(count):
@@ -247,6 +275,23 @@ async def test_vllm_probes_are_timed_and_salted_apart_from_every_tenant() -> Non
         truth = TBT_FIXED_S + TBT_PER_REQUEST_S * batch
         estimate = _decode_estimate(cal.decode, batch, batch * 100)
         assert truth / 2 <= estimate <= truth * 2, (batch, cal)
+
+
+async def test_long_prompts_pin_the_attention_term_that_short_ones_cannot() -> None:
+    """Up to 1k tokens the quadratic term is a few percent of a prefill, below the
+    timing noise; calibration also times 4k and 16k prompts, so a 40k-token prompt is
+    predicted from measurement, not from an extrapolated guess."""
+    fake = TimedVllm(quadratic_s=PREFILL_QUADRATIC_S, max_model_len=32_768)
+    engine = await _vllm(fake)
+    try:
+        cal = await calibrate(engine, budget_s=20.0)
+    finally:
+        await engine.aclose()
+    assert cal is not None
+    assert max(len(body["prompt"]) for body in fake.bodies) == 16_384
+    assert cal.prefill.per_token_context_s == pytest.approx(PREFILL_QUADRATIC_S, rel=0.35)
+    n = 40_000
+    assert _prefill_estimate(cal.prefill, n) == pytest.approx(fake.prefill_s(n), rel=0.2)
 
 
 async def test_vllm_calibration_sends_no_more_than_its_cache_share() -> None:

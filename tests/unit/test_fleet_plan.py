@@ -61,6 +61,20 @@ def test_slos_are_given_in_trace_time_and_scaled_with_the_engines() -> None:
     assert {_flag(e.args, "--time-scale") for e in plan.engines} == {"0.25"}
 
 
+def test_agents_calibrate_in_turns_with_a_budget_that_covers_the_wait() -> None:
+    """The engines share the machine's CPUs: agents calibrate a few at a time, and the
+    last round's wait fits in their (time-scaled) budget."""
+    plan = plan_fleet(FleetOptions(prefill=4, decode=4, time_scale=2.0, calibration_turns=2), IPC)
+    for agent in plan.agents:
+        assert _flag(agent.args, "--calibration-turns") == "2"
+        assert float(_flag(agent.args, "--calibration-budget-s")) == pytest.approx(20.0 * 2 * 4)
+    at_once = plan_fleet(FleetOptions(calibration_turns=0), IPC)
+    assert {_flag(a.args, "--calibration-turns") for a in at_once.agents} == {"0"}
+    assert {float(_flag(a.args, "--calibration-budget-s")) for a in at_once.agents} == {20.0}
+    big = plan_fleet(FleetOptions(prefill=32, decode=32, calibration_turns=1), IPC)
+    assert float(_flag(big.agents[0].args, "--calibration-budget-s")) == 600.0  # the agent's cap
+
+
 def test_pass_through_arguments_reach_every_process_of_their_kind() -> None:
     plan = plan_fleet(
         FleetOptions(
@@ -82,6 +96,7 @@ def test_pass_through_arguments_reach_every_process_of_their_kind() -> None:
         (FleetOptions(prefill=0, decode=0, aggregated=0), "no engines"),
         (FleetOptions(conductors=0), "--conductors"),
         (FleetOptions(time_scale=0.0), "--time-scale"),
+        (FleetOptions(calibration_turns=-1), "--calibration-turns"),
         (FleetOptions(base_port=65_530), "out of range"),
     ],
 )
@@ -93,10 +108,12 @@ def test_impossible_fleets_are_refused(options: FleetOptions, message: str) -> N
 def test_cli_flags_map_onto_the_options() -> None:
     ns = build_parser().parse_args(
         ["fleet", "up", "--prefill", "4", "--decode", "4", "--time-scale", "0.5",
-         "--agent-arg=--no-calibrate", "--policy", "kv_centric", "--prefix-pulls"]
+         "--agent-arg=--no-calibrate", "--policy", "kv_centric", "--prefix-pulls",
+         "--calibration-turns", "3"]
     )  # fmt: skip
     assert (ns.prefill, ns.decode, ns.time_scale, ns.policy) == (4, 4, 0.5, "kv_centric")
     assert ns.prefix_pulls
+    assert ns.calibration_turns == 3
     assert ns.agent_arg == ["--no-calibrate"]
 
 
