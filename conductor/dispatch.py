@@ -268,6 +268,7 @@ class Dispatcher:
                     # Pool payloads (embedded) or the engine's own connector (vLLM with
                     # pd_connector); agents from before the flag: embedded only.
                     kv_migration=info.kv_migration or info.engine == "embedded",
+                    kv_family=info.engine,
                     queued_prefill_tokens=agent.queued_prefill_tokens,
                     running_requests=agent.running_requests,
                     max_running_requests=info.max_running_requests,

@@ -242,12 +242,20 @@ def _pull_candidates(
     break_even = threshold is None
     # FindBestPrefixMatch: the longest holder; ties go to the smallest node id. A holder
     # lends from every tier: what sits in its host memory or on disk is loaded first.
-    holder = min(nodes, key=lambda n: (-req.prefix_blocks.get(n.node_id, 0), n.node_id))
-    best_len = req.prefix_blocks.get(holder.node_id, 0)
-    holder_load_s = est.load_s(holder, req)
+    # Nodes pull only within their KV family (engines that move KV the same way).
+    prefix_blocks = req.prefix_blocks
+    holders: dict[str, tuple[NodeState, int]] = {}
+    for n in nodes:
+        held = prefix_blocks.get(n.node_id, 0)
+        best = holders.get(n.kv_family)
+        if best is None or held > best[1] or (held == best[1] and n.node_id < best[0].node_id):
+            holders[n.kv_family] = (n, held)
+    holder_load: dict[str, float] = {f: est.load_s(h, req) for f, (h, _) in holders.items()}
     out = []
     for node in nodes:
-        local = req.prefix_blocks.get(node.node_id, 0)
+        holder, best_len = holders[node.kv_family]
+        holder_load_s = holder_load[node.kv_family]
+        local = prefix_blocks.get(node.node_id, 0)
         if break_even:
             local = max(local, req.pending_blocks.get(node.node_id, 0))
         migration = None

@@ -139,6 +139,9 @@ class NodeState:
     # As the agent last reported it, less this conductor's work that ended since.
     queued_prefill_tokens: int = 0
     kv_migration: bool = True  # can lend/receive prefix blocks (not engines owning their KV)
+    # Nodes pull prefixes only from nodes of their family: engines that move KV the same
+    # way (the embedded engine's pool payloads and vLLM's kv_transfer_params do not mix).
+    kv_family: str = ""
     running_requests: int = 0  # as the agent last reported it, less ours ended since
     # Free plus evictable (cached, unlocked) blocks: what an allocation can obtain. None:
     # the reporter does not tell them apart (``free_blocks`` is then the allocatable count).

@@ -323,6 +323,28 @@ def test_no_migration_involving_nodes_that_own_their_kv() -> None:
     assert p.migration is None
 
 
+def test_nodes_pull_only_from_holders_of_their_own_kv_family() -> None:
+    """A mixed fleet: the embedded node cannot load what a vLLM node lends, so it pulls
+    from the longest embedded holder, even when a vLLM node holds more."""
+    s = Scheduler(config())
+    fleet = [
+        node("p1", kv_family="embedded"),
+        node("p2", queued_prefill_tokens=5000, kv_family="embedded"),
+        node("p3", queued_prefill_tokens=5000, kv_family="vllm"),
+        node("d1", "decode", kv_family="embedded"),
+    ]
+    p = placed(s.schedule(request({"p2": 20, "p3": 30}), fleet, NOW))
+    assert p.prefill == "p1"
+    assert p.migration is not None
+    assert (p.migration.source, p.migration.blocks) == ("p2", 20)
+    # One family: the longest holder overall lends, as before.
+    same = [n if n.node_id != "p3" else node("p3", queued_prefill_tokens=5000,
+            kv_family="embedded") for n in fleet]  # fmt: skip
+    p = placed(s.schedule(request({"p2": 20, "p3": 30}), same, NOW))
+    assert p.migration is not None
+    assert (p.migration.source, p.migration.blocks) == ("p3", 30)
+
+
 # ---------------------------------------------------------------- capacity before work
 
 
