@@ -20,10 +20,10 @@ something to fit:
    cache share and the context length allow. Without them the attention term is fitted
    on prompts of at most 1k tokens, where it is a percent of the time and noise decides
    it, then extrapolated 40-fold: measured on a 16-engine simulated fleet (llama3-70b
-   profile), eight identical engines got ``per_token_context`` from 0 to 25x the truth,
-   so the conductor saw one node as ten times faster than the others for 40k-token
-   prompts and queued four of them there while others idled, until the first of them
-   ended. Each long size runs ``long_prefill_repeats`` times without a warm-up (at
+   profile), eight identical engines got ``per_token_context`` from 0 to 13x the truth
+   and estimated a 40k-token prefill at 0.46x to 6.2x its time, so the conductor queued
+   four such prompts on the node that looked fastest while others idled, until the
+   first of them ended. Each long size runs ``long_prefill_repeats`` times without a warm-up (at
    these lengths interference is a smaller share of the time).
 
 Every prefill size runs once as a warm-up (discarded), then ``prefill_repeats`` timed
