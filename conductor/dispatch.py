@@ -53,6 +53,7 @@ from conductor.core.placement import (
 )
 from conductor.core.prefix_index import NodeId, PrefixIndex
 from conductor.core.scheduler import (
+    LendWait,
     NodeState,
     Placement,
     Scheduler,
@@ -269,6 +270,7 @@ class Dispatcher:
                     # pd_connector); agents from before the flag: embedded only.
                     kv_migration=info.kv_migration or info.engine == "embedded",
                     kv_family=info.engine,
+                    lend_wait=_lend_wait(info),
                     queued_prefill_tokens=agent.queued_prefill_tokens,
                     running_requests=agent.running_requests,
                     max_running_requests=info.max_running_requests,
@@ -637,6 +639,18 @@ def retention_of(
         if blocks > 0:
             ttl_by_blocks[blocks] = max(ttl_by_blocks.get(blocks, 0.0), bp.ttl_s)
     return [pb.Retention(blocks=b, ttl_s=t) for b, t in sorted(ttl_by_blocks.items())]
+
+
+_LEND_WAITS: dict[int, LendWait] = {
+    pb.LEND_WAIT_NONE: "none",
+    pb.LEND_WAIT_QUEUE: "queue",
+    pb.LEND_WAIT_RUNNING: "running",
+}
+
+
+def _lend_wait(info: pb.NodeInfo) -> LendWait:
+    """The node's ``lend_wait``; a value newer than this conductor: a full queue."""
+    return _LEND_WAITS.get(info.lend_wait, "queue")
 
 
 def _tier_bandwidth(tiers: Sequence[pb.KvTier]) -> tuple[float, float]:

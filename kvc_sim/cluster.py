@@ -292,6 +292,7 @@ class Cluster:
                     allocatable_blocks=stats.free_blocks + stats.evictable_blocks,
                     kv_bytes_per_token=kvb,
                     kv_migration=self.config.kv_migration,
+                    lend_wait=self.config.lend_wait if self.config.lend_wait_reported else "none",
                     queued_prefill_tokens=p.queued_tokens,
                     running_requests=len(p.queue) + (p.running is not None),
                     tier_read_bytes_per_s=tier_bw,
@@ -470,21 +471,52 @@ class Cluster:
         nbytes = (
             (locked - local_blocks) * self.config.block_tokens * self.profile.kv_bytes_per_token
         )
-        now = self.loop.now_s
-        _start, arrive = reserve_transfer(self.profile, src.nic, dst.nic, nbytes, now + load_s)
         job.migrating = True
         self._migrations += 1
 
-        def done() -> None:
-            self.scheduler.transfer.observe(src.node_id, dst.node_id, nbytes, arrive - now - load_s)
-            src.pool.tx_commit(src_tx)
-            self._publish(src)
-            job.migrating = False
-            job.migrated_blocks = locked
-            self._migrated_blocks += locked - local_blocks
-            self._try_start(dst)
+        def send() -> None:
+            now = self.loop.now_s
+            _start, arrive = reserve_transfer(self.profile, src.nic, dst.nic, nbytes, now + load_s)
 
-        self.loop.at(arrive, done)
+            def done() -> None:
+                self.scheduler.transfer.observe(
+                    src.node_id, dst.node_id, nbytes, arrive - now - load_s
+                )
+                src.pool.tx_commit(src_tx)
+                self._publish(src)
+                job.migrating = False
+                job.migrated_blocks = locked
+                self._migrated_blocks += locked - local_blocks
+                self._try_start(dst)
+
+            self.loop.at(arrive, done)
+
+        if self.config.lend_wait == "none":
+            send()
+            return
+        # The holder's engine lends with a request of its own: it waits its turn there
+        # (at the back of the queue, or at the front behind the running prefill) and
+        # computes the prefix's last token; the KV leaves when it ends.
+        lend = QueuedPrefill(
+            request_id=f"{flight.req.request_id}:lend",
+            tx_id=src_tx,
+            keys=(),
+            handles=(),
+            input_tokens=1,
+            on_start=lambda _cached, _duration: None,
+            on_done=lambda: self._lent(src, lend, send),
+        )
+        if self.config.lend_wait == "queue":
+            src.enqueue(lend)
+        else:
+            src.enqueue_first(lend)
+        self._try_start(src)
+
+    def _lent(self, src: PrefillInstance, lend: QueuedPrefill, send: Callable[[], None]) -> None:
+        """The holder's lend request ended: the prefix leaves; the holder goes on."""
+        src.finish(lend)
+        send()
+        self._try_start(src)
 
     # ------------------------------------------------------------------ prefill
     def _try_start(self, inst: PrefillInstance) -> None:

@@ -15,6 +15,17 @@ prefills; ``seed``), ``lease_s``, ``load_sample_s``, ``kv_migration`` (False: pr
 nodes can neither lend nor receive prefix blocks, as engines that own their KV — vLLM
 nodes — report to the live conductor; the live-parity scenario uses it).
 
+What a prefix pull waits for at its holder (``lend_wait``): ``"none"``, the transfer
+starts at once (pool payloads, the embedded engine); ``"queue"``, the holder lends with a
+request to its engine (vLLM's LendBlocks leg) that joins the back of its prefill queue
+(first come first served) and computes the prefix's last token; ``"running"``, that
+request goes to the front of the queue and waits only for the prefill running there
+(vLLM's priority scheduling with the legs first). The transfer leaves when the request
+ends. ``lend_wait_reported`` (default True): the nodes tell the scheduler
+(``NodeState.lend_wait``, as agents do since ``NodeInfo.lend_wait``), which charges a
+pull that wait; False: the scheduler plans as if pulls waited for nothing (conductors
+before that field).
+
 The prefill → decode hand-off (``kv_handoff``): ``"layerwise"`` (Mooncake's, the
 default) streams the prompt's KV to the decode node while the prefill runs and the first
 token is the prefill's own, at the later of the prefill's end + one latency and the
@@ -84,6 +95,8 @@ class ClusterConfig:
     load_sample_s: float = 5.0
     kv_migration: bool = True
     kv_handoff: Literal["layerwise", "pull"] = "layerwise"
+    lend_wait: Literal["none", "queue", "running"] = "none"
+    lend_wait_reported: bool = True
     host_tier_tokens: int | None = None
     disk_tier_tokens: int | None = None
     replica_aware_eviction: bool = False

@@ -301,6 +301,11 @@ class PrefillInstance:
         self.queue.append(job)
         self.queued_tokens += job.input_tokens
 
+    def enqueue_first(self, job: QueuedPrefill) -> None:
+        """Queue ``job`` before every waiting one (after the running one)."""
+        self.queue.appendleft(job)
+        self.queued_tokens += job.input_tokens
+
     def next_ready(self) -> QueuedPrefill | None:
         """Pop the head job if the instance is idle and the head may start (FIFO)."""
         if self.running is not None or not self.queue or self.queue[0].migrating:

@@ -106,6 +106,17 @@ def _moves_prefixes(engine: EngineAdapter) -> bool:
     return engine.kv_codec is not None
 
 
+def _lend_wait(settings: AgentSettings, engine: EngineAdapter) -> pb.LendWait.ValueType:
+    """What a prefix this node lends waits for (``NodeInfo.lend_wait``): nothing for
+    pool payloads; a request to the engine otherwise, ahead of the waiting ones when
+    the legs carry a priority below 0 (vLLM's priority scheduling)."""
+    if not isinstance(engine, PrefixLendingEngine) or not engine.lends_prefixes:
+        return pb.LEND_WAIT_NONE
+    if settings.vllm_prefix_pull_priority < 0:
+        return pb.LEND_WAIT_RUNNING
+    return pb.LEND_WAIT_QUEUE
+
+
 def _lower_tiers(settings: AgentSettings, engine: EngineAdapter) -> LowerTiers | None:
     """The L2/L3 tiers the settings ask for (None: none)."""
     if not (settings.host_tier_bytes or settings.disk_tier_bytes):
@@ -201,6 +212,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             fused_tx=True,
             kv_migration=_moves_prefixes(self.state.engine),
             replica_hints=s.replica_aware_eviction,
+            lend_wait=_lend_wait(s, self.state.engine),
         )
         lower = self.pool.lower
         if lower is not None:  # bandwidth of each tier, before any traffic

@@ -153,6 +153,8 @@ class Estimates(Protocol):
 
     def load_s(self, node: NodeState, req: ScheduleRequest) -> float: ...
 
+    def lend_wait_s(self, node: NodeState) -> float: ...
+
     def decode_slots_free(self, node: NodeState) -> bool: ...
 
     def tbt_at(self, node: NodeState, at_s: float, now_s: float, req: ScheduleRequest) -> float: ...
@@ -250,11 +252,15 @@ def _pull_candidates(
         best = holders.get(n.kv_family)
         if best is None or held > best[1] or (held == best[1] and n.node_id < best[0].node_id):
             holders[n.kv_family] = (n, held)
-    holder_load: dict[str, float] = {f: est.load_s(h, req) for f, (h, _) in holders.items()}
+    # What a pull waits for at the holder before the wire: loading its lower-tier blocks,
+    # and its engine's queue where lending is a request to its engine (``lend_wait``).
+    holder_wait: dict[str, float] = {
+        f: est.load_s(h, req) + est.lend_wait_s(h) for f, (h, _) in holders.items()
+    }
     out = []
     for node in nodes:
         holder, best_len = holders[node.kv_family]
-        holder_load_s = holder_load[node.kv_family]
+        holder_wait_s = holder_wait[node.kv_family]
         local = prefix_blocks.get(node.node_id, 0)
         if break_even:
             local = max(local, req.pending_blocks.get(node.node_id, 0))
@@ -269,12 +275,12 @@ def _pull_candidates(
             and (threshold is None or (math.inf if local == 0 else best_len / local) > threshold)
         ):
             nbytes = (best_len - local) * node.block_size * node.kv_bytes_per_token
-            transfer_s = holder_load_s + est.transfer.estimate(holder.node_id, node.node_id, nbytes)
+            transfer_s = holder_wait_s + est.transfer.estimate(holder.node_id, node.node_id, nbytes)
             pulled_s = est.prefill_s(node, req.prompt_tokens, best_len)
             # Algorithm 1 pulls past the threshold whatever it costs; a pull that must
-            # first load the holder's blocks from its host memory or disk is taken only
-            # when it still beats computing here.
-            must_pay = break_even or holder_load_s > 0
+            # first wait at the holder (loading its blocks from host memory or disk, or
+            # its engine's queue) is taken only when it still beats computing here.
+            must_pay = break_even or holder_wait_s > 0
             if not must_pay or transfer_s + pulled_s < prefill_s:
                 migration = Migration(source=holder.node_id, blocks=best_len, transfer_s=transfer_s)
                 prefix = best_len

@@ -89,6 +89,8 @@ from conductor.core.transfer_model import TransferModel
 from kvc.priors import DecodePrior, PrefillPrior
 from kvc.roles import NodeRole
 
+LendWait = Literal["none", "queue", "running"]
+
 
 class Admission(enum.Enum):
     NONE = "none"
@@ -142,6 +144,12 @@ class NodeState:
     # Nodes pull prefixes only from nodes of their family: engines that move KV the same
     # way (the embedded engine's pool payloads and vLLM's kv_transfer_params do not mix).
     kv_family: str = ""
+    # What a prefix lent by this node waits for before it can leave (a pull from it is
+    # charged that wait): "none", its pool is read at once (embedded engine); "queue", the
+    # lend is a request to its engine queued behind its prefills (vLLM's LendBlocks leg,
+    # first come first served); "running", such a request that jumps the queue but waits
+    # for the prefill running there (vLLM's priority scheduling, the leg first).
+    lend_wait: LendWait = "none"
     running_requests: int = 0  # as the agent last reported it, less ours ended since
     # Free plus evictable (cached, unlocked) blocks: what an allocation can obtain. None:
     # the reporter does not tell them apart (``free_blocks`` is then the allocatable count).
@@ -360,6 +368,22 @@ class Scheduler:
         return tier_load_s(
             hits, node.block_size * node.kv_bytes_per_token, node.tier_read_bytes_per_s
         )
+
+    def lend_wait_s(self, node: NodeState) -> float:
+        """Predicted wait before ``node`` can lend a prefix (``NodeState.lend_wait``).
+
+        "running": the oldest of this scheduler's prefills pending there (under FIFO the
+        one running, or next), its whole predicted duration — an upper bound of what is
+        left of it; with none of ours pending, the queue (other conductors' work).
+        """
+        if node.lend_wait == "none":
+            return 0.0
+        queue = self.queue_s(node)
+        if node.lend_wait == "running":
+            pending = self._book(node.node_id).pending_prefill_s
+            if pending:
+                return min(queue, next(iter(pending.values())))
+        return queue
 
     def prefill_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float:
         """Predicted prefill time of ``prompt_tokens`` reusing ``prefix_blocks`` blocks."""

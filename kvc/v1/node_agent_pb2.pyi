@@ -55,6 +55,29 @@ NODE_ROLE_DECODE: NodeRole.ValueType  # 2
 NODE_ROLE_BOTH: NodeRole.ValueType  # 3
 Global___NodeRole: _TypeAlias = NodeRole  # noqa: Y015
 
+class _LendWait:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LendWaitEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LendWait.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LEND_WAIT_NONE: _LendWait.ValueType  # 0
+    LEND_WAIT_QUEUE: _LendWait.ValueType  # 1
+    LEND_WAIT_RUNNING: _LendWait.ValueType  # 2
+
+class LendWait(_LendWait, metaclass=_LendWaitEnumTypeWrapper):
+    """LEND_WAIT_NONE: the pool's payloads are read at once (the embedded engine).
+    LEND_WAIT_QUEUE: the lend is a request to the engine, first come first served
+    behind its queued prefills (vLLM's LendBlocks leg without a priority).
+    LEND_WAIT_RUNNING: such a request that goes before waiting ones but waits for the
+    prefill running there (vLLM's --scheduling-policy priority, a negative leg priority).
+    """
+
+LEND_WAIT_NONE: LendWait.ValueType  # 0
+LEND_WAIT_QUEUE: LendWait.ValueType  # 1
+LEND_WAIT_RUNNING: LendWait.ValueType  # 2
+Global___LendWait: _TypeAlias = LendWait  # noqa: Y015
+
 class _TxMode:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -226,6 +249,7 @@ class NodeInfo(_message.Message):
     STREAM_ADDRESS_FIELD_NUMBER: _builtins.int
     KV_MIGRATION_FIELD_NUMBER: _builtins.int
     REPLICA_HINTS_FIELD_NUMBER: _builtins.int
+    LEND_WAIT_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -269,6 +293,10 @@ class NodeInfo(_message.Message):
     """Evicts replica-aware (the agent's replica_aware_eviction): conductors push it
     ReplicaHints.
     """
+    lend_wait: Global___LendWait.ValueType
+    """What a prefix this node lends (kv_migration) waits for before it leaves: the
+    conductor charges a pull from this node that wait (docs/scheduling.md).
+    """
     @_builtins.property
     def kv_layout(self) -> Global___KvLayout: ...
     @_builtins.property
@@ -306,10 +334,11 @@ class NodeInfo(_message.Message):
         stream_address: _builtins.str = ...,
         kv_migration: _builtins.bool = ...,
         replica_hints: _builtins.bool = ...,
+        lend_wait: Global___LendWait.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "kv_migration", b"kv_migration", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "replica_hints", b"replica_hints", "role", b"role", "stream_address", b"stream_address", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "kv_migration", b"kv_migration", "lend_wait", b"lend_wait", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "replica_hints", b"replica_hints", "role", b"role", "stream_address", b"stream_address", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

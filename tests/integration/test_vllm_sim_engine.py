@@ -350,6 +350,8 @@ async def test_a_prefix_moves_between_vllm_nodes_through_kv_transfer_params(
     puller, p_engine = await start_node("prefill", "nixl", vllm_prefix_pulls=True)
     assert holder.service.node_info.kv_migration
     assert puller.service.node_info.kv_migration
+    # Its lend is a request to the engine, first come first served (no leg priority).
+    assert holder.service.node_info.lend_wait == pb.LEND_WAIT_QUEUE
     await _seed(holder, h_engine, [*SHARED_IDS, 7])
     keys = compute_block_keys(PULL_PROMPT[:-1], tenant=TENANT, model=MODEL, block_size=BLOCK_SIZE)
     h_channel, h_stub = _stub(holder)
@@ -419,6 +421,7 @@ async def test_a_vllm_node_without_prefix_pulls_neither_lends_nor_pulls(
     colocated, _ = await start_node("both", "none")
     assert not holder.service.node_info.kv_migration
     assert not colocated.service.node_info.kv_migration
+    assert holder.service.node_info.lend_wait == pb.LEND_WAIT_NONE
     await _seed(holder, h_engine, [*SHARED_IDS, 7])
     keys = compute_block_keys(SHARED_IDS, tenant=TENANT, model=MODEL, block_size=BLOCK_SIZE)
     channel, stub = _stub(holder)

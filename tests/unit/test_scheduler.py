@@ -345,6 +345,47 @@ def test_nodes_pull_only_from_holders_of_their_own_kv_family() -> None:
     assert (p.migration.source, p.migration.blocks) == ("p3", 30)
 
 
+@pytest.mark.parametrize("policy", [Policy.KV_CENTRIC, Policy.KV_ADAPTIVE])
+def test_a_pull_is_charged_what_the_holders_lend_waits_for(policy: Policy) -> None:
+    """vLLM lends a prefix with a request to its engine. First come first served
+    ("queue") it waits for the holder's whole queue: a pull from a busy holder then never
+    beats computing, and is not planned even past Algorithm 1's threshold. With the
+    legs first ("running") it waits for the prefill running there (the oldest of ours):
+    charged that, the pull pays when the holder has more queued behind it."""
+    s = Scheduler(config(policy=policy))
+    wire_s = 30 * BS * KV_BYTES_PER_TOKEN / 1e9
+    fleet = [
+        node("p1", kv_family="vllm", lend_wait="queue"),
+        node("p2", queued_prefill_tokens=5000, kv_family="vllm", lend_wait="queue"),
+        node("d1", "decode"),
+    ]
+    p = placed(s.schedule(request({"p2": 30}), fleet, NOW))
+    assert (p.prefill, p.migration, p.prefix_blocks) == ("p1", None, 0)
+    assert p.ttft_s - p.handoff_s == pytest.approx(1.025)  # the whole prompt, at once
+    # The same holder whose lending waits for nothing (pool payloads): pulled.
+    direct = [replace(n, lend_wait="none") for n in fleet]
+    p = placed(s.schedule(request({"p2": 30}), direct, NOW))
+    assert p.migration is not None
+    assert p.migration.transfer_s == pytest.approx(wire_s)
+    # Legs first: our two prefills on p2 (200 then 4,800 tokens) make its queue; the lend
+    # waits for the first.
+    first = [replace(n, lend_wait="running", queued_prefill_tokens=0) for n in fleet]
+    for rid, tokens in (("a", 200), ("b", 4800)):
+        queued = request(prompt=tokens, rid=rid)
+        s.on_assigned(queued, placed(s.schedule(queued, [first[1], first[2]], NOW)), NOW)
+    running_s = s.prefill_model(NodeId("p2")).estimate(200, 0)
+    assert s.lend_wait_s(first[1]) == pytest.approx(running_s)
+    p = placed(s.schedule(request({"p2": 30}), first, NOW))
+    assert (p.prefill, p.prefix_blocks) == ("p1", 30)
+    assert p.migration is not None
+    assert p.migration.transfer_s == pytest.approx(running_s + wire_s)
+    # First come first served, the same books: the whole queue, and no pull.
+    queued_fleet = [replace(n, lend_wait="queue") for n in first]
+    assert s.lend_wait_s(queued_fleet[1]) == pytest.approx(s.queue_s(queued_fleet[1]))
+    p = placed(s.schedule(request({"p2": 30}), queued_fleet, NOW))
+    assert (p.prefill, p.migration) == ("p1", None)
+
+
 # ---------------------------------------------------------------- capacity before work
 
 

@@ -107,6 +107,46 @@ def test_a_busy_holder_makes_algorithm_1_pull_its_prefix() -> None:
         check_consistent(cluster)
 
 
+def test_a_pull_from_a_holder_that_lends_through_its_engine_waits_its_turn() -> None:
+    """``lend_wait``: the holder lends with a request to its engine (vLLM). "running"
+    (legs first) waits for the prefill running there, "queue" for every prefill queued
+    ahead as well; "none" sends at once. Unreported (conductors before
+    ``NodeInfo.lend_wait``) the scheduler still plans the pull and the request pays the
+    wait; reported, the wait is charged and the request computes instead."""
+    p = profile()
+    prefix = tuple(range(40))  # 20,480 tokens
+    reqs = [
+        TraceRequest("a", 0.0, 40 * 512, 1, prefix),
+        TraceRequest("x", 60.0, 140 * 512, 1, (*prefix, *range(1000, 1100))),  # the holder's
+        TraceRequest("b", 60.001, 41 * 512, 1, (*prefix, 5000)),  # pulls the prefix
+    ]
+    base = ClusterConfig(prefill_instances=2, decode_instances=1, load_sample_s=1e6)
+    results = {}
+    for wait in ("none", "running", "queue"):
+        config = replace(base, lend_wait=wait, lend_wait_reported=False)
+        cluster = Cluster(p, config, sched(p), SLO, reqs)
+        results[wait] = {r.request_id: r for r in cluster.run(reqs).records}
+        check_consistent(cluster)
+    for wait in ("none", "running", "queue"):
+        b = results[wait]["b"]
+        assert (b.prefill_node, b.migrated_tokens) == ("prefill-01", 40 * 512)
+    x = results["none"]["x"]
+    x_end_s = x.arrival_s + x.ttft_s  # type: ignore[operator]
+    assert results["none"]["b"].ttft_s < 0.5 * x.prefill_s  # type: ignore[operator]
+    for wait in ("running", "queue"):  # x is the only prefill ahead of the lend
+        b = results[wait]["b"]
+        assert b.arrival_s + b.ttft_s > x_end_s  # type: ignore[operator]
+    # Reported: the wait is charged, and computing the prompt beats waiting for x.
+    config = replace(base, lend_wait="running")
+    cluster = Cluster(p, config, sched(p), SLO, reqs)
+    result = cluster.run(reqs)
+    b = {r.request_id: r for r in result.records}["b"]
+    assert result.migrations == 0
+    assert (b.prefill_node, b.cached_tokens) == ("prefill-01", 0)
+    assert b.ttft_s < results["running"]["b"].ttft_s  # type: ignore[operator]
+    check_consistent(cluster)
+
+
 def test_nodes_that_own_their_kv_never_migrate() -> None:
     """``kv_migration=False`` (vLLM nodes, as the live conductor sees them): kv_centric
     recomputes where it would have pulled; the same workload migrates otherwise."""
