@@ -822,6 +822,7 @@ async def completions(
 
     include_usage = body.include_usage
     offsets = [0] * adm.n  # of each choice's next token in its text (logprobs.text_offset)
+    plain = ContentChunks(completion_id, created, model, include_usage, "completions")
 
     def make_chunk(delta: TokenDelta | None, usage: UsageCounts | None) -> str | None:
         if delta is None:
@@ -843,6 +844,10 @@ async def completions(
             )
         if not delta.text and delta.finish_reason is None and logprobs is None:
             return None
+        if delta.finish_reason is None and logprobs is None:
+            event = plain.event(delta.index, delta.text)
+            if event is not None:
+                return event
         c = CompletionChunk(
             id=completion_id,
             created=created,

@@ -759,20 +759,39 @@ class ContentChunks:
     """The server-sent events of plain content deltas (one choice, text only: nearly
     every chunk of an answer), exactly as ``chunk_json`` writes them, without building
     and serialising a model per token: the JSON is rendered once per choice index with a
-    marker where the text goes, and each delta's text is JSON-encoded into it."""
+    marker where the text goes, and each delta's text is JSON-encoded into it.
+
+    ``api``: ``"chat"`` (``ChatCompletionChunk``, the text in ``delta.content``) or
+    ``"completions"`` (``CompletionChunk``, the text in ``text``, no logprobs or finish
+    reason: the streamed legacy completions of ``kvc bench live`` and vLLM's clients)."""
 
     _MARKER = "kvc-content-7c1f0e"
 
-    def __init__(self, completion_id: str, created: int, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        completion_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        api: Literal["chat", "completions"] = "chat",
+    ) -> None:
         self._fields = (completion_id, created, model, include_usage)
+        self._api = api
         self._parts: dict[int, tuple[str, str] | None] = {}  # by choice index
 
     def _template(self, index: int) -> tuple[str, str] | None:
         completion_id, created, model, include_usage = self._fields
-        choice = ChunkChoice(index=index, delta=ChoiceDelta(content=self._MARKER))
-        chunk = ChatCompletionChunk(
-            id=completion_id, created=created, model=model, choices=[choice]
-        )
+        chunk: ChatCompletionChunk | CompletionChunk
+        if self._api == "chat":
+            choice = ChunkChoice(index=index, delta=ChoiceDelta(content=self._MARKER))
+            chunk = ChatCompletionChunk(
+                id=completion_id, created=created, model=model, choices=[choice]
+            )
+        else:
+            chunk = CompletionChunk(
+                id=completion_id, created=created, model=model,
+                choices=[CompletionChunkChoice(text=self._MARKER, index=index)],
+            )  # fmt: skip
         rendered = chunk_json(chunk, include_usage)
         marker = json.dumps(self._MARKER)
         if rendered.count(marker) != 1:  # the id or model name carries it: no template

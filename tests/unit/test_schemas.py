@@ -552,6 +552,19 @@ def test_plain_content_chunks_are_byte_for_byte_what_the_model_writes(
         assert event is None
     else:
         assert event == sse_data(chunk_json(chunk, include_usage))
+    # The legacy completions API's chunks, the same way.
+    texts = ContentChunks("cmpl-x", 1700000000, model, include_usage, "completions")
+    legacy = CompletionChunk(
+        id="cmpl-x",
+        created=1700000000,
+        model=model,
+        choices=[CompletionChunkChoice(text=text, index=index)],
+    )
+    event = texts.event(index, text)
+    if "kvc-content-7c1f0e" in model:
+        assert event is None
+    else:
+        assert event == sse_data(chunk_json(legacy, include_usage))
 
 
 _PROMPT_UNION: TypeAdapter[Any] = TypeAdapter(
