@@ -499,7 +499,7 @@ class Dispatcher:
                         retention = retention_name(pre.retention)
                 cached_tokens = pre.cached_tokens
                 prefill.ended_prefill_tokens += prompt_len
-                loop_state.prefill_done(prompt_len, pre.cached_tokens, pre.prefill_s)
+                loop_state.prefill_done(prompt_len, pre.cached_tokens, pre.prefill_s, self._clock())
                 gen.kv_source.CopyFrom(
                     pb.KvSource(
                         address=prefill.info.advertise_address,
@@ -534,7 +534,7 @@ class Dispatcher:
                     retention = retention_name(timings.retention)
             if not disaggregated:  # the prompt left the node's prefill queue with this token
                 decode.ended_prefill_tokens += prompt_len
-                loop_state.prefill_done(prompt_len, cached_tokens, timings.prefill_s)
+                loop_state.prefill_done(prompt_len, cached_tokens, timings.prefill_s, self._clock())
             elif timings.transfer_bytes:
                 self.scheduler.transfer.observe(
                     placement.prefill, placement.decode, timings.transfer_bytes, timings.transfer_s

@@ -561,7 +561,10 @@ class Cluster:
         assert loop is not None
         loop.committed()
         # The engine's time, as an agent reports it (tier loads precede it, in the Tx).
-        loop.prefill_done(job.input_tokens, flight.cached_tokens, flight.prefill_s - job.load_s)
+        loop.prefill_done(
+            job.input_tokens, flight.cached_tokens, flight.prefill_s - job.load_s,
+            self.loop.now_s,
+        )  # fmt: skip
         if flight.output_tokens <= 1:  # the prefill produced the only token
             self._first_token(flight)
             loop.finished(1, stopped=flight.output_tokens < self.config.max_tokens)

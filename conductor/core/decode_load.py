@@ -16,6 +16,7 @@ from the node's decode-time model at the reported batch. O(decodes on the node).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -74,6 +75,8 @@ class NodeBook:
     pending_prefill_tokens: dict[str, int] = field(default_factory=dict)
     pending_cached_tokens: dict[str, int] = field(default_factory=dict)
     pending_model_version: int = -1  # the prefill model's version the estimates are from
+    pending_since_s: dict[str, float] = field(default_factory=dict)  # when assigned
+    prefill_free_s: float = -math.inf  # when the last of ours ended there (if told when)
     decodes: dict[str, PlacedDecode] = field(default_factory=dict)
 
 

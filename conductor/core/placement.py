@@ -334,12 +334,20 @@ class RequestPlacement:
             self._loop.inflight.remove(self._tracked, self._keys)
             self._tracked = None
 
-    def prefill_done(self, total_tokens: int, cached_tokens: int, duration_s: float | None) -> None:
+    def prefill_done(
+        self,
+        total_tokens: int,
+        cached_tokens: int,
+        duration_s: float | None,
+        now_s: float | None = None,
+    ) -> None:
+        """The prefill ended at ``now_s`` (None: the driver does not say when)."""
         placement = self.placement
         assert placement is not None, "prefill_done() before a placement"
         self._loop.scheduler.on_prefill_done(
-            self._request.request_id, placement.prefill, total_tokens, cached_tokens, duration_s
-        )
+            self._request.request_id, placement.prefill, total_tokens, cached_tokens,
+            duration_s, now_s,
+        )  # fmt: skip
 
     def decode_started(self, now_s: float) -> None:
         placement = self.placement

@@ -262,6 +262,7 @@ class Scheduler:
         # One decision asks for the request's output-length distribution once per decode
         # node: (length key, the model's sample count, the distribution) of the last ask.
         self._lengths_memo: tuple[tuple[str, str], int, LengthDistribution] | None = None
+        self._decision_now_s = 0.0  # the clock of the decision being made
 
     # ------------------------------------------------------------------ models
     def prefill_model(self, node: NodeId) -> PrefillTimeModel:
@@ -372,17 +373,22 @@ class Scheduler:
     def lend_wait_s(self, node: NodeState) -> float:
         """Predicted wait before ``node`` can lend a prefix (``NodeState.lend_wait``).
 
-        "running": the oldest of this scheduler's prefills pending there (under FIFO the
-        one running, or next), its whole predicted duration — an upper bound of what is
-        left of it; with none of ours pending, the queue (other conductors' work).
+        "running": what is left of the oldest of this scheduler's prefills pending there
+        (under FIFO the one running): its predicted end, from when it could start (its
+        assignment, or the end of the previous one there) plus its predicted duration,
+        less the decision's time; with none of ours pending, the queue (other
+        conductors' work). Never more than the queue.
         """
         if node.lend_wait == "none":
             return 0.0
         queue = self.queue_s(node)
         if node.lend_wait == "running":
-            pending = self._book(node.node_id).pending_prefill_s
-            if pending:
-                return min(queue, next(iter(pending.values())))
+            book = self._book(node.node_id)
+            for rid, duration_s in book.pending_prefill_s.items():
+                since = book.pending_since_s.get(rid, self._decision_now_s)
+                started = max(since, book.prefill_free_s)
+                left = max(0.0, started + duration_s - self._decision_now_s)
+                return min(queue, left)
         return queue
 
     def prefill_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float:
@@ -419,6 +425,7 @@ class Scheduler:
         refusing work: every admitted request is a new observation.
         """
         self._lengths_memo = None
+        self._decision_now_s = now_s
         prefill_nodes = [n for n in nodes if n.can_prefill]
         decode_nodes = [n for n in nodes if n.can_decode]
         if not prefill_nodes:
@@ -524,6 +531,7 @@ class Scheduler:
         book.pending_prefill_s[req.request_id] = placement.prefill_s
         book.pending_prefill_tokens[req.request_id] = req.prompt_tokens
         book.pending_cached_tokens[req.request_id] = placement.cached_tokens
+        book.pending_since_s[req.request_id] = now_s
         self._book(placement.decode).decodes[req.request_id] = PlacedDecode(
             start_s=now_s + placement.ttft_s,
             step_s=placement.tbt_s,
@@ -535,13 +543,17 @@ class Scheduler:
 
     def on_prefill_done(
         self, request_id: str, node: NodeId, total_tokens: int, cached_tokens: int,
-        duration_s: float | None,
+        duration_s: float | None, now_s: float | None = None,
     ) -> None:  # fmt: skip
-        """The prefill finished (or failed: ``duration_s`` None); learn from its duration."""
+        """The prefill finished (or failed: ``duration_s`` None) at ``now_s`` (None: not
+        told; the next prefill there is then taken to start when it was assigned);
+        learn from its duration."""
         book = self._book(node)
         book.pending_prefill_s.pop(request_id, None)
         book.pending_prefill_tokens.pop(request_id, None)
         book.pending_cached_tokens.pop(request_id, None)
+        if book.pending_since_s.pop(request_id, None) is not None and now_s is not None:
+            book.prefill_free_s = max(book.prefill_free_s, now_s)
         if duration_s is not None and duration_s > 0:
             self.prefill_model(node).observe(total_tokens, cached_tokens, duration_s)
 
@@ -570,6 +582,7 @@ class Scheduler:
         book.pending_prefill_s.pop(request_id, None)
         book.pending_prefill_tokens.pop(request_id, None)
         book.pending_cached_tokens.pop(request_id, None)
+        book.pending_since_s.pop(request_id, None)
         decodes = self._book(decode).decodes
         d = decodes.pop(request_id, None)
         if d is not None and d.started and now_s is not None and now_s > d.start_s:

@@ -374,11 +374,23 @@ def test_a_pull_is_charged_what_the_holders_lend_waits_for(policy: Policy) -> No
         queued = request(prompt=tokens, rid=rid)
         s.on_assigned(queued, placed(s.schedule(queued, [first[1], first[2]], NOW)), NOW)
     running_s = s.prefill_model(NodeId("p2")).estimate(200, 0)
-    assert s.lend_wait_s(first[1]) == pytest.approx(running_s)
     p = placed(s.schedule(request({"p2": 30}), first, NOW))
+    assert s.lend_wait_s(first[1]) == pytest.approx(running_s)
     assert (p.prefill, p.prefix_blocks) == ("p1", 30)
     assert p.migration is not None
     assert p.migration.transfer_s == pytest.approx(running_s + wire_s)
+    # What is left of it: a decision 0.1 s later waits 0.1 s less.
+    p = placed(s.schedule(request({"p2": 30}), first, NOW + 0.1))
+    assert s.lend_wait_s(first[1]) == pytest.approx(running_s - 0.1)
+    assert p.migration is not None
+    assert p.migration.transfer_s == pytest.approx(running_s - 0.1 + wire_s)
+    # "a" ended late, at NOW + 1: "b" runs from then, and a lend waits for all of it.
+    s.on_prefill_done("a", NodeId("p2"), 200, 0, 1.0, now_s=NOW + 1.0)
+    b_s = s.prefill_model(NodeId("p2")).estimate(4800, 0)
+    s.schedule(request({"p2": 30}), first, NOW + 1.0)
+    assert s.lend_wait_s(first[1]) == pytest.approx(b_s)
+    s.schedule(request({"p2": 30}), first, NOW + 1.0 + b_s + 5.0)  # b overran its estimate
+    assert s.lend_wait_s(first[1]) == 0.0
     # First come first served, the same books: the whole queue, and no pull.
     queued_fleet = [replace(n, lend_wait="queue") for n in first]
     assert s.lend_wait_s(queued_fleet[1]) == pytest.approx(s.queue_s(queued_fleet[1]))
