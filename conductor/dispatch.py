@@ -404,6 +404,17 @@ class Dispatcher:
             if locked:  # paired Tx: the holder commits too, which only releases its locks
                 await self._shielded(self._commit_quietly(source, src_tx))
 
+    async def _renew_lease(self, agent: AgentHandle, tx_id: str, lease_s: float) -> None:
+        """``TxExtend`` the tx to ``lease_s`` from now; agents without it keep their lease."""
+        try:
+            await agent.stub.TxExtend(
+                pb.TxExtendRequest(tx_id=tx_id, lease_s=lease_s), timeout=self._rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            log.debug("%s cannot renew a lease (an older agent)", agent.address)
+
     async def _attempt(
         self,
         req: GenerationRequest,
@@ -472,6 +483,9 @@ class Dispatcher:
                     migrated = await self._migrate(
                         req, keys, placement, prefill, tx_id, reused_blocks
                     )
+                    # A pull may have taken much of the lease (or been given up after
+                    # half of it): the prefill gets a whole lease again.
+                    await self._renew_lease(prefill, tx_id, allocate.lease_s)
             else:
                 tx_id = ""  # shorter than one block: nothing to own, no Tx needed
             cached_tokens = max(reused_blocks, migrated) * block_size

@@ -19,8 +19,9 @@ identity to check, and every caller is trusted as on a single machine.
 RPC                    callers
 =====================  ==========================================
 TxAllocate/Commit/     conductor
-Abort, Snapshot,
-WatchEvents, Prefill,
+Abort/Extend,
+Snapshot, WatchEvents,
+Prefill,
 Generate, PullBlocks,
 Drain, ReplicaHints
 FetchKv, ReadBlocks,   conductor, agent

@@ -60,7 +60,7 @@ Scope = MutableMapping[str, Any]
 ASGIReceive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 ASGISend = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-TX_OPS = ("allocate", "lock_only", "commit", "abort")
+TX_OPS = ("allocate", "lock_only", "commit", "abort", "extend")
 # "draining": refused because the agent is draining (shutdown or the Drain RPC).
 TX_OUTCOMES = ("ok", "capacity", "invalid", "not_found", "expired", "closed", "draining", "error")
 BLOCK_STATES = ("free", "cached", "allocated")

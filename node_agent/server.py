@@ -376,6 +376,16 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         result = await self._tx("abort", lambda: self.pool.tx_abort(request.tx_id))
         return pb.TxAbortResponse(tx_id=request.tx_id, freed_blocks=result.freed_blocks)
 
+    @maps_errors
+    @authorized("conductor")
+    async def TxExtend(self, request: pb.TxExtendRequest, context: Context) -> pb.TxExtendResponse:
+        deadline = await self._tx(
+            "extend", lambda: self.pool.tx_extend(request.tx_id, request.lease_s)
+        )
+        return pb.TxExtendResponse(
+            tx_id=request.tx_id, lease_remaining_s=max(0.0, deadline - self.state.clock())
+        )
+
     async def _tx(self, op: str, call: Callable[[], T]) -> T:
         """One block-table transaction call: counted, its events published either way."""
         try:

@@ -640,6 +640,51 @@ class TxAbortResponse(_message.Message):
 Global___TxAbortResponse: _TypeAlias = TxAbortResponse  # noqa: Y015
 
 @_typing.final
+class TxExtendRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TX_ID_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
+    tx_id: _builtins.str
+    lease_s: _builtins.float
+    """from now; at most the agent's max_lease_s"""
+    def __init__(
+        self,
+        *,
+        tx_id: _builtins.str = ...,
+        lease_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_s", b"lease_s", "tx_id", b"tx_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TxExtendRequest: _TypeAlias = TxExtendRequest  # noqa: Y015
+
+@_typing.final
+class TxExtendResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TX_ID_FIELD_NUMBER: _builtins.int
+    LEASE_REMAINING_S_FIELD_NUMBER: _builtins.int
+    tx_id: _builtins.str
+    lease_remaining_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        tx_id: _builtins.str = ...,
+        lease_remaining_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_remaining_s", b"lease_remaining_s", "tx_id", b"tx_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TxExtendResponse: _TypeAlias = TxExtendResponse  # noqa: Y015
+
+@_typing.final
 class ErrorInfo(_message.Message):
     """Carried as binary trailing metadata "kvc-error-info-bin"."""
 

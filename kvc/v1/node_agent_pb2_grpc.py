@@ -54,6 +54,11 @@ class NodeAgentStub:
                 request_serializer=kvc_dot_v1_dot_node__agent__pb2.TxAbortRequest.SerializeToString,
                 response_deserializer=kvc_dot_v1_dot_node__agent__pb2.TxAbortResponse.FromString,
                 _registered_method=True)
+        self.TxExtend = channel.unary_unary(
+                '/kvc.v1.NodeAgent/TxExtend',
+                request_serializer=kvc_dot_v1_dot_node__agent__pb2.TxExtendRequest.SerializeToString,
+                response_deserializer=kvc_dot_v1_dot_node__agent__pb2.TxExtendResponse.FromString,
+                _registered_method=True)
         self.Snapshot = channel.unary_unary(
                 '/kvc.v1.NodeAgent/Snapshot',
                 request_serializer=kvc_dot_v1_dot_node__agent__pb2.SnapshotRequest.SerializeToString,
@@ -131,6 +136,14 @@ class NodeAgentServicer:
 
     def TxAbort(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TxExtend(self, request, context):
+        """Renews an open tx's lease to now + lease_s (e.g. after a slow prefix pull, before
+        the prefill). Fails like TxCommit on a tx that is not open (expired: FAILED_PRECONDITION).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -244,6 +257,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.TxAbort,
                     request_deserializer=kvc_dot_v1_dot_node__agent__pb2.TxAbortRequest.FromString,
                     response_serializer=kvc_dot_v1_dot_node__agent__pb2.TxAbortResponse.SerializeToString,
+            ),
+            'TxExtend': grpc.unary_unary_rpc_method_handler(
+                    servicer.TxExtend,
+                    request_deserializer=kvc_dot_v1_dot_node__agent__pb2.TxExtendRequest.FromString,
+                    response_serializer=kvc_dot_v1_dot_node__agent__pb2.TxExtendResponse.SerializeToString,
             ),
             'Snapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.Snapshot,
@@ -404,6 +422,33 @@ class NodeAgent:
             '/kvc.v1.NodeAgent/TxAbort',
             kvc_dot_v1_dot_node__agent__pb2.TxAbortRequest.SerializeToString,
             kvc_dot_v1_dot_node__agent__pb2.TxAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TxExtend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvc.v1.NodeAgent/TxExtend',
+            kvc_dot_v1_dot_node__agent__pb2.TxExtendRequest.SerializeToString,
+            kvc_dot_v1_dot_node__agent__pb2.TxExtendResponse.FromString,
             options,
             channel_credentials,
             insecure,

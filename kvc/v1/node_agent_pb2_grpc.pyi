@@ -54,6 +54,10 @@ class NodeAgentStub:
     """Mooncake §5.3 transactions. All three are idempotent by tx_id."""
     TxCommit: _grpc.UnaryUnaryMultiCallable[_node_agent_pb2.TxCommitRequest, _node_agent_pb2.TxCommitResponse]
     TxAbort: _grpc.UnaryUnaryMultiCallable[_node_agent_pb2.TxAbortRequest, _node_agent_pb2.TxAbortResponse]
+    TxExtend: _grpc.UnaryUnaryMultiCallable[_node_agent_pb2.TxExtendRequest, _node_agent_pb2.TxExtendResponse]
+    """Renews an open tx's lease to now + lease_s (e.g. after a slow prefix pull, before
+    the prefill). Fails like TxCommit on a tx that is not open (expired: FAILED_PRECONDITION).
+    """
     Snapshot: _grpc.UnaryUnaryMultiCallable[_node_agent_pb2.SnapshotRequest, _node_agent_pb2.SnapshotResponse]
     """Full block table state at a sequence number (for shadow rebuild/resync)."""
     WatchEvents: _grpc.UnaryStreamMultiCallable[_node_agent_pb2.WatchEventsRequest, _node_agent_pb2.EventBatch]
@@ -109,6 +113,10 @@ class NodeAgentAsyncStub(NodeAgentStub):
     """Mooncake §5.3 transactions. All three are idempotent by tx_id."""
     TxCommit: _aio.UnaryUnaryMultiCallable[_node_agent_pb2.TxCommitRequest, _node_agent_pb2.TxCommitResponse]  # type: ignore[assignment]
     TxAbort: _aio.UnaryUnaryMultiCallable[_node_agent_pb2.TxAbortRequest, _node_agent_pb2.TxAbortResponse]  # type: ignore[assignment]
+    TxExtend: _aio.UnaryUnaryMultiCallable[_node_agent_pb2.TxExtendRequest, _node_agent_pb2.TxExtendResponse]  # type: ignore[assignment]
+    """Renews an open tx's lease to now + lease_s (e.g. after a slow prefix pull, before
+    the prefill). Fails like TxCommit on a tx that is not open (expired: FAILED_PRECONDITION).
+    """
     Snapshot: _aio.UnaryUnaryMultiCallable[_node_agent_pb2.SnapshotRequest, _node_agent_pb2.SnapshotResponse]  # type: ignore[assignment]
     """Full block table state at a sequence number (for shadow rebuild/resync)."""
     WatchEvents: _aio.UnaryStreamMultiCallable[_node_agent_pb2.WatchEventsRequest, _node_agent_pb2.EventBatch]  # type: ignore[assignment]
@@ -185,6 +193,16 @@ class NodeAgentServicer(metaclass=_abc_1.ABCMeta):
         request: _node_agent_pb2.TxAbortRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_node_agent_pb2.TxAbortResponse, _abc.Awaitable[_node_agent_pb2.TxAbortResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def TxExtend(
+        self,
+        request: _node_agent_pb2.TxExtendRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_agent_pb2.TxExtendResponse, _abc.Awaitable[_node_agent_pb2.TxExtendResponse]]:
+        """Renews an open tx's lease to now + lease_s (e.g. after a slow prefix pull, before
+        the prefill). Fails like TxCommit on a tx that is not open (expired: FAILED_PRECONDITION).
+        """
 
     @_abc_1.abstractmethod
     def Snapshot(

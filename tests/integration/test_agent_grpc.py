@@ -129,6 +129,7 @@ async def test_unknown_tx_is_not_found(stub: pb_grpc.NodeAgentAsyncStub) -> None
     for call in (
         stub.TxCommit(pb.TxCommitRequest(tx_id="nope")),
         stub.TxAbort(pb.TxAbortRequest(tx_id="nope")),
+        stub.TxExtend(pb.TxExtendRequest(tx_id="nope", lease_s=5.0)),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call
@@ -179,6 +180,31 @@ async def test_lease_expiry_aborts_by_itself(
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.TxCommit(pb.TxCommitRequest(tx_id="short"))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a_renewed_lease_outlives_the_first(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    """``TxExtend`` (a conductor after a slow prefix pull): the tx stays open past its
+    first lease and commits; a lease beyond the agent's maximum is refused; an expired
+    tx cannot be renewed."""
+    await stub.TxAllocate(alloc("renewed", keys_for(3), lease_s=0.3))
+    renewed = await stub.TxExtend(pb.TxExtendRequest(tx_id="renewed", lease_s=30.0))
+    assert 29.0 < renewed.lease_remaining_s <= 30.0
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.TxExtend(pb.TxExtendRequest(tx_id="renewed", lease_s=1e9))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await asyncio.sleep(0.6)
+    committed = await stub.TxCommit(pb.TxCommitRequest(tx_id="renewed"))
+    assert committed.stored_blocks == 3
+    await stub.TxAllocate(alloc("lapsed", keys_for(2, offset=10), lease_s=0.2))
+    async with asyncio.timeout(10):
+        while agent.service.pool.stats().open_txs:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.TxExtend(pb.TxExtendRequest(tx_id="lapsed", lease_s=30.0))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert_no_locks(agent)
 
 
 async def test_snapshot_and_event_stream(

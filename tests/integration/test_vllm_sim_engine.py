@@ -69,6 +69,7 @@ async def start_node() -> AsyncIterator[StartNode]:
         *,
         cpu_blocks: int = 0,
         transport: KvTransport | None = None,
+        scheduling_policy: str = "fcfs",
         **agent_settings: Any,
     ) -> Node:
         config = SimEngineConfig(
@@ -79,6 +80,7 @@ async def start_node() -> AsyncIterator[StartNode]:
             num_gpu_blocks=129,
             num_cpu_blocks=cpu_blocks,
             time_scale=0.01,
+            scheduling_policy=scheduling_policy,
             engine_id=f"engine-{role}-{len(nodes)}",
             kv_events=KvEventsConfig(
                 enable_kv_cache_events=True,
@@ -453,9 +455,16 @@ async def test_the_conductor_replicates_a_hot_prefix_between_vllm_nodes(
     """Through the conductor: a prefix cached on one prefill node, a prior that makes
     prefill expensive (queueing on the holder costs more than a pull, Algorithm 1 lines
     5-8), concurrent requests: the idle prefill node pulls the prefix from the holder
-    through vLLM's protocol, and every request is served from cached KV."""
-    holder, _ = await start_node("prefill", "nixl", vllm_prefix_pulls=True)
-    puller, p_engine = await start_node("prefill", "nixl", vllm_prefix_pulls=True)
+    through vLLM's protocol, and every request is served from cached KV. The legs go
+    first (priority scheduling): a lend waits only for the prefill running on the holder,
+    not for its whole queue, which is what makes the pull pay."""
+    legs_first: dict[str, Any] = {
+        "scheduling_policy": "priority", "vllm_prefix_pulls": True,
+        "vllm_prefix_pull_priority": -1,
+    }  # fmt: skip
+    holder, _ = await start_node("prefill", "nixl", **legs_first)
+    puller, p_engine = await start_node("prefill", "nixl", **legs_first)
+    assert holder.service.node_info.lend_wait == pb.LEND_WAIT_RUNNING
     decode, _ = await start_node("decode", "nixl")
     system = " ".join(f"rule{i}" for i in range(80))
 
