@@ -12,7 +12,7 @@ from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import ERROR_INFO_KEY, SERVICE_NAME
 from node_agent.server import AgentServer
-from tests.conftest import MODEL, AgentFactory, assert_no_locks
+from tests.conftest import MODEL, AgentFactory, assert_no_locks, wait_until
 
 
 def keys_for(n_blocks: int, tenant: str = "t", offset: int = 0) -> list[int]:
@@ -188,19 +188,19 @@ async def test_a_renewed_lease_outlives_the_first(
     """``TxExtend`` (a conductor after a slow prefix pull): the tx stays open past its
     first lease and commits; a lease beyond the agent's maximum is refused; an expired
     tx cannot be renewed."""
+    # A witness with the same first lease: once it has expired, so would have "renewed".
     await stub.TxAllocate(alloc("renewed", keys_for(3), lease_s=0.3))
+    await stub.TxAllocate(alloc("witness", keys_for(2, offset=20), lease_s=0.3))
     renewed = await stub.TxExtend(pb.TxExtendRequest(tx_id="renewed", lease_s=30.0))
     assert 29.0 < renewed.lease_remaining_s <= 30.0
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.TxExtend(pb.TxExtendRequest(tx_id="renewed", lease_s=1e9))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    await asyncio.sleep(0.6)
+    await wait_until(lambda: agent.service.pool.stats().open_txs == 1)  # witness expired
     committed = await stub.TxCommit(pb.TxCommitRequest(tx_id="renewed"))
     assert committed.stored_blocks == 3
     await stub.TxAllocate(alloc("lapsed", keys_for(2, offset=10), lease_s=0.2))
-    async with asyncio.timeout(10):
-        while agent.service.pool.stats().open_txs:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
+    await wait_until(lambda: agent.service.pool.stats().open_txs == 0)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.TxExtend(pb.TxExtendRequest(tx_id="lapsed", lease_s=30.0))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
