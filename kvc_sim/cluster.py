@@ -53,6 +53,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
+from conductor.core.donation import choose_donee
 from conductor.core.placement import (
     FailureKind,
     PlacementLoop,
@@ -92,6 +93,7 @@ from kvc_sim.metrics import (
 )
 from kvc_sim.profile import Profile
 from kvc_sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, cached_tokens
+from node_agent.blocks.pool import Donation
 from node_agent.blocks.types import (
     AllocateParams,
     CapacityExhausted,
@@ -142,10 +144,13 @@ class Cluster:
                 functools.partial(self.index.other_holders, node=node)
                 if config.replica_aware_eviction else None
             )  # fmt: skip
+            donate = functools.partial(self._donate, node) if config.donate_before_evict else None
             inst = PrefillInstance(
                 node, profile, capacity_blocks, config.block_tokens, self.loop.clock,
                 max_lease_s=config.lease_s, noise=self._noise(i), tiers=tiers,
                 replicas_elsewhere=replicas,
+                donate=donate, donate_min_hits=config.donate_min_hits,
+                donate_max_hops=config.donate_max_hops,
                 retention_budget_block_s=config.retention_budget_block_s,
                 max_retained_blocks=config.max_retained_blocks,
             )  # fmt: skip
@@ -171,6 +176,7 @@ class Cluster:
         self._migrations = 0
         self._migrated_blocks = 0
         self._resyncs = 0
+        self._donated_blocks = 0
         self._retention: dict[RetentionOutcome, int] = dict.fromkeys(RetentionOutcome, 0)
 
     def _noise(self, instance: int) -> TimingNoise:
@@ -225,6 +231,8 @@ class Cluster:
             prefill_busy_s=sum(p.busy_s for p in self.prefill.values()),
             prefill_instances=len(self.prefill),
             retention=self._retention_counts() if self.config.retention else None,
+            donated_blocks=self._donated_blocks,
+            donation_hits=sum(p.pool.donation_hits for p in self.prefill.values()),
         )
 
     def _retention_counts(self) -> RetentionCounts:
@@ -343,6 +351,33 @@ class Cluster:
                     disk=pool.tier_keys(KvMedium.DISK), tiered=self.lower is not None,
                 )  # fmt: skip
                 return
+
+    # ------------------------------------------------------------------ donation
+    def _donate(self, donor: NodeId, donation: Donation) -> bool:
+        """``donor``'s pool drops a hot block: the peer with the coldest victim takes it
+        when the shadow sees no other copy (``conductor.core.donation``)."""
+        if self.index.other_holders(donation.key, donor) > 0:
+            return False
+        # A block is reusable only after its prefix: a peer must hold the parent.
+        holders = (
+            None if donation.parent is None
+            else {n for n, depth in self.index.match((donation.parent,)).items() if depth}
+        )  # fmt: skip
+        tails = {
+            node: inst.pool.lru_tail_idle_s()
+            for node, inst in self.prefill.items()
+            if node != donor
+            and node not in self._unavailable
+            and (holders is None or node in holders)
+        }
+        while (target := choose_donee(donation.idle_s, tails)) is not None:
+            inst = self.prefill[target]
+            if inst.pool.accept_donation(donation):
+                self._donated_blocks += 1
+                self._publish(inst)
+                return True
+            del tails[target]  # busy evicting (it is passing on a victim of its own)
+        return False
 
     # ------------------------------------------------------------------ arrival
     def _arrive(self, req: TraceRequest) -> None:

@@ -47,6 +47,12 @@ loads overlapped with compute), which the paper's scenarios use.
 ``replica_aware_eviction``: each prefill node's pool drops, instead of demoting, the
 victims the conductor's shadow sees on another node (``BlockPool``'s
 ``replicas_elsewhere``), so its lower tiers keep the fleet's last copies.
+``donate_before_evict``: a prefill node's victim that leaves it for good (no lower tier
+takes it), was reused there at least ``donate_min_hits`` times and is the fleet's last
+copy as the shadow sees it is offered to the peer whose own next victim sat unused
+longest, if longer (``conductor.core.donation``; ``BlockPool``'s ``donate``); a block is
+donated at most ``donate_max_hops`` times. The copy is taken at once (its transfer is
+off every request's path and not charged); ``SimResult.donated_blocks`` counts them.
 
 Prompt-cache retention (``retention``; off: the requests' breakpoints are ignored and
 every pool is LRU-only, as before): the ALLOCATE tx on the prefill node carries the
@@ -100,6 +106,9 @@ class ClusterConfig:
     host_tier_tokens: int | None = None
     disk_tier_tokens: int | None = None
     replica_aware_eviction: bool = False
+    donate_before_evict: bool = False
+    donate_min_hits: int = 1
+    donate_max_hops: int = 1
     retention: bool = False
     retention_budget_block_s: float | None = None
     max_retained_blocks: int | None = None
@@ -131,5 +140,7 @@ class ClusterConfig:
             raise ValueError("cold_start_prefills must be >= 0")
         if (self.retention_budget_block_s or 0) < 0 or (self.max_retained_blocks or 0) < 0:
             raise ValueError("retention_budget_block_s and max_retained_blocks must be >= 0")
+        if self.donate_min_hits < 0 or self.donate_max_hops < 1:
+            raise ValueError("donate_min_hits must be >= 0 and donate_max_hops >= 1")
         if self.retention_min_ttl_s < 0:
             raise ValueError("retention_min_ttl_s must be >= 0")

@@ -49,7 +49,7 @@ from conductor.core.prefix_index import NodeId
 from conductor.core.tier_index import Medium
 from kvc.block_keys import BlockKey
 from kvc_sim.profile import Profile
-from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.pool import BlockPool, Donation
 from node_agent.blocks.tiers import LowerTiers, MemoryStore
 from node_agent.blocks.types import (
     AllBlocksCleared,
@@ -221,11 +221,15 @@ class PrefillInstance:
         replicas_elsewhere: Callable[[BlockKey], int] | None = None,
         retention_budget_block_s: float | None = None,
         max_retained_blocks: int | None = None,
+        donate: Callable[[Donation], bool] | None = None,
+        donate_min_hits: int = 1,
+        donate_max_hops: int = 1,
     ) -> None:
         """``tiers``: (host, disk) tokens of the agent's lower tiers below a pool of
         ``capacity_blocks`` (L1); None: the profile's HBM share of that pool instead.
         ``retention_budget_block_s``, ``max_retained_blocks``: the pool's retention knobs
-        (None: its defaults)."""
+        (None: its defaults). ``donate``, ``donate_min_hits``, ``donate_max_hops``: the
+        pool's donate-before-evict hook (None: victims are dropped)."""
         self.node_id = node_id
         self.noise = noise or TimingNoise()
         self.epoch = f"sim-{node_id}"
@@ -250,6 +254,9 @@ class PrefillInstance:
             max_finished_keys=65_536,
             lower=lower,
             replicas_elsewhere=replicas_elsewhere,
+            donate=donate,
+            donate_min_hits=donate_min_hits,
+            donate_max_hops=donate_max_hops,
             retention_budget_block_s=retention_budget_block_s,
             max_retained_blocks=(
                 None if max_retained_blocks is None else min(max_retained_blocks, capacity_blocks)

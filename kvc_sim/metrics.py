@@ -98,6 +98,8 @@ class SimResult:
     prefill_busy_s: float = 0.0  # GPU seconds the prefill nodes spent computing
     prefill_instances: int = 0
     retention: RetentionCounts | None = None  # None: breakpoints ignored (LRU only)
+    donated_blocks: int = 0  # victims a peer took instead of their being dropped
+    donation_hits: int = 0  # reuses of donated blocks on the peers that took them
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -146,6 +148,8 @@ class Summary:
     virtual_s: float
     events: int
     sim_wall_s: float
+    donated_blocks: int = 0
+    donation_hits: int = 0
 
 
 def summarize(
@@ -199,4 +203,6 @@ def summarize(
         virtual_s=result.virtual_s,
         events=result.events,
         sim_wall_s=result.wall_s,
+        donated_blocks=result.donated_blocks,
+        donation_hits=result.donation_hits,
     )

@@ -59,6 +59,8 @@ NO_LIVE_EQUIVALENT = (
     "migrated_tokens",
     "events",
     "sim_wall_s",
+    "donated_blocks",
+    "donation_hits",
 )
 """Summary fields the simulator measures and a client cannot: written as null."""
 

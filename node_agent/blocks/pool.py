@@ -91,7 +91,24 @@ Replica-aware eviction (``replicas_elsewhere``, optional: how many other nodes h
     Victims are still taken in LRU order, but one that another node also holds is
     dropped instead of demoted: the lower tiers keep the fleet's last copies. Evaluated
     in the simulator (docs/benchmarks.md, ``kv-tiers``): it does not pay on the
-    synthetic trace, so it stays off unless asked for; agents get no such hints yet.
+    synthetic trace, so it stays off unless asked for.
+
+Donate before evict (``donate``, optional: the owner's offer to a peer)
+    A victim that leaves the node for good (no lower tier takes it) and was hot here
+    (reused at least ``donate_min_hits`` times, donated fewer than ``donate_max_hops``
+    times before) is handed to ``donate`` as a ``Donation`` (key, tenant, content, how
+    long it sat unused, the key before it in its prefix) after it left: the owner decides
+    whether it is the fleet's last copy and which peer takes it (``accept_donation``
+    there; only a peer holding the parent can ever reuse it). A peer accepts into a free
+    block, or in place of its own LRU victim when that one sat unused longer than the
+    donation did (the fleet keeps the more recently used of the two); the donated block
+    enters its LRU as most recently used, keeping its idle time, and is announced
+    ``BlockStored``. A pool in the middle of an eviction (the donor, or a peer whose own
+    displaced victim is being offered on) accepts nothing, so offers never re-enter a
+    pool mid-allocation; each hop moves a block idle longer than the last, so chains end.
+    Only the simulator wires it (``ClusterConfig.donate_before_evict``): evaluated there
+    (docs/benchmarks.md, ``donate-before-evict``), it does not pay, so agents have no
+    setting for it and no transfer for it is built.
 
 Retention (prompt-cache breakpoints: ``AllocateParams.retain``)
     A retained block is a lock with another kind of lease: CACHED and unlocked, it stays
@@ -189,12 +206,25 @@ from node_agent.blocks.types import (
 )
 from node_agent.kv import KvContent
 
-__all__ = ["BlockPool"]
+__all__ = ["BlockPool", "Donation"]
 
 _KEY_LIMIT = 2**KEY_BITS
 
 
 # ------------------------------------------------------------------ internal records
+
+
+@dataclass(frozen=True, slots=True)
+class Donation:
+    """A hot block leaving its node for good, offered to a peer (donate before evict)."""
+
+    key: BlockKey
+    parent: BlockKey | None  # the key before it in its prefix (None: the first, or unknown)
+    tenant: str | None
+    content: KvContent
+    idle_s: float  # how long it sat unused on the donor when it left (clocks differ)
+    hits: int  # times it was reused on the donor
+    hops: int  # donations of this content so far, this one included
 
 
 @dataclass(slots=True)
@@ -204,6 +234,9 @@ class _Block:
     key: BlockKey | None = None
     lock_count: int = 0
     last_used_s: float = 0.0
+    hits: int = 0  # times a tx reused it as part of its cached prefix
+    parent: BlockKey | None = None  # the key before it in the tx that made it (None: root)
+    hops: int = 0  # donated here from a peer: how many times its content was donated
     payload: object | None = None
     owners: set[str] = field(default_factory=set)  # open txs that allocated/joined it
     tenant: str | None = None  # whose tx created it (None: mirrored from the engine)
@@ -281,6 +314,9 @@ class BlockPool:
         retention_budget_block_s: float | None = None,
         max_retained_blocks: int | None = None,
         max_retention_s: float = 3600.0,
+        donate: Callable[[Donation], bool] | None = None,
+        donate_min_hits: int = 1,
+        donate_max_hops: int = 1,
     ) -> None:
         if isinstance(capacity_blocks, bool) or capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be > 0, got {capacity_blocks!r}")
@@ -294,6 +330,8 @@ class BlockPool:
             raise ValueError(f"max_retention_s must be finite and > 0, got {max_retention_s!r}")
         if max_retained_blocks is not None and not 0 <= max_retained_blocks <= capacity_blocks:
             raise ValueError("max_retained_blocks must lie in [0, capacity_blocks]")
+        if donate_min_hits < 0 or donate_max_hops < 1:
+            raise ValueError("donate_min_hits must be >= 0 and donate_max_hops >= 1")
         self.capacity_blocks = capacity_blocks
         self.max_lease_s = max_lease_s
         self.retention_budget_block_s = retention_budget_block_s
@@ -342,6 +380,14 @@ class BlockPool:
         self._engine_host: set[BlockKey] = set()
         # Lower-tier hits brought back into the pool, by the tier they came from (a metric).
         self.promoted_blocks: dict[KvMedium, int] = {KvMedium.HOST: 0, KvMedium.DISK: 0}
+        # Donate before evict: the owner's offer of a hot victim to a peer.
+        self._donate = donate
+        self._donate_min_hits = donate_min_hits
+        self._donate_max_hops = donate_max_hops
+        self._evicting = False  # inside ``_evict``: no donation may enter meanwhile
+        self.donated_blocks = 0  # victims a peer took (metrics)
+        self.accepted_donations = 0  # blocks taken from peers
+        self.donation_hits = 0  # reuses of blocks taken from peers
 
     # ------------------------------------------------------------------ transactions
 
@@ -998,9 +1044,12 @@ class BlockPool:
             if superseded:
                 self._events.append(BlockRemoved(tuple(superseded)))
         now = self._clock()
-        for h in plan:
+        for i, h in enumerate(plan):
             if h is not None:
                 block = blocks[h]
+                if i < reused_prefix:
+                    block.hits += 1
+                    self.donation_hits += block.hops > 0
                 if block.state is BlockState.ALLOCATED:
                     block.owners.add(tx_id)
                 elif block.retain_until_s:  # a hit restarts a retention's TTL
@@ -1017,6 +1066,7 @@ class BlockPool:
             h = self._free.pop()
             block = blocks[h]
             block.key = key
+            block.parent = keys[i - 1] if i else None
             block.tenant = tenant
             self._by_key[key] = h
             self._lock(block)  # while not CACHED: the block is in no LRU yet
@@ -1048,17 +1098,20 @@ class BlockPool:
         and a tier takes them, else dropped. Queues the events in the order things moved."""
         moves: list[TierMove] = []
         replicas = self._replicas_elsewhere
-        if replicas is None:
-            for _ in range(count):
-                moves.extend(self._evict_block(self._blocks[next(iter(self._lru))]))
-            self._queue_moves(moves)
-            return
-        # Replica-aware: LRU victims as always; those another node also holds are
-        # dropped, not demoted, so the lower tiers keep the fleet's last copies.
-        for _ in range(count):
-            h = next(iter(self._lru))
-            spare = replicas(self._key_of(h)) > 0
-            moves.extend(self._evict_block(self._blocks[h], demote=not spare))
+        evicting, self._evicting = self._evicting, True
+        try:
+            if replicas is None:
+                for _ in range(count):
+                    moves.extend(self._evict_block(self._blocks[next(iter(self._lru))]))
+            else:
+                # Replica-aware: LRU victims as always; those another node also holds are
+                # dropped, not demoted, so the lower tiers keep the fleet's last copies.
+                for _ in range(count):
+                    h = next(iter(self._lru))
+                    spare = replicas(self._key_of(h)) > 0
+                    moves.extend(self._evict_block(self._blocks[h], demote=not spare))
+        finally:
+            self._evicting = evicting
         self._queue_moves(moves)
 
     def _key_of(self, handle: int) -> BlockKey:
@@ -1070,10 +1123,72 @@ class BlockPool:
         """An unlocked CACHED block out of the pool: into L2/L3 when it can be (and
         ``demote``), else gone."""
         payload, tenant = block.payload, block.tenant
+        offer = self._offer(block, payload)
         key = self._drop_cached(block)
+        moves = [TierMove(key, None)]
         if demote and self.lower is not None and isinstance(payload, KvContent):
-            return self.lower.put(key, tenant, payload)
-        return [TierMove(key, None)]
+            moves = self.lower.put(key, tenant, payload)
+        if offer is not None and moves[0].medium is None and self._donate is not None:
+            self.donated_blocks += self._donate(offer)
+        return moves
+
+    def _offer(self, block: _Block, payload: object) -> Donation | None:
+        """What ``donate`` is offered if ``block`` leaves the node: hot, not donated too
+        often, with content. None: nothing to offer."""
+        if (
+            self._donate is None
+            or block.hits < self._donate_min_hits
+            or block.hops >= self._donate_max_hops
+            or not isinstance(payload, KvContent)
+        ):
+            return None
+        assert block.key is not None
+        idle_s = max(0.0, self._clock() - block.last_used_s)
+        return Donation(
+            block.key, block.parent, block.tenant, payload, idle_s, block.hits, block.hops + 1
+        )
+
+    # ------------------------------------------------------------------ donations
+    def lru_tail_idle_s(self) -> float:
+        """How long the next eviction victim has sat unused: ``inf`` while a free block
+        is left (a donation costs nothing here), 0 when nothing can be evicted."""
+        if self._free:
+            return math.inf
+        if not self._lru:
+            return 0.0
+        oldest = self._blocks[next(iter(self._lru))]
+        return max(0.0, self._clock() - oldest.last_used_s)
+
+    def accept_donation(self, donation: Donation) -> bool:
+        """Take a peer's block: into a free block, or in place of this pool's LRU victim
+        when that one sat unused longer than ``donation`` did. False: refused (held here
+        already, in the middle of an eviction, or no colder victim)."""
+        key = donation.key
+        if (
+            self._evicting
+            or key in self._by_key
+            or (self.lower is not None and self.lower.medium_of(key) is not None)
+            or not _is_uint64(key)
+        ):
+            return False
+        if not self._free:
+            if self.lru_tail_idle_s() <= donation.idle_s:
+                return False
+            self._evict(1)
+        block = self._blocks[self._free.pop()]
+        block.key = key
+        block.parent = donation.parent
+        block.tenant = donation.tenant
+        block.state = BlockState.CACHED
+        block.payload = donation.content
+        block.last_used_s = self._clock() - donation.idle_s
+        block.hops = donation.hops
+        self._by_key[key] = block.handle
+        self._n_cached += 1
+        self._lru[block.handle] = None
+        self._events.append(BlockStored((key,), None))
+        self.accepted_donations += 1
+        return True
 
     def _drain_lost(self) -> None:
         """Report removed what a lower tier lost after reporting it held (a failed
@@ -1359,6 +1474,8 @@ class BlockPool:
         block.key = None
         block.tenant = None
         block.payload = None
+        block.hits = block.hops = 0
+        block.parent = None
         block.owners.clear()
         self._free.append(block.handle)
 

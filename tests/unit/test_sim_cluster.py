@@ -348,3 +348,32 @@ def test_pulled_requests_join_a_running_batch_at_its_next_step() -> None:
         return sum(ttfts) / len(ttfts)
 
     assert mean_ttft(pull.records) > mean_ttft(layerwise.records)
+
+
+def test_donate_before_evict_moves_last_copies_to_peers_and_the_shadow_follows() -> None:
+    """L1-only nodes too small for the workload: hot victims the shadow sees nowhere
+    else go to a peer holding their parent (``donate_before_evict``); the peers' pools
+    and the shadow agree, and nothing is left open."""
+    p = profile()
+    reqs = workload(n=300, rate=3.0)
+    config = ClusterConfig(
+        prefill_instances=3, decode_instances=1, cache_tokens=60_000, output_tokens=1,
+        host_tier_tokens=0, disk_tier_tokens=0, donate_before_evict=True, donate_min_hits=0,
+    )  # fmt: skip
+    cluster = Cluster(p, config, sched(p), SLO, reqs)
+    result = cluster.run(reqs, speed=3.0)
+    assert len(result.records) == len(reqs)
+    pools = [inst.pool for inst in cluster.prefill.values()]
+    assert result.donated_blocks > 0
+    assert result.donated_blocks == sum(pool.accepted_donations for pool in pools)
+    for node, inst in cluster.prefill.items():
+        inst.pool.check_invariants()
+        assert inst.pool.stats().open_txs == 0
+        assert cluster.index.node_keys(node) == frozenset(inst.pool.cached_keys())
+    summary = summarize(result, SLO.ttft_s, SLO.tbt_s, (SLO.tbt_s,))
+    assert summary.donated_blocks == result.donated_blocks
+
+
+def test_donation_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="donate_max_hops"):
+        ClusterConfig(prefill_instances=1, decode_instances=1, donate_max_hops=0)
