@@ -53,7 +53,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from conductor.core.donation import choose_donee
 from conductor.core.placement import (
     FailureKind,
     PlacementLoop,
@@ -71,6 +70,7 @@ from conductor.core.scheduler import (
 )
 from conductor.core.tier_index import LowerTierIndex, apply_node_event, reset_node_view
 from kvc.block_keys import BlockKey
+from kvc.donation import choose_donee
 from kvc_sim.cluster_config import ClusterConfig
 from kvc_sim.engine import EventLoop
 from kvc_sim.flight import Flight
@@ -355,20 +355,13 @@ class Cluster:
     # ------------------------------------------------------------------ donation
     def _donate(self, donor: NodeId, donation: Donation) -> bool:
         """``donor``'s pool drops a hot block: the peer with the coldest victim takes it
-        when the shadow sees no other copy (``conductor.core.donation``)."""
+        when the shadow sees no other copy (``kvc.donation``)."""
         if self.index.other_holders(donation.key, donor) > 0:
             return False
-        # A block is reusable only after its prefix: a peer must hold the parent.
-        holders = (
-            None if donation.parent is None
-            else {n for n, depth in self.index.match((donation.parent,)).items() if depth}
-        )  # fmt: skip
         tails = {
             node: inst.pool.lru_tail_idle_s()
             for node, inst in self.prefill.items()
-            if node != donor
-            and node not in self._unavailable
-            and (holders is None or node in holders)
+            if node != donor and node not in self._unavailable
         }
         while (target := choose_donee(donation.idle_s, tails)) is not None:
             inst = self.prefill[target]
@@ -376,7 +369,7 @@ class Cluster:
                 self._donated_blocks += 1
                 self._publish(inst)
                 return True
-            del tails[target]  # busy evicting (it is passing on a victim of its own)
+            del tails[target]  # no parent there, or busy passing on a victim of its own
         return False
 
     # ------------------------------------------------------------------ arrival

@@ -50,7 +50,7 @@ victims the conductor's shadow sees on another node (``BlockPool``'s
 ``donate_before_evict``: a prefill node's victim that leaves it for good (no lower tier
 takes it), was reused there at least ``donate_min_hits`` times and is the fleet's last
 copy as the shadow sees it is offered to the peer whose own next victim sat unused
-longest, if longer (``conductor.core.donation``; ``BlockPool``'s ``donate``); a block is
+longest, if longer (``kvc.donation``; ``BlockPool``'s ``donate``); a block is
 donated at most ``donate_max_hops`` times. The copy is taken at once (its transfer is
 off every request's path and not charged); ``SimResult.donated_blocks`` counts them.
 

@@ -17,7 +17,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -72,6 +72,8 @@ class EventPublisher:
         self.last_prefill = LastPrefill()
         # The engine's own host tier (vLLM's CPU offloading), when mirrored.
         self.engine_host_tier: EngineHostTier | None = None
+        # Donate before evict: when the next eviction victim was last used (Unix s).
+        self.eviction_tail: Callable[[], float] | None = None
 
     @property
     def last_seq(self) -> int:
@@ -182,6 +184,7 @@ class EventPublisher:
             last_prefill_tokens=last.computed_tokens,
             last_prefill_cached_tokens=last.cached_tokens,
             tiers=self.tiers(digits=2),
+            eviction_tail_used_unix_s=(0.0 if self.eviction_tail is None else self.eviction_tail()),
         )
 
     def engine_tier_stats(self) -> list[TierStats]:

@@ -170,6 +170,14 @@ class AgentMetrics:
             buckets=_TRANSFER_BUCKETS_S,
             registry=r,
         )
+        self.donations = Counter(
+            "node_agent_kv_donations_total",
+            "Donate before evict: blocks this agent offered peers (direction given: "
+            "accepted, refused by every peer tried, failed, or dropped unsent) and peers' "
+            "blocks it was offered (direction taken: accepted or refused).",
+            ("direction", "outcome"),
+            registry=r,
+        )
         self.transfer_failures = Counter(
             "node_agent_kv_transfer_failures_total",
             "KV transfers this agent received that failed (peer unreachable, checksum, "

@@ -15,6 +15,10 @@ sends them whole again. Several conductors push their own (near-identical) views
 last one wins. Bounded by ``max_keys`` (a conductor can only know of this node's cached
 blocks); more is refused.
 
+Donate before evict: a push also carries the *donees* — the other agents that donate,
+each with the Unix time its next eviction victim was last used (0: it has a free block)
+— replaced whole by every applied push (``donees``).
+
 Complexity: O(keys in the request) per push; O(1) per eviction victim.
 """
 
@@ -32,6 +36,8 @@ class ReplicaHintSet:
         self.epoch = ""  # this agent's epoch, set once its event log exists
         self._max_keys = max_keys
         self._keys: set[int] = set()
+        # Donate before evict: peer address -> when its next victim was last used (Unix s).
+        self.donees: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -53,4 +59,5 @@ class ReplicaHintSet:
                 f"{len(keys)} replica hints; this node caches at most {self._max_keys} blocks"
             )
         self._keys = keys
+        self.donees = {d.address: d.eviction_tail_used_unix_s for d in request.donees}
         return pb.ReplicaHintsResponse(applied=True, epoch=self.epoch, hinted_keys=len(keys))

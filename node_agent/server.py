@@ -51,7 +51,7 @@ from kvc.version import package_version
 from kvc.wire import MAX_MESSAGE_BYTES, ROLE_TO_PB, SERVICE_NAME
 from node_agent.agent_state import AgentState
 from node_agent.auth import Caller, authorized
-from node_agent.blocks.pool import BlockPool
+from node_agent.blocks.pool import BlockPool, Donation
 from node_agent.blocks.tiers import LowerTiers
 from node_agent.blocks.types import (
     AllocateParams,
@@ -63,6 +63,7 @@ from node_agent.blocks.types import (
     TxMode,
 )
 from node_agent.calibration import Calibration, CalibrationPlan, calibrate_before_serving
+from node_agent.donation import Donations
 from node_agent.engines.base import CacheMirroringEngine, EngineAdapter, PrefixLendingEngine
 from node_agent.errors import Draining, PromptRejected
 from node_agent.event_stream import EngineHostTier, EventPublisher
@@ -159,11 +160,24 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             replicas_elsewhere=(
                 self.replica_hints.count if settings.replica_aware_eviction else None
             ),
+            donate=self._offer_donation if settings.donate_before_evict else None,
+            donate_min_hits=settings.donate_min_hits,
+            donate_max_hops=settings.donate_max_hops,
         )
         self.events = EventPublisher(
             self.pool, engine, self.metrics, max_buffered=settings.event_buffer
         )
         self.replica_hints.epoch = self.events.epoch
+        self.donations: Donations | None = None
+        if settings.donate_before_evict:
+            codec = engine.kv_codec
+            if codec is None:  # settings refuse this combination; an engine may still lack one
+                raise ValueError(f"the {engine.info.engine} engine cannot give its KV to a peer")
+            self.donations = Donations(
+                self.pool, self.replica_hints, codec, engine.info.kv_layout, self.metrics,
+                tls=settings.tls_files(), plaintext=settings.grpc_plaintext,
+            )  # fmt: skip
+            self.events.eviction_tail = self.donations.eviction_tail_used_unix_s
         self.state = AgentState(settings, engine, self.pool, self.metrics, self.events, clock)
         self.tls = settings.tls_files() is not None  # callers carry role certificates
         self.transport: KvTransport = (
@@ -187,6 +201,10 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
     @property
     def epoch(self) -> str:
         return self.events.epoch
+
+    def _offer_donation(self, donation: Donation) -> bool:
+        """The pool's donate-before-evict hook (set only when donations exist)."""
+        return self.donations is not None and self.donations.offer(donation)
 
     @property
     def draining(self) -> bool:
@@ -213,6 +231,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             kv_migration=_moves_prefixes(self.state.engine),
             replica_hints=s.replica_aware_eviction,
             lend_wait=_lend_wait(s, self.state.engine),
+            donate_before_evict=s.donate_before_evict,
         )
         lower = self.pool.lower
         if lower is not None:  # bandwidth of each tier, before any traffic
@@ -250,6 +269,8 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
     async def close(self) -> None:
         await self.events.close()
         await self.transport.aclose()
+        if self.donations is not None:
+            await self.donations.aclose()
 
     async def housekeeping_once(self) -> None:
         """Expire leases and staged KV; publish a load update when it changed."""
@@ -527,11 +548,25 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
     async def ReplicaHints(
         self, request: pb.ReplicaHintsRequest, context: Context
     ) -> pb.ReplicaHintsResponse:
-        if not self.state.settings.replica_aware_eviction:
+        s = self.state.settings
+        if not (s.replica_aware_eviction or s.donate_before_evict):
             raise PromptRejected(
-                "this node does not evict replica-aware (replica_aware_eviction is off)"
+                "this node takes no replica hints (replica_aware_eviction and "
+                "donate_before_evict are off)"
             )
         return self.replica_hints.apply(request)
+
+    @maps_errors
+    @authorized("agent")
+    async def DonateBlock(
+        self, request: pb.DonateBlockRequest, context: Context
+    ) -> pb.DonateBlockResponse:
+        if self.donations is None:
+            raise PromptRejected("this node takes no donated blocks (donate_before_evict is off)")
+        self.state.refuse_if_draining()
+        answer = self.donations.take(request)
+        await self.events.after_mutation()
+        return answer
 
     @maps_errors
     @authorized("conductor", "agent")
@@ -592,6 +627,8 @@ class AgentServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self.service.run_housekeeping()))
+        if self.service.donations is not None:
+            self._tasks.append(asyncio.create_task(self.service.donations.run()))
         if self.settings.redis_url:
             self._redis = connect(self.settings.redis_url)
             self._registration = asyncio.create_task(

@@ -250,6 +250,24 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         ),
         json_schema_extra=_BLOCKS,
     )
+    donate_before_evict: bool = Field(
+        False,
+        description=(
+            "A hot block this node drops that conductors see nowhere else is offered to a "
+            "peer agent with this setting (the one whose own next victim is coldest, if it "
+            "holds the block's parent), and such peers' blocks are taken here; embedded "
+            "engine only. Off by default: it did not pay in the simulator "
+            "(docs/benchmarks.md)"
+        ),
+        json_schema_extra=_BLOCKS,
+    )
+    donate_min_hits: int = Field(
+        1, ge=0, description="Reuses on this node before a dropped block is offered",
+        json_schema_extra=_BLOCKS,
+    )  # fmt: skip
+    donate_max_hops: int = Field(
+        1, ge=1, description="Times one block's KV may be donated", json_schema_extra=_BLOCKS
+    )
     stage_ttl_s: float = Field(
         30.0, gt=0, description="Staged KV expires unfetched after this", json_schema_extra=_BLOCKS
     )
@@ -371,6 +389,11 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
             raise ValueError(
                 f"host/disk KV tiers need the embedded engine; {self.engine} keeps its KV "
                 "in its own process (vLLM: its own CPU offloading, see docs/engines.md)"
+            )
+        if self.donate_before_evict and self.engine != "embedded":
+            raise ValueError(
+                f"donate_before_evict needs the embedded engine; {self.engine} evicts its KV "
+                "inside its own process, where the agent cannot take it"
             )
         if self.replica_aware_eviction and not (self.host_tier_bytes or self.disk_tier_bytes):
             raise ValueError(

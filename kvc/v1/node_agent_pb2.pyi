@@ -250,6 +250,7 @@ class NodeInfo(_message.Message):
     KV_MIGRATION_FIELD_NUMBER: _builtins.int
     REPLICA_HINTS_FIELD_NUMBER: _builtins.int
     LEND_WAIT_FIELD_NUMBER: _builtins.int
+    DONATE_BEFORE_EVICT_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -297,6 +298,10 @@ class NodeInfo(_message.Message):
     """What a prefix this node lends (kv_migration) waits for before it leaves: the
     conductor charges a pull from this node that wait (docs/scheduling.md).
     """
+    donate_before_evict: _builtins.bool
+    """It gives and takes donated blocks (donate_before_evict): conductors push it
+    replica hints with its peers' eviction tails (ReplicaHintsRequest.donees).
+    """
     @_builtins.property
     def kv_layout(self) -> Global___KvLayout: ...
     @_builtins.property
@@ -335,10 +340,11 @@ class NodeInfo(_message.Message):
         kv_migration: _builtins.bool = ...,
         replica_hints: _builtins.bool = ...,
         lend_wait: Global___LendWait.ValueType = ...,
+        donate_before_evict: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "kv_migration", b"kv_migration", "lend_wait", b"lend_wait", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "replica_hints", b"replica_hints", "role", b"role", "stream_address", b"stream_address", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "donate_before_evict", b"donate_before_evict", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "kv_migration", b"kv_migration", "lend_wait", b"lend_wait", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "replica_hints", b"replica_hints", "role", b"role", "stream_address", b"stream_address", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -726,6 +732,7 @@ class LoadUpdate(_message.Message):
     LAST_PREFILL_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     ALLOCATABLE_BLOCKS_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
+    EVICTION_TAIL_USED_UNIX_S_FIELD_NUMBER: _builtins.int
     queued_prefill_tokens: _builtins.int
     """Prompt tokens of the prefills waiting or running, whole prompts (their cached
     part included): a conductor subtracts a whole prompt when one of its own ends.
@@ -749,6 +756,11 @@ class LoadUpdate(_message.Message):
     evicting them loses only cache), bounded by the engine's own view where it
     reports one (vLLM's KV usage). What admission should compare a request with.
     """
+    eviction_tail_used_unix_s: _builtins.float
+    """Donate before evict (agents with NodeInfo.donate_before_evict): wall-clock Unix
+    time, in whole seconds, when the block this node would evict next was last
+    used; 0 while it has a free block (a donation costs it nothing).
+    """
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvTier]:
         """The lower tiers' current bandwidth (two significant digits, so a moving mean
@@ -768,10 +780,11 @@ class LoadUpdate(_message.Message):
         last_prefill_cached_tokens: _builtins.int = ...,
         allocatable_blocks: _builtins.int = ...,
         tiers: _abc.Iterable[Global___KvTier] | None = ...,
+        eviction_tail_used_unix_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable_blocks", b"allocatable_blocks", "free_blocks", b"free_blocks", "kv_usage_ratio", b"kv_usage_ratio", "last_prefill_cached_tokens", b"last_prefill_cached_tokens", "last_prefill_s", b"last_prefill_s", "last_prefill_tokens", b"last_prefill_tokens", "queued_prefill_tokens", b"queued_prefill_tokens", "running_requests", b"running_requests", "tiers", b"tiers", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable_blocks", b"allocatable_blocks", "eviction_tail_used_unix_s", b"eviction_tail_used_unix_s", "free_blocks", b"free_blocks", "kv_usage_ratio", b"kv_usage_ratio", "last_prefill_cached_tokens", b"last_prefill_cached_tokens", "last_prefill_s", b"last_prefill_s", "last_prefill_tokens", b"last_prefill_tokens", "queued_prefill_tokens", b"queued_prefill_tokens", "running_requests", b"running_requests", "tiers", b"tiers", "waiting_requests", b"waiting_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1726,6 +1739,7 @@ class ReplicaHintsRequest(_message.Message):
     RESET_FIELD_NUMBER: _builtins.int
     REPLICATED_FIELD_NUMBER: _builtins.int
     UNREPLICATED_FIELD_NUMBER: _builtins.int
+    DONEES_FIELD_NUMBER: _builtins.int
     epoch: _builtins.str
     """The agent epoch the conductor's view is of; hints for another epoch (the
     agent restarted) are not applied (applied = false): send them again with reset.
@@ -1740,6 +1754,12 @@ class ReplicaHintsRequest(_message.Message):
     def unreplicated(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """keys no other node holds any more"""
 
+    @_builtins.property
+    def donees(self) -> _containers.RepeatedCompositeFieldContainer[Global___Donee]:
+        """Donate before evict: the other donating agents and when each one's next
+        eviction victim was last used; sent whole with every push.
+        """
+
     def __init__(
         self,
         *,
@@ -1747,14 +1767,116 @@ class ReplicaHintsRequest(_message.Message):
         reset: _builtins.bool = ...,
         replicated: _abc.Iterable[_builtins.int] | None = ...,
         unreplicated: _abc.Iterable[_builtins.int] | None = ...,
+        donees: _abc.Iterable[Global___Donee] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "replicated", b"replicated", "reset", b"reset", "unreplicated", b"unreplicated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["donees", b"donees", "epoch", b"epoch", "replicated", b"replicated", "reset", b"reset", "unreplicated", b"unreplicated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReplicaHintsRequest: _TypeAlias = ReplicaHintsRequest  # noqa: Y015
+
+@_typing.final
+class Donee(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    EVICTION_TAIL_USED_UNIX_S_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """its advertised gRPC address"""
+    eviction_tail_used_unix_s: _builtins.float
+    """LoadUpdate.eviction_tail_used_unix_s as last reported (0: it has free blocks)."""
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        eviction_tail_used_unix_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "eviction_tail_used_unix_s", b"eviction_tail_used_unix_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Donee: _TypeAlias = Donee  # noqa: Y015
+
+@_typing.final
+class DonateBlockRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    HAS_PARENT_FIELD_NUMBER: _builtins.int
+    PARENT_KEY_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    IDLE_S_FIELD_NUMBER: _builtins.int
+    HOPS_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    CRC32_FIELD_NUMBER: _builtins.int
+    key: _builtins.int
+    has_parent: _builtins.bool
+    """false: the block starts its prefix (or its parent is unknown)"""
+    parent_key: _builtins.int
+    """the block before it in its prefix: the taker must hold it"""
+    tenant: _builtins.str
+    """whose tx made it ("" : mirrored from the engine)"""
+    idle_s: _builtins.float
+    """seconds it sat unused on the donor before it left"""
+    hops: _builtins.int
+    """donations of this content so far, this one included"""
+    num_tokens: _builtins.int
+    data: _builtins.bytes
+    """the block's KV in the layout's byte order"""
+    crc32: _builtins.int
+    """of data"""
+    @_builtins.property
+    def layout(self) -> Global___KvLayout: ...
+    def __init__(
+        self,
+        *,
+        key: _builtins.int = ...,
+        has_parent: _builtins.bool = ...,
+        parent_key: _builtins.int = ...,
+        tenant: _builtins.str = ...,
+        idle_s: _builtins.float = ...,
+        hops: _builtins.int = ...,
+        layout: Global___KvLayout | None = ...,
+        num_tokens: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        crc32: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "data", b"data", "has_parent", b"has_parent", "hops", b"hops", "idle_s", b"idle_s", "key", b"key", "layout", b"layout", "num_tokens", b"num_tokens", "parent_key", b"parent_key", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DonateBlockRequest: _TypeAlias = DonateBlockRequest  # noqa: Y015
+
+@_typing.final
+class DonateBlockResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.bool
+    reason: _builtins.str
+    """why not, when refused"""
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DonateBlockResponse: _TypeAlias = DonateBlockResponse  # noqa: Y015
 
 @_typing.final
 class ReplicaHintsResponse(_message.Message):

@@ -109,6 +109,11 @@ class NodeAgentStub:
                 request_serializer=kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsRequest.SerializeToString,
                 response_deserializer=kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsResponse.FromString,
                 _registered_method=True)
+        self.DonateBlock = channel.unary_unary(
+                '/kvc.v1.NodeAgent/DonateBlock',
+                request_serializer=kvc_dot_v1_dot_node__agent__pb2.DonateBlockRequest.SerializeToString,
+                response_deserializer=kvc_dot_v1_dot_node__agent__pb2.DonateBlockResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -235,6 +240,15 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DonateBlock(self, request, context):
+        """Donate before evict (agents with NodeInfo.donate_before_evict): a peer agent
+        offers this node a block it is dropping, the fleet's last copy of a hot
+        prefix; taken in place of a colder block, or refused (accepted = false).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -312,6 +326,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.ReplicaHints,
                     request_deserializer=kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsRequest.FromString,
                     response_serializer=kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsResponse.SerializeToString,
+            ),
+            'DonateBlock': grpc.unary_unary_rpc_method_handler(
+                    servicer.DonateBlock,
+                    request_deserializer=kvc_dot_v1_dot_node__agent__pb2.DonateBlockRequest.FromString,
+                    response_serializer=kvc_dot_v1_dot_node__agent__pb2.DonateBlockResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -719,6 +738,33 @@ class NodeAgent:
             '/kvc.v1.NodeAgent/ReplicaHints',
             kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsRequest.SerializeToString,
             kvc_dot_v1_dot_node__agent__pb2.ReplicaHintsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DonateBlock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvc.v1.NodeAgent/DonateBlock',
+            kvc_dot_v1_dot_node__agent__pb2.DonateBlockRequest.SerializeToString,
+            kvc_dot_v1_dot_node__agent__pb2.DonateBlockResponse.FromString,
             options,
             channel_credentials,
             insecure,

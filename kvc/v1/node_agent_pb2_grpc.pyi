@@ -103,6 +103,11 @@ class NodeAgentStub:
     node's cached blocks another node also holds, as a conductor's shadow sees
     them. Such blocks are dropped on eviction instead of demoted to a lower tier.
     """
+    DonateBlock: _grpc.UnaryUnaryMultiCallable[_node_agent_pb2.DonateBlockRequest, _node_agent_pb2.DonateBlockResponse]
+    """Donate before evict (agents with NodeInfo.donate_before_evict): a peer agent
+    offers this node a block it is dropping, the fleet's last copy of a hot
+    prefix; taken in place of a colder block, or refused (accepted = false).
+    """
 
 @_typing.type_check_only
 class NodeAgentAsyncStub(NodeAgentStub):
@@ -161,6 +166,11 @@ class NodeAgentAsyncStub(NodeAgentStub):
     """Replica-aware eviction (agents with NodeInfo.replica_hints): which of this
     node's cached blocks another node also holds, as a conductor's shadow sees
     them. Such blocks are dropped on eviction instead of demoted to a lower tier.
+    """
+    DonateBlock: _aio.UnaryUnaryMultiCallable[_node_agent_pb2.DonateBlockRequest, _node_agent_pb2.DonateBlockResponse]  # type: ignore[assignment]
+    """Donate before evict (agents with NodeInfo.donate_before_evict): a peer agent
+    offers this node a block it is dropping, the fleet's last copy of a hot
+    prefix; taken in place of a colder block, or refused (accepted = false).
     """
 
 class NodeAgentServicer(metaclass=_abc_1.ABCMeta):
@@ -307,6 +317,17 @@ class NodeAgentServicer(metaclass=_abc_1.ABCMeta):
         """Replica-aware eviction (agents with NodeInfo.replica_hints): which of this
         node's cached blocks another node also holds, as a conductor's shadow sees
         them. Such blocks are dropped on eviction instead of demoted to a lower tier.
+        """
+
+    @_abc_1.abstractmethod
+    def DonateBlock(
+        self,
+        request: _node_agent_pb2.DonateBlockRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_agent_pb2.DonateBlockResponse, _abc.Awaitable[_node_agent_pb2.DonateBlockResponse]]:
+        """Donate before evict (agents with NodeInfo.donate_before_evict): a peer agent
+        offers this node a block it is dropping, the fleet's last copy of a hot
+        prefix; taken in place of a colder block, or refused (accepted = false).
         """
 
 def add_NodeAgentServicer_to_server(servicer: NodeAgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -99,16 +99,18 @@ Donate before evict (``donate``, optional: the owner's offer to a peer)
     times before) is handed to ``donate`` as a ``Donation`` (key, tenant, content, how
     long it sat unused, the key before it in its prefix) after it left: the owner decides
     whether it is the fleet's last copy and which peer takes it (``accept_donation``
-    there; only a peer holding the parent can ever reuse it). A peer accepts into a free
-    block, or in place of its own LRU victim when that one sat unused longer than the
-    donation did (the fleet keeps the more recently used of the two); the donated block
-    enters its LRU as most recently used, keeping its idle time, and is announced
-    ``BlockStored``. A pool in the middle of an eviction (the donor, or a peer whose own
-    displaced victim is being offered on) accepts nothing, so offers never re-enter a
-    pool mid-allocation; each hop moves a block idle longer than the last, so chains end.
-    Only the simulator wires it (``ClusterConfig.donate_before_evict``): evaluated there
-    (docs/benchmarks.md, ``donate-before-evict``), it does not pay, so agents have no
-    setting for it and no transfer for it is built.
+    there). A peer holding the block's parent (only there can it ever be reused)
+    accepts it into a free block, or in place of its own LRU victim when that one sat
+    unused longer than the donation did (the fleet keeps the more recently used of the
+    two); the donated block enters its LRU as most recently used, keeping its idle
+    time, and is announced ``BlockStored``. A pool in the middle of an eviction (the
+    donor, or a peer whose own displaced victim is being offered on) accepts nothing,
+    so offers never re-enter a pool mid-allocation; each hop moves a block idle longer
+    than the last, so chains end.
+    The simulator (``ClusterConfig.donate_before_evict``) and the agents
+    (``donate_before_evict``, ``node_agent.donation``) wire it; evaluated in the
+    simulator (docs/benchmarks.md, ``donate-before-evict``) it does not pay, so it is off
+    unless asked for.
 
 Retention (prompt-cache breakpoints: ``AllocateParams.retain``)
     A retained block is a lock with another kind of lease: CACHED and unlocked, it stays
@@ -1149,6 +1151,12 @@ class BlockPool:
         )
 
     # ------------------------------------------------------------------ donations
+    def _holds(self, key: BlockKey) -> bool:
+        """``key`` is on this node: in the pool (any state) or a lower tier."""
+        return key in self._by_key or (
+            self.lower is not None and self.lower.medium_of(key) is not None
+        )
+
     def lru_tail_idle_s(self) -> float:
         """How long the next eviction victim has sat unused: ``inf`` while a free block
         is left (a donation costs nothing here), 0 when nothing can be evicted."""
@@ -1162,13 +1170,14 @@ class BlockPool:
     def accept_donation(self, donation: Donation) -> bool:
         """Take a peer's block: into a free block, or in place of this pool's LRU victim
         when that one sat unused longer than ``donation`` did. False: refused (held here
-        already, in the middle of an eviction, or no colder victim)."""
-        key = donation.key
+        already, its parent not held here — it could never be reused —, in the middle of
+        an eviction, or no colder victim)."""
+        key, parent = donation.key, donation.parent
         if (
             self._evicting
-            or key in self._by_key
-            or (self.lower is not None and self.lower.medium_of(key) is not None)
             or not _is_uint64(key)
+            or self._holds(key)
+            or (parent is not None and not self._holds(parent))
         ):
             return False
         if not self._free:

@@ -102,4 +102,4 @@ async def test_hints_for_another_epoch_are_not_applied_and_off_nodes_refuse(
             await pb_grpc.NodeAgentStub(channel).ReplicaHints(
                 pb.ReplicaHintsRequest(epoch=off.service.node_info.epoch, replicated=[key])
             )
-        assert "replica_aware_eviction is off" in (exc.value.details() or "")
+        assert "donate_before_evict are off" in (exc.value.details() or "")

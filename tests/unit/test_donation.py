@@ -6,14 +6,22 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
-from conductor.core.donation import choose_donee
 from conductor.core.prefix_index import NodeId
 from kvc.block_keys import BlockKey
+from kvc.donation import choose_donee
+from kvc.v1 import node_agent_pb2 as pb
 from node_agent.blocks.pool import BlockPool, Donation
 from node_agent.blocks.types import AllocateParams, BlockRemoved, BlockStored
+from node_agent.donation import Donations
+from node_agent.engines.embedded.kv_tensors import TensorKvCodec
+from node_agent.metrics import AgentMetrics
+from node_agent.replica_hints import ReplicaHintSet
+from node_agent.settings import AgentSettings
 from tests.unit.test_kv_tiers import Clock, content_of, same, store
 
 
@@ -188,3 +196,40 @@ def test_three_pools_passing_victims_keep_their_invariants(
         pool.check_invariants()
         assert pool.stats().open_txs == 0
         assert len(set(pool.cached_keys())) == len(pool.cached_keys())
+
+
+def test_only_the_embedded_engine_donates() -> None:
+    """vLLM evicts inside its own process: the agent could not take the block's KV."""
+    base = {"port": 0, "calibrate": False, "donate_before_evict": True}
+    assert AgentSettings.model_validate(base).donate_before_evict
+    with pytest.raises(ValidationError, match="donate_before_evict needs the embedded engine"):
+        AgentSettings.model_validate({**base, "engine": "vllm", "vllm_url": "http://vllm"})
+    with pytest.raises(ValidationError, match="donate_max_hops"):
+        AgentSettings.model_validate({**base, "donate_max_hops": 0})
+
+
+def test_an_agent_offers_only_last_copies_and_only_to_colder_donees() -> None:
+    clock = Clock()
+    hints = ReplicaHintSet(max_keys=16)
+    hints.epoch = "e"
+    block = content_of(1)
+    donations = Donations(
+        BlockPool(2, clock), hints, TensorKvCodec("cpu"), block.layout, AgentMetrics(),
+        wall=lambda: 1_000.0,
+    )  # fmt: skip
+    offer = Donation(BlockKey(1), None, "t", block, idle_s=30.0, hits=1, hops=1)
+    assert not donations.offer(offer)  # no donees known
+    hints.apply(
+        pb.ReplicaHintsRequest(
+            epoch="e", reset=True, replicated=[2],
+            donees=[
+                pb.Donee(address="warm:1", eviction_tail_used_unix_s=990.0),  # idle 10 s
+                pb.Donee(address="cold:1", eviction_tail_used_unix_s=900.0),  # idle 100 s
+                pb.Donee(address="free:1", eviction_tail_used_unix_s=0.0),  # a free block
+            ],
+        )
+    )  # fmt: skip
+    assert donations._donees(30.0) == ["free:1", "cold:1"]  # coldest first, never "warm"
+    assert not donations.offer(Donation(BlockKey(2), None, "t", block, 30.0, 1, 1))  # held
+    assert donations.offer(offer)
+    assert donations.eviction_tail_used_unix_s() == 0.0  # the pool has a free block
