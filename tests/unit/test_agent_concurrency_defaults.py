@@ -3,6 +3,7 @@ exactly as many requests as the agent admits."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,10 @@ def _command(tmp_path: Path, **overrides: object) -> list[str]:
         python="python", port=1234, **overrides,  # type: ignore[arg-type]
     )  # fmt: skip
     process = VllmProcess(config)
-    return process.command()
+    try:
+        return process.command()
+    finally:
+        asyncio.run(process.stop())  # never started: removes its temp dir
 
 
 def test_a_launched_vllm_gets_the_agents_slots_as_max_num_seqs(tmp_path: Path) -> None:

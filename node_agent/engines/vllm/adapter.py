@@ -83,7 +83,12 @@ from node_agent.engines.vllm.config import (
     salt_for_tenant,
 )
 from node_agent.engines.vllm.events import KvEventDecoder, KvEventSubscriber
-from node_agent.engines.vllm.http_parsing import metric_values, sse_data, sse_payload_batches
+from node_agent.engines.vllm.http_parsing import (
+    metric_values,
+    sample_values,
+    sse_data,
+    sse_payload_batches,
+)
 from node_agent.engines.vllm.process import VllmProcess
 from node_agent.engines.vllm.stream_client import (
     HttpStreamClient,
@@ -102,6 +107,12 @@ __all__ = ["VllmEngineAdapter"]
 
 # The prefill leg of a P/D request and nothing else: one greedy token, EOS ignored.
 _ONE_TOKEN: Final = Sampling(temperature=0.0, max_tokens=1, ignore_eos=True)
+# What the load poll reads of vLLM's /metrics (summed, or the max for the usage).
+_POLLED_METRICS: Final = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+)
 
 
 class VllmEngineAdapter:
@@ -309,15 +320,11 @@ class VllmEngineAdapter:
         assert self._http is not None
         while not self._stop.is_set():
             try:
-                metrics = metric_values((await self._http.get("/metrics")).text)
-                self._vllm_running = int(
-                    sum(v for _, v in metrics.get("vllm:num_requests_running", []))
-                )
-                self._vllm_waiting = int(
-                    sum(v for _, v in metrics.get("vllm:num_requests_waiting", []))
-                )
-                usage = [v for _, v in metrics.get("vllm:kv_cache_usage_perc", [])]
-                self._vllm_kv_usage = max(usage, default=0.0)
+                text = (await self._http.get("/metrics")).text
+                metrics = sample_values(text, _POLLED_METRICS)
+                self._vllm_running = int(sum(metrics["vllm:num_requests_running"]))
+                self._vllm_waiting = int(sum(metrics["vllm:num_requests_waiting"]))
+                self._vllm_kv_usage = max(metrics["vllm:kv_cache_usage_perc"], default=0.0)
             except (httpx.HTTPError, ValueError) as exc:
                 log.debug("vLLM metrics: %s", exc)
             with contextlib.suppress(TimeoutError):

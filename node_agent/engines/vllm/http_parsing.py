@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["metric_values", "sse_data", "sse_payload_batches", "sse_payloads"]
+__all__ = ["metric_values", "sample_values", "sse_data", "sse_payload_batches", "sse_payloads"]
 
 
 async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
@@ -47,6 +47,56 @@ async def sse_payload_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[lis
             yield batch
     if pending.startswith(b"data:") and (data := pending[5:].strip()) != b"[DONE]" and data:
         yield [data.decode("utf-8")]
+
+
+def sample_values(text: str, names: Sequence[str]) -> dict[str, list[float]]:
+    """The values of the samples named ``names`` in a Prometheus text exposition, label
+    sets ignored (what a poller that sums or maxes them needs), ``[]`` for a name that
+    is absent.
+
+    Reads only those lines: a vLLM ``/metrics`` is hundreds of histogram buckets, which
+    ``metric_values`` (prometheus_client's parser) turns into objects every poll.
+    Label values may hold anything (quotes escaped, spaces, braces): the label block is
+    skipped quote-aware. Raises ``ValueError`` on a malformed line of a wanted name.
+    """
+    out: dict[str, list[float]] = {name: [] for name in names}
+    wanted = tuple(names)
+    for line in text.splitlines():
+        if not line.startswith(wanted):
+            continue
+        end = 0
+        while end < len(line) and line[end] not in "{ \t":
+            end += 1
+        values = out.get(line[:end])
+        if values is None:  # a longer name that merely starts like a wanted one
+            continue
+        rest = line[end:]
+        if rest.startswith("{"):
+            rest = rest[_label_block_end(rest) :]
+        fields = rest.split()
+        if not fields:
+            raise ValueError(f"a sample without a value: {line!r}")
+        values.append(float(fields[0]))
+    return out
+
+
+def _label_block_end(rest: str) -> int:
+    """Index just past the ``}`` closing the label block ``rest`` starts with."""
+    quoted = False
+    i = 1
+    while i < len(rest):
+        c = rest[i]
+        if quoted:
+            if c == "\\":
+                i += 1  # the escaped character
+            elif c == '"':
+                quoted = False
+        elif c == '"':
+            quoted = True
+        elif c == "}":
+            return i + 1
+        i += 1
+    raise ValueError(f"an unterminated label block: {rest!r}")
 
 
 def metric_values(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
