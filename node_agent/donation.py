@@ -134,7 +134,11 @@ class Donations:
         """Send queued donations until cancelled."""
         while True:
             request, donees = await self._queue.get()
-            await self._send(request, donees)
+            try:
+                await self._send(request, donees)
+            except Exception:  # one bad donation must not stop the ones after it
+                log.exception("donating block %#x failed", request.key)
+                self._given("failed")
 
     async def _send(self, request: pb.DonateBlockRequest, donees: list[str]) -> None:
         failed = False

@@ -1181,8 +1181,11 @@ class BlockPool:
         ):
             return False
         if not self._free:
-            if self.lru_tail_idle_s() <= donation.idle_s:
-                return False
+            victim = self._blocks[next(iter(self._lru))] if self._lru else None
+            if self.lru_tail_idle_s() <= donation.idle_s or (
+                victim is not None and victim.key == parent
+            ):
+                return False  # nothing colder to replace, or it would replace its parent
             self._evict(1)
         block = self._blocks[self._free.pop()]
         block.key = key

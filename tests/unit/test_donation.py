@@ -233,3 +233,14 @@ def test_an_agent_offers_only_last_copies_and_only_to_colder_donees() -> None:
     assert not donations.offer(Donation(BlockKey(2), None, "t", block, 30.0, 1, 1))  # held
     assert donations.offer(offer)
     assert donations.eviction_tail_used_unix_s() == 0.0  # the pool has a free block
+
+
+def test_a_donation_never_replaces_its_own_parent() -> None:
+    clock = Clock()
+    peer = BlockPool(1, clock)
+    store(peer, "a", [1])
+    clock.now_s = 50.0
+    child = Donation(BlockKey(2), BlockKey(1), "t", content_of(2), 5.0, 1, 1)
+    assert not peer.accept_donation(child)  # the only victim is its parent
+    assert peer.cached_keys() == [1]
+    peer.check_invariants()
