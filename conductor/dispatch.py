@@ -82,6 +82,12 @@ _MAX_TX_LEASE_S = 600.0  # node_agent max_lease_s default; the settings cap leas
 log = logging.getLogger("conductor.dispatch")
 
 
+def _stop(task: asyncio.Task[None] | None) -> None:
+    """Cancel ``task`` if any (a renewal in flight then lands on a closed tx: ignored)."""
+    if task is not None:
+        task.cancel()
+
+
 def tx_lease_s(lease_s: float, predicted_ttft_s: float) -> float:
     """The lease of a request's Tx. It stays open until the first token (queue, prefill,
     hand-off): the configured lease plus twice the predicted TTFT, so a long prompt
@@ -404,6 +410,19 @@ class Dispatcher:
             if locked:  # paired Tx: the holder commits too, which only releases its locks
                 await self._shielded(self._commit_quietly(source, src_tx))
 
+    async def _keep_lease(self, agent: AgentHandle, tx_id: str, lease_s: float) -> None:
+        """Renew the request's Tx every half lease until its first token: the lease is
+        there to free the locks of a conductor that died, not of a request queued behind
+        others (seen live: prefills queued behind a hot holder's lends outlived theirs).
+        A renewal that fails stops here; the request's own calls report the tx."""
+        while True:
+            await asyncio.sleep(lease_s / 2)
+            try:
+                await self._renew_lease(agent, tx_id, lease_s)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("renewing %s on %s failed: %s", tx_id, agent.address, exc.details())
+                return
+
     async def _renew_lease(self, agent: AgentHandle, tx_id: str, lease_s: float) -> None:
         """``TxExtend`` the tx to ``lease_s`` from now; agents without it keep their lease."""
         try:
@@ -436,6 +455,7 @@ class Dispatcher:
             agent.inflight += 1
         call: GenerateCall | None = None
         tx_open = False
+        keeper: asyncio.Task[None] | None = None  # renews the open Tx's lease meanwhile
         generating = False  # the Generate stream has sent its first message
         address = prefill.address
         prompt_len = len(req.prompt_ids)
@@ -475,6 +495,7 @@ class Dispatcher:
             elif keys:
                 alloc = await prefill.stub.TxAllocate(allocate, timeout=self._rpc_timeout_s)
                 tx_open = True
+                keeper = asyncio.create_task(self._keep_lease(prefill, tx_id, allocate.lease_s))
                 loop_state.allocated()
                 reused_blocks = alloc.reused_blocks
                 if retain:
@@ -558,11 +579,13 @@ class Dispatcher:
             address = prefill.address
             if tx_open:
                 loop_state.committed()
+                _stop(keeper)
                 await prefill.stub.TxCommit(
                     pb.TxCommitRequest(tx_id=tx_id), timeout=self._rpc_timeout_s
                 )
                 tx_open = False
         except BaseException as exc:
+            _stop(keeper)
             if call is not None:
                 rpc_error = exc if isinstance(exc, grpc.aio.AioRpcError) else None
                 if rpc_error is not None and not generating and self._telemetry is not None:
