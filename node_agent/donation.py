@@ -28,7 +28,6 @@ Reported
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -40,15 +39,15 @@ import grpc
 
 from kvc.block_keys import BlockKey
 from kvc.donation import choose_donee
-from kvc.tls import PlaintextPolicy, TlsFiles, client_channel
+from kvc.tls import PlaintextPolicy, TlsFiles
 from kvc.v1 import node_agent_pb2 as pb
-from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import MAX_MESSAGE_BYTES
 from node_agent.blocks.pool import BlockPool, Donation
+from node_agent.errors import TransferError
 from node_agent.kv import KvCodec, KvLayout
 from node_agent.metrics import AgentMetrics
 from node_agent.replica_hints import ReplicaHintSet
-from node_agent.transfer.transport import layout_to_pb
+from node_agent.transfer.transport import GrpcKvTransport, layout_to_pb
 
 __all__ = ["Donations"]
 
@@ -77,13 +76,11 @@ class Donations:
         self._codec = codec
         self._layout = layout
         self._metrics = metrics
-        self._tls = tls
-        self._plaintext = plaintext
+        self._transport = GrpcKvTransport(tls, plaintext)  # its own channels to the donees
         self._wall = wall
         self._queue: asyncio.Queue[tuple[pb.DonateBlockRequest, list[str]]] = asyncio.Queue(
             max_pending
         )
-        self._channels: dict[str, grpc.aio.Channel] = {}
 
     # ------------------------------------------------------------------ giving
     def offer(self, donation: Donation) -> bool:
@@ -144,8 +141,9 @@ class Donations:
         failed = False
         for address in donees:
             try:
-                answer = await self._stub(address).DonateBlock(request, timeout=_RPC_TIMEOUT_S)
-            except (grpc.aio.AioRpcError, ValueError) as exc:
+                stub = self._transport.stub(address)
+                answer = await stub.DonateBlock(request, timeout=_RPC_TIMEOUT_S)
+            except (grpc.aio.AioRpcError, TransferError) as exc:
                 log.warning("donating block %#x to %s failed: %s", request.key, address, exc)
                 failed = True
                 continue
@@ -158,23 +156,8 @@ class Donations:
     def _given(self, outcome: str) -> None:
         self._metrics.donations.labels("given", outcome).inc()
 
-    def _stub(self, address: str) -> pb_grpc.NodeAgentAsyncStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = client_channel(
-                address,
-                self._tls,
-                self._plaintext,
-                options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
-            )
-            self._channels[address] = channel
-        return pb_grpc.NodeAgentStub(channel)
-
     async def aclose(self) -> None:
-        for channel in self._channels.values():
-            with contextlib.suppress(Exception):
-                await channel.close()
-        self._channels.clear()
+        await self._transport.aclose()
 
     # ------------------------------------------------------------------ taking
     def take(self, request: pb.DonateBlockRequest) -> pb.DonateBlockResponse:

@@ -105,7 +105,7 @@ class GrpcKvTransport:
     async def receive(
         self, address: str, request: KvRequest, *, timeout_s: float | None = None
     ) -> AsyncGenerator[pb.KvChunk, None]:
-        stub = self._stub(address)
+        stub = self.stub(address)
         call: grpc.aio.UnaryStreamCall[Any, pb.KvChunk]
         if isinstance(request, pb.FetchKvRequest):
             call = stub.FetchKv(request, timeout=timeout_s)
@@ -124,7 +124,7 @@ class GrpcKvTransport:
     async def lend(
         self, address: str, request: pb.LendBlocksRequest, *, timeout_s: float | None = None
     ) -> pb.LendBlocksResponse:
-        stub = self._stub(address)
+        stub = self.stub(address)
         try:
             response: pb.LendBlocksResponse = await stub.LendBlocks(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -133,7 +133,8 @@ class GrpcKvTransport:
             ) from exc
         return response
 
-    def _stub(self, address: str) -> pb_grpc.NodeAgentAsyncStub:
+    def stub(self, address: str) -> pb_grpc.NodeAgentAsyncStub:
+        """A stub on this transport's channel to ``address`` (opened on first use)."""
         channel = self._channels.get(address)
         if channel is None:
             try:
