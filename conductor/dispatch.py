@@ -414,25 +414,17 @@ class Dispatcher:
         """Renew the request's Tx every half lease until its first token: the lease is
         there to free the locks of a conductor that died, not of a request queued behind
         others (seen live: prefills queued behind a hot holder's lends outlived theirs).
-        A renewal that fails stops here; the request's own calls report the tx."""
+        It also covers a slow prefix pull (given up after half the lease at most). A
+        renewal that fails stops it (an older agent without ``TxExtend`` keeps its lease;
+        a closed or expired tx is reported by the request's own calls)."""
+        request = pb.TxExtendRequest(tx_id=tx_id, lease_s=lease_s)
         while True:
             await asyncio.sleep(lease_s / 2)
             try:
-                await self._renew_lease(agent, tx_id, lease_s)
+                await agent.stub.TxExtend(request, timeout=self._rpc_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 log.debug("renewing %s on %s failed: %s", tx_id, agent.address, exc.details())
                 return
-
-    async def _renew_lease(self, agent: AgentHandle, tx_id: str, lease_s: float) -> None:
-        """``TxExtend`` the tx to ``lease_s`` from now; agents without it keep their lease."""
-        try:
-            await agent.stub.TxExtend(
-                pb.TxExtendRequest(tx_id=tx_id, lease_s=lease_s), timeout=self._rpc_timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            log.debug("%s cannot renew a lease (an older agent)", agent.address)
 
     async def _attempt(
         self,
@@ -504,9 +496,6 @@ class Dispatcher:
                     migrated = await self._migrate(
                         req, keys, placement, prefill, tx_id, reused_blocks
                     )
-                    # A pull may have taken much of the lease (or been given up after
-                    # half of it): the prefill gets a whole lease again.
-                    await self._renew_lease(prefill, tx_id, allocate.lease_s)
             else:
                 tx_id = ""  # shorter than one block: nothing to own, no Tx needed
             cached_tokens = max(reused_blocks, migrated) * block_size

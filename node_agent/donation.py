@@ -171,13 +171,15 @@ class Donations:
             return self._refused("the block's size does not match its tokens")
         if zlib.crc32(request.data) != request.crc32:
             return self._refused("the block failed its checksum")
+        if not (math.isfinite(request.idle_s) and request.idle_s >= 0):
+            return self._refused("idle_s must be a finite number of seconds >= 0")
         content = self._codec.from_bytes(own, request.data, request.num_tokens)
         donation = Donation(
             key=BlockKey(request.key),
             parent=BlockKey(request.parent_key) if request.has_parent else None,
             tenant=request.tenant or None,
             content=content,
-            idle_s=max(0.0, request.idle_s),
+            idle_s=request.idle_s,
             hits=0,
             hops=request.hops,
         )

@@ -100,6 +100,10 @@ async def test_donate_block_checks_what_it_is_given_and_off_nodes_refuse(
         bad_crc = await stub.DonateBlock(request(crc32=1))
         assert not bad_crc.accepted
         assert "checksum" in bad_crc.reason
+        for idle_s in (float("nan"), float("inf"), -1.0):
+            odd = await stub.DonateBlock(request(idle_s=idle_s))
+            assert not odd.accepted
+            assert "idle_s" in odd.reason
         short = await stub.DonateBlock(request(num_tokens=BS + 1))
         assert not short.accepted
         orphan = await stub.DonateBlock(request(key=child, has_parent=True, parent_key=root))
@@ -114,7 +118,7 @@ async def test_donate_block_checks_what_it_is_given_and_off_nodes_refuse(
         assert not stale.accepted
         assert b.service.load_update().eviction_tail_used_unix_s > 0
     assert donations(b, "taken", "accepted") == 2
-    assert donations(b, "taken", "refused") == 5
+    assert donations(b, "taken", "refused") == 8
     async with grpc.aio.insecure_channel(off.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             await pb_grpc.NodeAgentStub(channel).DonateBlock(request())
