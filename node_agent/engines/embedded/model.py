@@ -15,7 +15,8 @@ format for KV transfer (layer-major, key then value, native little-endian
 dtype). The node agent calls all of this from one worker thread.
 
 Model folders with ``kvc_init.json`` have no weights: random weights are built
-from the recorded seed, bit-identical in every process.
+from the recorded seed, bit-identical in every process on the same kind of device
+(drawn on the GPU for a CUDA agent, on the CPU otherwise).
 """
 
 from __future__ import annotations
@@ -113,9 +114,17 @@ class EmbeddedModel:
             text_config = config.get_text_config()
             if text_config is not config:
                 text_config.initializer_range = init_range
-            # Build on CPU under a private RNG state: identical weights in
-            # every process, and the caller's global RNG is left untouched.
-            with torch.random.fork_rng(devices=[]):
+            # Under a private RNG state (the caller's global RNG is left untouched):
+            # identical weights in every process on the same kind of device. On a GPU
+            # they are drawn there: CPU's normal_ is single-threaded (~2.5 minutes for
+            # an 8B shape; seconds on the GPU), and CUDA's generator draws other
+            # numbers than the CPU's, so a CPU and a GPU agent of one seed differ.
+            if target.type == "cuda":
+                index = target.index if target.index is not None else torch.cuda.current_device()
+                rng = torch.random.fork_rng(devices=[index])
+            else:
+                rng = torch.random.fork_rng(devices=[])
+            with rng, torch.device(target if target.type == "cuda" else "cpu"):
                 torch.manual_seed(seed)
                 model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         else:
