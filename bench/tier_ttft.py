@@ -12,8 +12,12 @@ is N + 1 tokens), ``--repeats`` rounds, each with a fresh prompt P:
 1. **cold**: P the first time (cached tokens must be 0): the prefill of N + 1 tokens;
 2. **L1**: P again at once: its N tokens are in the engine's memory;
 3. **L2**: other prompts (fillers, each as long as the longest P) until P's blocks have
-   left the engine's memory for host memory, then P (its N tokens promoted from L2);
-4. **L3**: fillers until every block of P is a file on disk, then P (promoted from L3).
+   left the engine's memory for host memory, then P (its N tokens promoted from L2) at
+   once, whatever the fillers' demotions left queued on the agent's I/O thread (the
+   backlog is recorded: a promotion must not wait behind it);
+4. **L3**: fillers, each followed by a wait for the agent's tier I/O backlog to drain
+   (``node_agent_tier_io_queued_jobs``: evicted blocks' files are removed behind the
+   writes), until every block of P is a file on disk, then P (promoted from L3).
 
 Every measured request is checked: cached tokens (``usage.prompt_tokens_details``) are N
 for 2-4, the agent's ``node_agent_tier_promoted_blocks_total{medium}`` rose by exactly
@@ -83,6 +87,7 @@ class Sample:
     promoted_disk: int
     fillers: int  # sent before this request to move P down
     same_as_cold: bool  # greedy output equal to the cold (fully computed) one
+    io_queued: int  # the agent's tier I/O backlog (jobs) when the request was sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +215,17 @@ class TieredSystem:
             raise CheckFailed("the stream carried no token")
         return first - started, ended - started, cached, "".join(pieces)
 
+    def io_queued(self) -> int:
+        """The agent's tier I/O backlog: copies, writes and removals not started yet."""
+        text = self.client.get(self.metrics_url).text
+        found = re.search(r"^node_agent_tier_io_queued_jobs (\S+)$", text, re.MULTILINE)
+        return 0 if found is None else int(float(found.group(1)))
+
+    def settle(self, timeout_s: float = 300.0) -> None:
+        """Until the agent's tier I/O backlog is empty (its disk tier then equals the
+        files on disk: removals of evicted blocks are done)."""
+        self.procs.wait_until(lambda: self.io_queued() == 0, "the tier I/O backlog", timeout_s)
+
     def promoted(self) -> tuple[int, int]:
         text = self.client.get(self.metrics_url).text
         out = []
@@ -263,18 +279,23 @@ def measure_length(
                 fillers = L2_FILLERS
             elif step == "L3":
                 fillers = 0
+                # Files of evicted blocks are removed on the I/O thread, behind the writes:
+                # only a settled backlog makes "a file for every block" mean "on disk".
+                sysm.settle()
                 while not sysm.on_disk(prompt):
                     if fillers == MAX_FILLERS:
                         raise CheckFailed(f"P not on disk after {fillers} fillers")
                     filler()
                     fillers += 1
+                    sysm.settle()
+            queued = sysm.io_queued()
             host0, disk0 = sysm.promoted()
             ttft, total, cached, text = sysm.complete(prompt)
             host1, disk1 = sysm.promoted()
             if reference is None:
                 reference = text
             sample = Sample(step, ttft * 1e3, total * 1e3, cached, host1 - host0, disk1 - disk0,
-                            fillers, text == reference)  # fmt: skip
+                            fillers, text == reference, queued)  # fmt: skip
             want = {
                 "cold": (0, 0, 0),
                 "L1": (tokens, 0, 0),
@@ -288,7 +309,10 @@ def measure_length(
                     f"disk) = {got}, expected {want}"
                 )
             samples.append(sample)
-            log(f"{tokens} tokens, round {round_}, {step}: TTFT {sample.ttft_ms:.1f} ms")
+            log(
+                f"{tokens} tokens, round {round_}, {step}: TTFT {sample.ttft_ms:.1f} ms "
+                f"(tier I/O backlog {queued} jobs)"
+            )
     return LengthResult(tokens, blocks, tokens * bytes_per_token, tuple(samples))
 
 

@@ -223,6 +223,13 @@ class AgentMetrics:
             ("medium",),
             registry=r,
         )
+        self.tier_io_queued = Gauge(
+            "node_agent_tier_io_queued_jobs",
+            "KV tier copies and disk I/O waiting for the agent's I/O thread (demotions, "
+            "file writes and removals; promotions go first). Growing: demotions outpace "
+            "the disk.",
+            registry=r,
+        )
         self.tier_torn_files = Counter(
             "node_agent_tier_torn_files_total",
             "Disk-tier files found damaged (short, long, bad checksum) and treated as misses.",
@@ -345,6 +352,7 @@ class AgentMetrics:
             self.tier_read_bandwidth.labels(medium).set(tier.read_bytes_per_s)
         if lower is None:
             return
+        self.tier_io_queued.set(lower.io_backlog)
         for tier_medium, count in pool.promoted_blocks.items():
             medium = tier_medium.name.lower()
             if count > self._promoted_seen[medium]:

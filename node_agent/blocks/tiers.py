@@ -167,19 +167,37 @@ class _Tier:
 
 class Runner(Protocol):
     """Runs ``work`` (a copy or disk I/O) somewhere, then ``done(result, error)`` on the
-    tiers' owner thread, in submission order. ``InlineRunner``: at once, on the caller's
-    thread (tests, the simulator); the agent's runs work on one I/O thread."""
+    tiers' owner thread; ``urgent`` work (a transaction's promotions) before any queued
+    background work, each kind in submission order. ``InlineRunner``: at once, on the
+    caller's thread (tests, the simulator); the agent's runs work on one I/O thread."""
+
+    @property
+    def pending(self) -> int:
+        """Work submitted and not started yet (the I/O backlog)."""
+        ...
 
     def submit(
-        self, work: Callable[[], T], done: Callable[[T | None, BaseException | None], None]
+        self,
+        work: Callable[[], T],
+        done: Callable[[T | None, BaseException | None], None],
+        *,
+        urgent: bool = False,
     ) -> None: ...
 
 
 class InlineRunner:
-    """Work runs at once on the caller's thread."""
+    """Work runs at once on the caller's thread (nothing waits, so urgency is moot)."""
+
+    @property
+    def pending(self) -> int:
+        return 0
 
     def submit(
-        self, work: Callable[[], T], done: Callable[[T | None, BaseException | None], None]
+        self,
+        work: Callable[[], T],
+        done: Callable[[T | None, BaseException | None], None],
+        *,
+        urgent: bool = False,
     ) -> None:
         try:
             result = work()
@@ -232,6 +250,11 @@ class LowerTiers:
     def set_runner(self, runner: Runner) -> None:
         """Where copies and disk I/O run from now on (the agent's I/O thread)."""
         self._runner = runner
+
+    @property
+    def io_backlog(self) -> int:
+        """Copies and disk I/O waiting to run (demotions outpacing the disk grow it)."""
+        return self._runner.pending
 
     # ------------------------------------------------------------------ queries
     def medium_of(self, key: BlockKey) -> KvMedium | None:
@@ -402,7 +425,10 @@ class LowerTiers:
             finally:
                 done()
 
-        self._runner.submit(work, finish)
+        # Urgent: a request waits on it; demotions queued before it can wait. Safe to run
+        # ahead of them: a file is read only once its write finished (``content`` None),
+        # and a removal queued meanwhile belongs to an entry this result then ignores.
+        self._runner.submit(work, finish, urgent=True)
         return len(jobs)
 
     def _staged_result(

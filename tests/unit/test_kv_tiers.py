@@ -4,7 +4,9 @@ pool's invariants under random traffic (hypothesis). Real tensors, real files.""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -30,6 +32,7 @@ from node_agent.blocks.types import (
 )
 from node_agent.engines.embedded.kv_tensors import KvCache, TensorKvCodec
 from node_agent.kv import KvContent
+from node_agent.tier_runner import ThreadRunner
 
 T = TypeVar("T")
 
@@ -303,21 +306,33 @@ def test_invariants_and_contents_under_random_traffic(
 
 
 class DeferredRunner:
-    """Holds submitted work until ``run_all``: the agent's I/O thread, made visible."""
+    """Holds submitted work until ``run_all``: the agent's I/O thread, made visible
+    (urgent work first, as there)."""
 
     def __init__(self) -> None:
         self.queue: list[
             tuple[Callable[[], object], Callable[[object, BaseException | None], None]]
         ] = []
+        self.urgent: list[
+            tuple[Callable[[], object], Callable[[object, BaseException | None], None]]
+        ] = []
 
     def submit(
-        self, work: Callable[[], T], done: Callable[[T | None, BaseException | None], None]
+        self,
+        work: Callable[[], T],
+        done: Callable[[T | None, BaseException | None], None],
+        *,
+        urgent: bool = False,
     ) -> None:
-        self.queue.append((work, done))  # type: ignore[arg-type]
+        (self.urgent if urgent else self.queue).append((work, done))  # type: ignore[arg-type]
+
+    @property
+    def pending(self) -> int:
+        return len(self.urgent) + len(self.queue)
 
     def run_all(self) -> None:
-        while self.queue:
-            InlineRunner().submit(*self.queue.pop(0))
+        while self.urgent or self.queue:
+            InlineRunner().submit(*(self.urgent or self.queue).pop(0))
 
 
 def deferred_pool(tmp_path: Path, **sizes: int) -> tuple[BlockPool, LowerTiers, DeferredRunner]:
@@ -453,3 +468,83 @@ def test_a_pull_source_lends_its_demoted_blocks_too(tmp_path: Path) -> None:
     lock = full.tx_allocate(AllocateParams("lend", "t", [BlockKey(1)], 30.0, mode=TxMode.LOCK_ONLY))
     assert (lock.reused_blocks, lock.promoted_blocks) == (0, 0)
     full.check_invariants()
+
+
+def test_a_prefetch_runs_ahead_of_queued_demotions_and_reads_what_is_not_yet_written(
+    tmp_path: Path,
+) -> None:
+    """A promotion waits for no demotion queued before it; a block whose file is not
+    written yet is read from memory, one whose write finished from its file."""
+    pool, lower, runner = deferred_pool(tmp_path, l1=2, l2=1, l3=8)
+    store(pool, "a", [1])
+    store(pool, "b", [2])
+    store(pool, "c", [3])  # 1 → host
+    runner.run_all()
+    store(pool, "d", [4])  # 2 → host, 1 → disk: its write is queued
+    assert lower.medium_of(BlockKey(1)) is KvMedium.DISK
+    backlog = len(runner.queue)
+    assert lower.io_backlog == backlog > 0
+    ready: list[bool] = []
+    assert lower.prefetch([BlockKey(1), BlockKey(2)], lambda: ready.append(True)) == 2
+    work, done = runner.urgent.pop(0)  # the prefetch alone, ahead of the backlog
+    assert not runner.urgent
+    InlineRunner().submit(work, done)
+    assert ready == [True]
+    assert len(runner.queue) == backlog  # the demotions still wait
+    result = pool.tx_allocate(AllocateParams("again", "t", [BlockKey(1), BlockKey(2)], 30.0))
+    assert result.promoted_blocks == 2
+    assert same(pool.get_payload(result.handles[0]), content_of(1))
+    assert same(pool.get_payload(result.handles[1]), content_of(2))
+    pool.tx_abort("again")
+    runner.run_all()
+    pool.check_invariants()
+
+
+async def test_thread_runner_runs_urgent_work_before_queued_background_work() -> None:
+    runner = ThreadRunner(asyncio.get_running_loop())
+    gate = threading.Event()
+    ran: list[str] = []
+    finished: list[str] = []
+    all_done = asyncio.Event()
+
+    def job(name: str, wait: bool = False) -> Callable[[], str]:
+        def work() -> str:
+            if wait:
+                gate.wait(5)
+            ran.append(name)
+            return name
+
+        return work
+
+    def done(result: str | None, error: BaseException | None) -> None:
+        assert error is None
+        assert result is not None
+        finished.append(result)
+        if len(finished) == 5:
+            all_done.set()
+
+    runner.submit(job("busy", wait=True), done)  # holds the thread
+    runner.submit(job("write-1"), done)
+    runner.submit(job("write-2"), done)
+    runner.submit(job("promote-1"), done, urgent=True)
+    runner.submit(job("promote-2"), done, urgent=True)
+    assert runner.pending >= 4
+    gate.set()
+    await asyncio.wait_for(all_done.wait(), 10)
+    assert ran == ["busy", "promote-1", "promote-2", "write-1", "write-2"]
+    assert finished == ran  # completions come back in the order the work ran
+    assert runner.pending == 0
+    runner.close()
+
+
+async def test_thread_runner_hands_a_failure_to_done() -> None:
+    runner = ThreadRunner(asyncio.get_running_loop())
+    got: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def fail() -> int:
+        raise OSError("disk full")
+
+    runner.submit(fail, lambda _result, error: got.set_result(error))
+    error = await asyncio.wait_for(got, 10)
+    assert isinstance(error, OSError)
+    runner.close()
