@@ -185,7 +185,11 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             if transport is not None
             else GrpcKvTransport(settings.tls_files(), settings.grpc_plaintext)
         )
-        self.staging = StagingArea(settings.max_staged_bytes)
+        self.staging = StagingArea(
+            settings.resolved_max_staged_bytes(
+                engine.info.kv_layout.bytes_per_token, engine.info.max_model_len
+            )
+        )
         self.read_grants = ReadGrants()
         self.sender = KvSender(self.state, self.staging, self.read_grants, self.transport)
         self.receiver = KvReceiver(self.state, self.transport)

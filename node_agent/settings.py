@@ -26,6 +26,7 @@ _VLLM: Final[JsonDict] = {"group": "vLLM engine (--engine vllm, docs/engines.md)
 
 
 DEFAULT_MAX_RUNNING: Final = {"embedded": 16, "vllm": 256}
+_MIN_STAGED_BYTES: Final = 512 * 1024 * 1024
 
 
 class AgentSettings(GrpcTlsSettings, BaseSettings):
@@ -210,9 +211,13 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         json_schema_extra=_BLOCKS,
     )
     max_staged_bytes: int = Field(
-        512 * 1024 * 1024,
-        ge=1,
-        description="KV bytes staged for decode nodes to fetch",
+        0,
+        ge=0,
+        description=(
+            "KV bytes a prefill node holds staged for decode nodes to fetch; 0: the KV of "
+            "two prompts of the model's full context, at least 512 MiB (a prompt whose KV "
+            "alone exceeds it is refused)"
+        ),
         json_schema_extra=_BLOCKS,
     )
     host_tier_bytes: int = Field(
@@ -433,6 +438,14 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         if self.max_running:
             return self.max_running
         return DEFAULT_MAX_RUNNING[self.engine]
+
+    def resolved_max_staged_bytes(self, kv_bytes_per_token: int, max_model_len: int) -> int:
+        """``max_staged_bytes``, or by default room for two full-context prompts' KV (at
+        least 512 MiB). Seen on an H200: the old fixed 512 MiB refused every 8k-token
+        prompt of an 8B model (1 GiB of KV) as busy, for ever."""
+        if self.max_staged_bytes:
+            return self.max_staged_bytes
+        return max(_MIN_STAGED_BYTES, 2 * max_model_len * kv_bytes_per_token)
 
     def resolved_served_model_name(self) -> str:
         return self.served_model_name or self.model.name

@@ -6,7 +6,8 @@ which two requests (two tenants, or a client's retry) may share. The first
 ``FetchKv`` naming the handle and the same tenant claims it (a retry cannot
 double-serve it); the housekeeping loop drops what nobody claimed within its TTL.
 ``max_bytes`` bounds the whole area: a prefill that would exceed it is refused up
-front (``EngineBusy``), before any compute.
+front, before any compute: ``EngineBusy`` while other prompts' KV fills it,
+``PromptRejected`` when its own KV is larger than the whole area (no wait would help).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node_agent.errors import EngineBusy
+from node_agent.errors import EngineBusy, PromptRejected
 from node_agent.kv import KvContent
 
 __all__ = ["ReadGrants", "StagedKv", "StagingArea"]
@@ -41,8 +42,18 @@ class StagingArea:
     def __len__(self) -> int:
         return len(self._staged)
 
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
     def check_room(self, nbytes: int) -> None:
-        """Refuse a prefill whose KV could not be staged (before computing it)."""
+        """Refuse a prefill whose KV could not be staged (before computing it): busy
+        while others' KV fills the area, rejected when its own KV never fits."""
+        if nbytes > self._max_bytes:
+            raise PromptRejected(
+                f"the prompt's KV ({nbytes} bytes) is larger than this prefill node's "
+                f"staging area ({self._max_bytes} bytes, max_staged_bytes)"
+            )
         if self.nbytes + nbytes > self._max_bytes:
             raise EngineBusy("staged KV buffer is full")
 
