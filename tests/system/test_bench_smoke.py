@@ -111,6 +111,42 @@ def test_soak_bench_accounts_for_every_request(tmp_path: Path) -> None:
     assert (tmp_path / "soak.png").stat().st_size > 1000
 
 
+def test_pd_ttft_bench_moves_each_prompt_once_and_decodes_the_same(tmp_path: Path) -> None:
+    from bench import pd_ttft
+
+    argv = ["--out", str(tmp_path), "--tokens", "64", "--repeats", "1", "--max-tokens", "3"]
+    assert pd_ttft.main(argv) == 0
+    data = json.loads((tmp_path / "pd_ttft-tiny-llama-cpu.json").read_text())
+    by_mode = {s["mode"]: s for s in data["samples"]}
+    # The bench raises unless each disaggregated request had exactly one handoff.
+    assert by_mode["aggregated"]["handoff_bytes"] == 0
+    # The KV of prompt[:-1] moves (the decode agent runs the last token as its first
+    # step); tiny-llama holds 2 KiB of KV per token.
+    assert by_mode["disaggregated"]["handoff_bytes"] == 63 * 2048
+    assert by_mode["disaggregated"]["handoff_ms"] > 0
+    table = (tmp_path / "pd_ttft-tiny-llama-cpu.md").read_text()
+    assert "| 64 | 0.125 | disaggregated |" in table
+    assert "| 1/1 |" in table  # the same greedy output in both deployments
+    assert (tmp_path / "pd_ttft-tiny-llama-cpu.png").stat().st_size > 0
+
+
+def test_decode_determinism_is_exact_on_cpu(tmp_path: Path) -> None:
+    """On the CPU in float32 every path of the check decodes the reference's tokens."""
+    from bench import decode_determinism
+
+    argv = ["--out", str(tmp_path), "--tokens", "64", "--steps", "4"]
+    assert decode_determinism.main(argv) == 0
+    data = json.loads((tmp_path / "decode_determinism-tiny-llama-cpu.json").read_text())
+    [result] = data["results"]
+    assert result["prefill_bit_equal"]
+    assert result["handoff_bit_equal"]
+    assert result["weights_equal_across_processes"]
+    assert result["first_logits_max_diff"] == 0.0
+    steps = (result["rerun_same_kv"], result["from_recomputed_kv"], result["after_handoff"])
+    assert steps == (4, 4, 4)
+    assert result["other_process"] == 4
+
+
 def test_tier_ttft_bench_serves_each_step_from_its_tier(tmp_path: Path) -> None:
     from bench import tier_ttft
 

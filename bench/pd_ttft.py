@@ -1,0 +1,373 @@
+"""Prefill/decode disaggregation on the embedded engine: what moving a prompt's KV from a
+prefill agent to a decode agent costs in TTFT and buys in TBT, through the real conductor.
+
+  python -m bench.pd_ttft [--device cpu|cuda] [--model DIR | --shape llama-8b]
+      [--tokens 2048,8192] [--repeats 5] [--max-tokens 32] [--out bench/results]
+
+Two deployments, one after the other, on the same device and the same seeded weights
+(real processes on loopback; ``kvc conductor`` and ``kvc agent``):
+
+- **aggregated**: one agent (role both) prefills and decodes each request;
+- **disaggregated**: a prefill agent and a decode agent; the conductor runs the prefill on
+  the first, which hands the KV of every prompt token but the last to the second (the
+  agents' handoff: gRPC stream, CRC per chunk, device → host → device), which runs the
+  last token as its first step and streams the tokens.
+
+For each prompt length N (a multiple of the 32-token block): two warm-up requests, then
+``--repeats`` fresh prompts (random token ids, never seen: no prefix reuse — checked,
+``cached_tokens`` must be 0), each a streamed greedy ``/v1/completions`` of
+``--max-tokens`` tokens (``ignore_eos``). Measured by the client: TTFT, and TBT (the time
+from the first to the last token over the tokens between). Measured by the decode agent
+(its ``node_agent_kv_transfer_seconds`` / ``_bytes_total{direction="received",
+kind="handoff"}``, read before and after each request): the handoff's duration and bytes.
+The same prompts go to both deployments; ``same output`` counts the requests whose greedy
+text is equal in both (the KV moves bit for bit, so a difference is a defect).
+
+Writes ``pd_ttft-<model>-<device>.md`` / ``.json`` / ``.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+
+from bench.field_fleet import http_ok
+from bench.kv_tiers import BLOCK_TOKENS, SHAPES, block_token_counts
+from bench.report import markdown_table, write_results
+from bench.tier_ttft import START_S, kv_bytes_per_token, write_shape_folder
+from kvc.models import DEFAULT_MODEL_DIR
+from kvc.processes import free_ports
+from kvc_cli.supervisor import Supervisor
+from node_agent.engines.vllm.http_parsing import metric_values
+
+MODES: Final = ("aggregated", "disaggregated")
+_SECONDS: Final = "node_agent_kv_transfer_seconds_sum"
+_COUNT: Final = "node_agent_kv_transfer_seconds_count"
+_BYTES: Final = "node_agent_kv_transfer_bytes_total"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    mode: str
+    tokens: int
+    ttft_ms: float
+    tbt_ms: float  # mean gap between tokens after the first
+    total_ms: float
+    handoff_ms: float  # the decode agent's handoff duration (0 when aggregated)
+    handoff_bytes: int
+    text: str
+
+
+class CheckFailed(RuntimeError):
+    """A request was not served the way the benchmark needs."""
+
+
+def _handoff(text: str) -> tuple[float, float, float]:
+    """(seconds, count, bytes) of received handoffs so far, from an agent's exposition."""
+    values = metric_values(text)
+
+    def one(name: str) -> float:
+        return sum(
+            v
+            for labels, v in values.get(name, [])
+            if labels.get("direction") == "received" and labels.get("kind") == "handoff"
+        )
+
+    return one(_SECONDS), one(_COUNT), one(_BYTES)
+
+
+class Deployment:
+    """A conductor and one agent (aggregated) or a prefill and a decode agent."""
+
+    def __init__(
+        self, mode: str, model_dir: Path, device: str, work: Path, *, pool_blocks: int
+    ) -> None:
+        self.mode = mode
+        http, *ports = free_ports(5)
+        self.base = f"http://127.0.0.1:{http}"
+        roles = ("both",) if mode == "aggregated" else ("prefill", "decode")
+        self.procs = Supervisor(grace_s=60.0, log_dir=work / mode)
+        addresses = []
+        self.decode_metrics = ""
+        for i, role in enumerate(roles):
+            grpc, metrics = ports[2 * i], ports[2 * i + 1]
+            addresses.append(f"127.0.0.1:{grpc}")
+            if role != "prefill":
+                self.decode_metrics = f"http://127.0.0.1:{metrics}/metrics"
+            self.procs.spawn(
+                f"agent-{role}",
+                [
+                    "agent", "--host", "127.0.0.1", "--port", str(grpc),
+                    "--metrics-port", str(metrics), "--role", role, "--no-calibrate",
+                    "--model", str(model_dir), "--device", device,
+                    "--block-size", str(BLOCK_TOKENS), "--capacity-blocks", str(pool_blocks),
+                ],
+            )  # fmt: skip
+        # No SLO admission: every request is measured, however slow the device.
+        self.procs.spawn(
+            "conductor",
+            [
+                "conductor", "--port", str(http), "--agents", ",".join(addresses),
+                "--model", str(model_dir), "--admission", "none",
+            ],
+        )  # fmt: skip
+        self.client = httpx.Client(timeout=600.0)
+        self.model = ""
+
+    def wait_ready(self, timeout_s: float = START_S) -> None:
+        self.procs.wait_until(lambda: http_ok(f"{self.base}/ready"), "the conductor", timeout_s)
+        self.model = self.client.get(f"{self.base}/v1/models").json()["data"][0]["id"]
+
+    def stop(self) -> None:
+        self.client.close()
+        self.procs.stop_all()
+
+    def handoffs(self) -> tuple[float, float, float]:
+        return _handoff(self.client.get(self.decode_metrics).text)
+
+    def complete(self, prompt: list[int], max_tokens: int) -> Sample:
+        body = {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        before = self.handoffs()
+        started = time.perf_counter()
+        stamps: list[float] = []
+        pieces: list[str] = []
+        cached, completion = -1, -1
+        with self.client.stream("POST", f"{self.base}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                raise CheckFailed(f"HTTP {response.status_code}: {response.text[:500]}")
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices") or []:
+                    stamps.append(time.perf_counter())
+                    pieces.append(choice.get("text", ""))
+                usage = chunk.get("usage")
+                if usage:
+                    completion = int(usage.get("completion_tokens", 0))
+                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        after = self.handoffs()
+        if not stamps:
+            raise CheckFailed("the stream carried no token")
+        if cached != 0:
+            raise CheckFailed(f"a fresh prompt reported {cached} cached tokens")
+        if completion != max_tokens:
+            raise CheckFailed(f"{completion} tokens generated, asked for {max_tokens}")
+        moved = int(after[1] - before[1])
+        if moved != (1 if self.mode == "disaggregated" else 0):
+            raise CheckFailed(f"{self.mode}: {moved} handoffs for one request")
+        gaps = max(completion - 1, 1)
+        return Sample(
+            self.mode, len(prompt), (stamps[0] - started) * 1e3,
+            (stamps[-1] - stamps[0]) * 1e3 / gaps, (stamps[-1] - started) * 1e3,
+            (after[0] - before[0]) * 1e3, int(after[2] - before[2]), "".join(pieces),
+        )  # fmt: skip
+
+
+def prompts_for(
+    lengths: Sequence[int], repeats: int, vocab: int, seed: int
+) -> dict[int, list[list[int]]]:
+    """The same fresh prompts for both deployments: ``repeats`` + 2 warm-ups per length."""
+    rng = random.Random(seed)
+    return {
+        n: [[rng.randrange(10, vocab) for _ in range(n)] for _ in range(repeats + 2)]
+        for n in lengths
+    }
+
+
+def run(
+    model_dir: Path,
+    device: str,
+    lengths: Sequence[int],
+    *,
+    repeats: int,
+    max_tokens: int,
+    work: Path,
+    seed: int = 11,
+    log: Callable[[str], None] = lambda _: None,
+) -> list[Sample]:
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()
+    prompts = prompts_for(lengths, repeats, vocab, seed)
+    pool_blocks = 4 * ((max(lengths) + max_tokens) // BLOCK_TOKENS + 2)
+    samples: list[Sample] = []
+    for mode in MODES:
+        deployment = Deployment(mode, model_dir, device, work, pool_blocks=pool_blocks)
+        try:
+            log(f"{mode}: starting on {device}")
+            deployment.wait_ready()
+            for n in lengths:
+                for i, prompt in enumerate(prompts[n]):
+                    sample = deployment.complete(prompt, max_tokens)
+                    if i >= 2:  # the first two are warm-ups
+                        samples.append(sample)
+                        log(f"{mode} {n} tokens: TTFT {sample.ttft_ms:.1f} ms, "
+                            f"TBT {sample.tbt_ms:.2f} ms, "
+                            f"handoff {sample.handoff_ms:.1f} ms")  # fmt: skip
+        except Exception:
+            for child in deployment.procs.children:
+                log(f"{child.name}, last lines:\n{child.log_tail(4000)}")
+            raise
+        finally:
+            deployment.stop()
+    return samples
+
+
+def _median(samples: Sequence[Sample], what: str) -> float:
+    return float(statistics.median(float(getattr(s, what)) for s in samples))
+
+
+def table_rows(samples: Sequence[Sample], bytes_per_token: int) -> list[list[Any]]:
+    rows: list[list[Any]] = []
+    for n in sorted({s.tokens for s in samples}):
+        agg = [s for s in samples if s.tokens == n and s.mode == "aggregated"]
+        dis = [s for s in samples if s.tokens == n and s.mode == "disaggregated"]
+        same = sum(a.text == d.text for a, d in zip(agg, dis, strict=True))
+        for mode, group in (("aggregated", agg), ("disaggregated", dis)):
+            handoff = _median(group, "handoff_ms")
+            moved = statistics.median(s.handoff_bytes for s in group)
+            rate = f"{moved / (handoff / 1e3) / 1e6:.0f}" if handoff > 0 else ""
+            rows.append(
+                [
+                    n, n * bytes_per_token / (1 << 20), mode, _median(group, "ttft_ms"),
+                    _median(group, "tbt_ms"), _median(group, "total_ms"),
+                    f"{handoff:.1f}" if mode == "disaggregated" else "",
+                    rate if mode == "disaggregated" else "",
+                    f"{same}/{len(agg)}",
+                ]
+            )  # fmt: skip
+    return rows
+
+
+def plot(path: Path, title: str, samples: Sequence[Sample]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({s.tokens for s in samples})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    width = 0.38
+    for i, mode in enumerate(MODES):
+        xs = [j + i * width for j in range(len(lengths))]
+        group = [[s for s in samples if s.tokens == n and s.mode == mode] for n in lengths]
+        ttft = [_median(g, "ttft_ms") for g in group]
+        left.bar(xs, ttft, width, label=mode, color=("tab:blue", "tab:orange")[i])
+        if mode == "disaggregated":
+            handoff = [_median(g, "handoff_ms") for g in group]
+            left.bar(xs, handoff, width, color="none", edgecolor="black", hatch="//",
+                     label="of which KV handoff")  # fmt: skip
+        right.bar(xs, [_median(g, "tbt_ms") for g in group], width, label=mode,
+                  color=("tab:blue", "tab:orange")[i])  # fmt: skip
+    for ax, what in ((left, "TTFT median, ms"), (right, "TBT median, ms")):
+        ax.set_xticks([j + width / 2 for j in range(len(lengths))],
+                      [f"{n} tokens" for n in lengths])  # fmt: skip
+        ax.set_ylabel(what)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (cuda)"
+    return "CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="the agents' device (cpu, cuda, cuda:N)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", type=Path, default=None,
+                       help=f"a model folder (default {DEFAULT_MODEL_DIR.name})")  # fmt: skip
+    which.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                       help="a named shape with seeded random weights")  # fmt: skip
+    parser.add_argument("--tokens", type=block_token_counts, default=[2048, 8192])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    ns = parser.parse_args(args)
+    if ns.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if ns.max_tokens < 2:
+        parser.error("--max-tokens must be >= 2 (TBT needs two tokens)")
+    command = "python -m bench.pd_ttft" + ("" if not args else " " + shlex.join(args))
+
+    def log(message: str) -> None:
+        print(f"[pd_ttft {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="pd_ttft-") as tmp:
+        work = Path(tmp)
+        model_dir = (
+            write_shape_folder(ns.shape, work / "models")
+            if ns.shape is not None
+            else (ns.model or DEFAULT_MODEL_DIR)
+        )
+        bytes_per_token = kv_bytes_per_token(model_dir)
+        samples = run(model_dir, ns.device, ns.tokens, repeats=ns.repeats,
+                      max_tokens=ns.max_tokens, work=work, log=log)  # fmt: skip
+        model = model_dir.name
+
+    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    header = "\n".join(
+        [
+            f"Command: `{command}`",
+            "",
+            f"- Agents' device: {_device_name(ns.device)}; Python {platform.python_version()}; "
+            f"{date}",
+            f"- Model: {model}; block {BLOCK_TOKENS} tokens; {ns.repeats} fresh prompts per "
+            f"length (never cached); {ns.max_tokens} tokens each, greedy",
+            "",
+            "Streamed `/v1/completions` through the conductor, loopback; TTFT and TBT taken by "
+            "the client; handoff: the decode agent's own duration of the KV handoff and its "
+            "bytes; `same output`: prompts whose greedy text is equal in both deployments.",
+            "",
+            "",
+        ]
+    )
+    table = header + markdown_table(
+        ["prompt tokens", "KV MiB", "deployment", "TTFT median ms", "TBT median ms",
+         "total median ms", "handoff median ms", "handoff MB/s", "same output"],
+        table_rows(samples, bytes_per_token),
+    )  # fmt: skip
+    name = f"pd_ttft-{model}-{ns.device.split(':')[0]}"
+    data: dict[str, Any] = {
+        "command": command,
+        "device": _device_name(ns.device),
+        "date": date,
+        "model": model,
+        "samples": [{k: v for k, v in asdict(s).items() if k != "text"} for s in samples],
+    }
+    md = write_results(ns.out, name, f"Aggregated vs P/D: {model} on {ns.device}", table, data)
+    plot(ns.out / f"{name}.png", f"{model} on {_device_name(ns.device)}", samples)
+    print(md.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
