@@ -14,7 +14,7 @@ engine's own model code, for each prompt length N (a fresh random prompt):
    onto the device): bit-equal to the original, first-step logits' largest difference,
    tokens from it;
 5. a second process builds the model from the same seed, prefills, decodes: are its
-   weights the same (per-tensor sums) and its tokens.
+   weights the same (per-tensor checksums of the bits) and its tokens.
 
 Token columns count the steps (of ``--steps``) equal to the reference. Writes
 ``decode_determinism-<model>-<device>.md`` / ``.json`` under ``--out``.
@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 
-from bench.kv_tiers import SHAPES, block_token_counts
+from bench.kv_tiers import block_token_counts
 from bench.report import markdown_table, write_results
-from bench.tier_ttft import write_shape_folder
-from kvc.models import DEFAULT_MODEL_DIR
+from bench.tier_ttft import add_model_args, device_name, model_folder
 from node_agent.engines.embedded.kv_tensors import KvCache
 from node_agent.engines.embedded.model import EmbeddedModel
 
@@ -55,9 +54,18 @@ def greedy(model: EmbeddedModel, past: KvCache, last: int, steps: int) -> tuple[
     return tokens, first
 
 
-def weight_sums(model: EmbeddedModel) -> list[float]:
+def weight_checksums(model: EmbeddedModel) -> list[int]:
+    """Per tensor, a position-weighted sum of its bits (as 16- or 32-bit integers, in
+    int64 arithmetic): equal for equal tensors; a differing element changes it (bar an
+    exact cancellation)."""
+    out: list[int] = []
     with torch.no_grad():
-        return [float(p.detach().double().sum()) for _, p in sorted(model.model.named_parameters())]
+        for _, p in sorted(model.model.named_parameters()):
+            flat = p.detach().reshape(-1)
+            bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
+            weights = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
+            out.append(int((bits.to(torch.int64) * (weights * 2654435761 % 2147483647)).sum()))
+    return out
 
 
 def prefill(model_dir: Path, device: str, n: int) -> tuple[EmbeddedModel, list[int], KvCache]:
@@ -73,12 +81,12 @@ def other_process(model_dir: Path, device: str, n: int, steps: int) -> dict[str,
     """Steps 5's child: its weight sums and tokens."""
     model, prompt, past = prefill(model_dir, device, n)
     tokens, _ = greedy(model, past, prompt[-1], steps)
-    return {"sums": weight_sums(model), "tokens": tokens}
+    return {"sums": weight_checksums(model), "tokens": tokens}
 
 
 def check(model_dir: Path, device: str, n: int, steps: int) -> dict[str, Any]:
     model, prompt, past = prefill(model_dir, device, n)
-    sums = weight_sums(model)
+    sums = weight_checksums(model)
     reference, first = greedy(model, past, prompt[-1], steps)
     rerun, _ = greedy(model, past, prompt[-1], steps)
     _, again = model.forward(tuple(prompt[:-1]), None)
@@ -124,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--model", type=Path, default=None)
-    which.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    which = add_model_args(parser)
     which.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=block_token_counts, default=[2048, 8192])
     parser.add_argument("--steps", type=int, default=32)
@@ -137,14 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = "python -m bench.decode_determinism" + ("" if not args else " " + shlex.join(args))
     with tempfile.TemporaryDirectory(prefix="determinism-") as tmp:
-        model_dir = (
-            write_shape_folder(ns.shape, Path(tmp))
-            if ns.shape is not None
-            else (ns.model or DEFAULT_MODEL_DIR)
-        )
+        model_dir = model_folder(ns, Path(tmp))
         results = [check(model_dir, ns.device, n, ns.steps) for n in ns.tokens]
         model = model_dir.name
-    device = torch.cuda.get_device_name(0) if ns.device.startswith("cuda") else "CPU"
+    device = device_name(ns.device)
     date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     header = (
         f"Command: `{command}`\n\n- Device: {device}; model {model}; {date}\n\n"

@@ -21,7 +21,10 @@ from the first to the last token over the tokens between). Measured by the decod
 (its ``node_agent_kv_transfer_seconds`` / ``_bytes_total{direction="received",
 kind="handoff"}``, read before and after each request): the handoff's duration and bytes.
 The same prompts go to both deployments; ``same output`` counts the requests whose greedy
-text is equal in both (the KV moves bit for bit, so a difference is a defect).
+text is equal in both. On the CPU in float32 every one must be (the KV moves bit for bit);
+in bf16 on a GPU the decode is not run-to-run deterministic, so long outputs of a random
+model can differ even between two runs on one deployment (``bench.decode_determinism``
+tells the two apart).
 
 Writes ``pd_ttft-<model>-<device>.md`` / ``.json`` / ``.png`` under ``--out``.
 """
@@ -29,7 +32,6 @@ Writes ``pd_ttft-<model>-<device>.md`` / ``.json`` / ``.png`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import shlex
@@ -43,15 +45,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
-import httpx
-
-from bench.field_fleet import http_ok
-from bench.kv_tiers import BLOCK_TOKENS, SHAPES, block_token_counts
+from bench.kv_tiers import BLOCK_TOKENS, block_token_counts
 from bench.report import markdown_table, write_results
-from bench.tier_ttft import START_S, kv_bytes_per_token, write_shape_folder
-from kvc.models import DEFAULT_MODEL_DIR
+from bench.tier_ttft import (
+    CheckFailed,
+    ConductorSystem,
+    add_model_args,
+    device_name,
+    kv_bytes_per_token,
+    model_folder,
+    stream_completion,
+)
 from kvc.processes import free_ports
-from kvc_cli.supervisor import Supervisor
 from node_agent.engines.vllm.http_parsing import metric_values
 
 MODES: Final = ("aggregated", "disaggregated")
@@ -72,10 +77,6 @@ class Sample:
     text: str
 
 
-class CheckFailed(RuntimeError):
-    """A request was not served the way the benchmark needs."""
-
-
 def _handoff(text: str) -> tuple[float, float, float]:
     """(seconds, count, bytes) of received handoffs so far, from an agent's exposition."""
     values = metric_values(text)
@@ -90,7 +91,7 @@ def _handoff(text: str) -> tuple[float, float, float]:
     return one(_SECONDS), one(_COUNT), one(_BYTES)
 
 
-class Deployment:
+class Deployment(ConductorSystem):
     """A conductor and one agent (aggregated) or a prefill and a decode agent."""
 
     def __init__(
@@ -98,14 +99,12 @@ class Deployment:
     ) -> None:
         self.mode = mode
         http, *ports = free_ports(5)
-        self.base = f"http://127.0.0.1:{http}"
         roles = ("both",) if mode == "aggregated" else ("prefill", "decode")
-        self.procs = Supervisor(grace_s=60.0, log_dir=work / mode)
-        addresses = []
+        addresses = [f"127.0.0.1:{ports[2 * i]}" for i in range(len(roles))]
+        super().__init__(model_dir, addresses, http, work / mode)
         self.decode_metrics = ""
         for i, role in enumerate(roles):
             grpc, metrics = ports[2 * i], ports[2 * i + 1]
-            addresses.append(f"127.0.0.1:{grpc}")
             if role != "prefill":
                 self.decode_metrics = f"http://127.0.0.1:{metrics}/metrics"
             self.procs.spawn(
@@ -117,68 +116,28 @@ class Deployment:
                     "--block-size", str(BLOCK_TOKENS), "--capacity-blocks", str(pool_blocks),
                 ],
             )  # fmt: skip
-        # No SLO admission: every request is measured, however slow the device.
-        self.procs.spawn(
-            "conductor",
-            [
-                "conductor", "--port", str(http), "--agents", ",".join(addresses),
-                "--model", str(model_dir), "--admission", "none",
-            ],
-        )  # fmt: skip
-        self.client = httpx.Client(timeout=600.0)
-        self.model = ""
-
-    def wait_ready(self, timeout_s: float = START_S) -> None:
-        self.procs.wait_until(lambda: http_ok(f"{self.base}/ready"), "the conductor", timeout_s)
-        self.model = self.client.get(f"{self.base}/v1/models").json()["data"][0]["id"]
-
-    def stop(self) -> None:
-        self.client.close()
-        self.procs.stop_all()
+        self.start_conductor()
 
     def handoffs(self) -> tuple[float, float, float]:
         return _handoff(self.client.get(self.decode_metrics).text)
 
     def complete(self, prompt: list[int], max_tokens: int) -> Sample:
-        body = {
-            "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-        }  # fmt: skip
         before = self.handoffs()
-        started = time.perf_counter()
-        stamps: list[float] = []
-        pieces: list[str] = []
-        cached, completion = -1, -1
-        with self.client.stream("POST", f"{self.base}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                response.read()
-                raise CheckFailed(f"HTTP {response.status_code}: {response.text[:500]}")
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                for choice in chunk.get("choices") or []:
-                    stamps.append(time.perf_counter())
-                    pieces.append(choice.get("text", ""))
-                usage = chunk.get("usage")
-                if usage:
-                    completion = int(usage.get("completion_tokens", 0))
-                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        got = stream_completion(self.client, self.base, self.model, prompt, max_tokens)
         after = self.handoffs()
-        if not stamps:
-            raise CheckFailed("the stream carried no token")
-        if cached != 0:
-            raise CheckFailed(f"a fresh prompt reported {cached} cached tokens")
-        if completion != max_tokens:
-            raise CheckFailed(f"{completion} tokens generated, asked for {max_tokens}")
+        if got.cached_tokens != 0:
+            raise CheckFailed(f"a fresh prompt reported {got.cached_tokens} cached tokens")
+        if got.completion_tokens != max_tokens:
+            raise CheckFailed(f"{got.completion_tokens} tokens generated, asked for {max_tokens}")
         moved = int(after[1] - before[1])
         if moved != (1 if self.mode == "disaggregated" else 0):
             raise CheckFailed(f"{self.mode}: {moved} handoffs for one request")
-        gaps = max(completion - 1, 1)
+        first, last = got.stamps[0], got.stamps[-1]
         return Sample(
-            self.mode, len(prompt), (stamps[0] - started) * 1e3,
-            (stamps[-1] - stamps[0]) * 1e3 / gaps, (stamps[-1] - started) * 1e3,
-            (after[0] - before[0]) * 1e3, int(after[2] - before[2]), "".join(pieces),
+            self.mode, len(prompt), (first - got.started) * 1e3,
+            (last - first) * 1e3 / max(got.completion_tokens - 1, 1),
+            (last - got.started) * 1e3, (after[0] - before[0]) * 1e3,
+            int(after[2] - before[2]), got.text,
         )  # fmt: skip
 
 
@@ -290,23 +249,11 @@ def plot(path: Path, title: str, samples: Sequence[Sample]) -> None:
     plt.close(fig)
 
 
-def _device_name(device: str) -> str:
-    import torch
-
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)} (cuda)"
-    return "CPU"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="the agents' device (cpu, cuda, cuda:N)")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--model", type=Path, default=None,
-                       help=f"a model folder (default {DEFAULT_MODEL_DIR.name})")  # fmt: skip
-    which.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                       help="a named shape with seeded random weights")  # fmt: skip
+    add_model_args(parser)
     parser.add_argument("--tokens", type=block_token_counts, default=[2048, 8192])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -323,11 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="pd_ttft-") as tmp:
         work = Path(tmp)
-        model_dir = (
-            write_shape_folder(ns.shape, work / "models")
-            if ns.shape is not None
-            else (ns.model or DEFAULT_MODEL_DIR)
-        )
+        model_dir = model_folder(ns, work)
         bytes_per_token = kv_bytes_per_token(model_dir)
         samples = run(model_dir, ns.device, ns.tokens, repeats=ns.repeats,
                       max_tokens=ns.max_tokens, work=work, log=log)  # fmt: skip
@@ -338,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             f"Command: `{command}`",
             "",
-            f"- Agents' device: {_device_name(ns.device)}; Python {platform.python_version()}; "
+            f"- Agents' device: {device_name(ns.device)}; Python {platform.python_version()}; "
             f"{date}",
             f"- Model: {model}; block {BLOCK_TOKENS} tokens; {ns.repeats} fresh prompts per "
             f"length (never cached); {ns.max_tokens} tokens each, greedy",
@@ -358,13 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     name = f"pd_ttft-{model}-{ns.device.split(':')[0]}"
     data: dict[str, Any] = {
         "command": command,
-        "device": _device_name(ns.device),
+        "device": device_name(ns.device),
         "date": date,
         "model": model,
         "samples": [{k: v for k, v in asdict(s).items() if k != "text"} for s in samples],
     }
     md = write_results(ns.out, name, f"Aggregated vs P/D: {model} on {ns.device}", table, data)
-    plot(ns.out / f"{name}.png", f"{model} on {_device_name(ns.device)}", samples)
+    plot(ns.out / f"{name}.png", f"{model} on {device_name(ns.device)}", samples)
     print(md.read_text())
     return 0
 

@@ -106,6 +106,50 @@ class CheckFailed(RuntimeError):
     """A measured request was not served the way its step says."""
 
 
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """One streamed greedy completion as the client saw it."""
+
+    started: float  # perf_counter at the request
+    stamps: tuple[float, ...]  # perf_counter at each chunk carrying a choice
+    text: str
+    cached_tokens: int  # usage.prompt_tokens_details.cached_tokens (-1: no usage chunk)
+    completion_tokens: int  # usage.completion_tokens (-1: no usage chunk)
+
+
+def stream_completion(
+    client: httpx.Client, base: str, model: str, prompt: list[int], max_tokens: int
+) -> Streamed:
+    """A streamed greedy ``/v1/completions`` of a token-id prompt (``ignore_eos``, usage
+    included); a non-200 answer or a stream without a token raises ``CheckFailed``."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    started = time.perf_counter()
+    stamps: list[float] = []
+    pieces: list[str] = []
+    cached, completion = -1, -1
+    with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            raise CheckFailed(f"HTTP {response.status_code}: {response.text[:500]}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                stamps.append(time.perf_counter())
+                pieces.append(choice.get("text", ""))
+            usage = chunk.get("usage")
+            if usage:
+                completion = int(usage.get("completion_tokens", 0))
+                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    if not stamps:
+        raise CheckFailed("the stream carried no token")
+    return Streamed(started, tuple(stamps), "".join(pieces), cached, completion)
+
+
 # ---------------------------------------------------------------------------- the model
 def write_shape_folder(shape: str, folder: Path) -> Path:
     """A model folder of ``shape`` with seeded random weights (``kvc_init.json``) and the
@@ -145,36 +189,23 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 
 
 # ---------------------------------------------------------------------------- the system
-class TieredSystem:
-    """One agent (tiers on) and one conductor, real processes on loopback."""
+class ConductorSystem:
+    """A conductor (no SLO admission: every request is measured, however slow the device)
+    in front of agents, real processes on loopback run by a ``Supervisor``."""
 
-    def __init__(
-        self, model_dir: Path, device: str, work: Path, *, pool_blocks: int, block_bytes: int
-    ) -> None:
-        self.model_dir = model_dir
-        self.disk = work / "l3"
-        http, grpc, metrics = free_ports(3)
+    def __init__(self, model_dir: Path, agents: list[str], http: int, log_dir: Path) -> None:
         self.base = f"http://127.0.0.1:{http}"
-        self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
-        agent = [
-            "agent", "--host", "127.0.0.1", "--port", str(grpc), "--metrics-port", str(metrics),
-            "--stream-port", "0", "--role", "both", "--no-calibrate", "--model", str(model_dir),
-            "--device", device, "--block-size", str(BLOCK_TOKENS),
-            "--capacity-blocks", str(pool_blocks),
-            "--host-tier-bytes", str(2 * pool_blocks * block_bytes),
-            "--disk-tier-dir", str(self.disk),
-            "--disk-tier-bytes", str(4 * pool_blocks * block_bytes),
-        ]  # fmt: skip
-        # No SLO admission: every step is measured, however slow the device.
-        conductor = [
-            "conductor", "--port", str(http), "--agents", f"127.0.0.1:{grpc}",
+        self.procs = Supervisor(grace_s=60.0, log_dir=log_dir)
+        self._conductor = [
+            "conductor", "--port", str(http), "--agents", ",".join(agents),
             "--model", str(model_dir), "--admission", "none",
         ]  # fmt: skip
-        self.procs = Supervisor(grace_s=60.0, log_dir=work)
-        self.procs.spawn("agent", agent)
-        self.procs.spawn("conductor", conductor)
         self.client = httpx.Client(timeout=600.0)
         self.model = ""
+
+    def start_conductor(self) -> None:
+        """After the agents: their processes are spawned first."""
+        self.procs.spawn("conductor", self._conductor)
 
     def wait_ready(self, timeout_s: float = START_S) -> None:
         """Until the conductor is ready (a child that exits raises with its log)."""
@@ -185,35 +216,35 @@ class TieredSystem:
         self.client.close()
         self.procs.stop_all()
 
+
+class TieredSystem(ConductorSystem):
+    """One agent (tiers on) and one conductor, real processes on loopback."""
+
+    def __init__(
+        self, model_dir: Path, device: str, work: Path, *, pool_blocks: int, block_bytes: int
+    ) -> None:
+        self.model_dir = model_dir
+        self.disk = work / "l3"
+        http, grpc, metrics = free_ports(3)
+        super().__init__(model_dir, [f"127.0.0.1:{grpc}"], http, work)
+        self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        agent = [
+            "agent", "--host", "127.0.0.1", "--port", str(grpc), "--metrics-port", str(metrics),
+            "--stream-port", "0", "--role", "both", "--no-calibrate", "--model", str(model_dir),
+            "--device", device, "--block-size", str(BLOCK_TOKENS),
+            "--capacity-blocks", str(pool_blocks),
+            "--host-tier-bytes", str(2 * pool_blocks * block_bytes),
+            "--disk-tier-dir", str(self.disk),
+            "--disk-tier-bytes", str(4 * pool_blocks * block_bytes),
+        ]  # fmt: skip
+        self.procs.spawn("agent", agent)
+        self.start_conductor()
+
     def complete(self, prompt: list[int]) -> tuple[float, float, int, str]:
         """Stream a greedy completion: (TTFT s, total s, cached tokens, text)."""
-        body = {
-            "model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-        }  # fmt: skip
-        started = time.perf_counter()
-        first: float | None = None
-        pieces: list[str] = []
-        cached = -1
-        with self.client.stream("POST", f"{self.base}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                response.read()
-                raise CheckFailed(f"HTTP {response.status_code}: {response.text[:500]}")
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                for choice in chunk.get("choices") or []:
-                    if first is None:
-                        first = time.perf_counter()
-                    pieces.append(choice.get("text", ""))
-                usage = chunk.get("usage")
-                if usage:
-                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        got = stream_completion(self.client, self.base, self.model, prompt, MAX_TOKENS)
         ended = time.perf_counter()
-        if first is None:
-            raise CheckFailed("the stream carried no token")
-        return first - started, ended - started, cached, "".join(pieces)
+        return got.stamps[0] - got.started, ended - got.started, got.cached_tokens, got.text
 
     def io_queued(self) -> int:
         """The agent's tier I/O backlog: copies, writes and removals not started yet."""
@@ -406,7 +437,8 @@ def plot(path: Path, title: str, results: Sequence[LengthResult]) -> None:
     plt.close(fig)
 
 
-def _device_name(device: str) -> str:
+def device_name(device: str) -> str:
+    """The accelerator's name for a device string (``cpu``, ``cuda``, ``cuda:N``)."""
     import torch
 
     if device.startswith("cuda") and torch.cuda.is_available():
@@ -414,15 +446,28 @@ def _device_name(device: str) -> str:
     return "CPU"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--device", default="cpu", help="the agent's device (cpu, cuda, cuda:N)")
+def add_model_args(parser: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
+    """``--model DIR`` or ``--shape NAME`` (the embedded benches' model choice)."""
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--model", type=Path, default=None,
                        help=f"a model folder (default {DEFAULT_MODEL_DIR.name})")  # fmt: skip
     which.add_argument("--shape", choices=sorted(SHAPES), default=None,
                        help="a named shape with seeded random weights")  # fmt: skip
+    return which
+
+
+def model_folder(ns: argparse.Namespace, work: Path) -> Path:
+    """The folder ``add_model_args``' flags name (a shape's is written under ``work``)."""
+    if ns.shape is not None:
+        return write_shape_folder(ns.shape, work / "models")
+    return Path(ns.model or DEFAULT_MODEL_DIR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="the agent's device (cpu, cuda, cuda:N)")
+    add_model_args(parser)
     parser.add_argument("--tokens", type=block_token_counts, default=[2048, 8192])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -436,11 +481,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="tier_ttft-") as tmp:
         work = Path(tmp)
-        model_dir = (
-            write_shape_folder(ns.shape, work / "models")
-            if ns.shape is not None
-            else (ns.model or DEFAULT_MODEL_DIR)
-        )
+        model_dir = model_folder(ns, work)
         results = run(model_dir, ns.device, ns.tokens, repeats=ns.repeats, work=work, log=log)
         model = model_dir.name
 
@@ -449,8 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             f"Command: `{command}`",
             "",
-            f"- Agent device: {_device_name(ns.device)}; Python {platform.python_version()}; "
-            f"{date}",
+            f"- Agent device: {device_name(ns.device)}; Python {platform.python_version()}; {date}",
             f"- Model: {model}; block {BLOCK_TOKENS} tokens; {ns.repeats} rounds per length, "
             "a fresh prompt each; prompt = cached tokens + 1",
             "",
@@ -469,13 +509,13 @@ def main(argv: list[str] | None = None) -> int:
     name = f"tier_ttft-{model}-{ns.device.split(':')[0]}"
     data: dict[str, Any] = {
         "command": command,
-        "device": _device_name(ns.device),
+        "device": device_name(ns.device),
         "date": date,
         "model": model,
         "results": [asdict(r) for r in results],
     }
     md = write_results(ns.out, name, f"TTFT by KV tier: {model} on {ns.device}", table, data)
-    plot(ns.out / f"{name}.png", f"{model} on {_device_name(ns.device)}", results)
+    plot(ns.out / f"{name}.png", f"{model} on {device_name(ns.device)}", results)
     print(md.read_text())
     return 0
 

@@ -214,9 +214,10 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         0,
         ge=0,
         description=(
-            "KV bytes a prefill node holds staged for decode nodes to fetch; 0: the KV of "
-            "two prompts of the model's full context, at least 512 MiB (a prompt whose KV "
-            "alone exceeds it is refused)"
+            "KV bytes a prefill node holds staged for decode nodes to fetch (a copy on the "
+            "engine's device until fetched); 0: the KV of the longest prompt this node can "
+            "prefill (the model's context, at most the pool's capacity), at least 512 MiB. "
+            "A prompt whose KV alone exceeds it is refused"
         ),
         json_schema_extra=_BLOCKS,
     )
@@ -440,12 +441,16 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         return DEFAULT_MAX_RUNNING[self.engine]
 
     def resolved_max_staged_bytes(self, kv_bytes_per_token: int, max_model_len: int) -> int:
-        """``max_staged_bytes``, or by default room for two full-context prompts' KV (at
-        least 512 MiB). Seen on an H200: the old fixed 512 MiB refused every 8k-token
-        prompt of an 8B model (1 GiB of KV) as busy, for ever."""
+        """``max_staged_bytes``, or by default room for the KV of the longest prompt this
+        node can prefill: the model's context, bounded by the pool's capacity (a prompt's
+        blocks must fit the pool), at least 512 MiB. Staged KV is a copy on the device,
+        so the default never exceeds the pool's own size beyond the floor. Seen on an
+        H200: the old fixed 512 MiB refused every 8k-token prompt of an 8B model (1 GiB
+        of KV) as busy, for ever."""
         if self.max_staged_bytes:
             return self.max_staged_bytes
-        return max(_MIN_STAGED_BYTES, 2 * max_model_len * kv_bytes_per_token)
+        longest = min(max_model_len, self.capacity_blocks * self.block_size)
+        return max(_MIN_STAGED_BYTES, longest * kv_bytes_per_token)
 
     def resolved_served_model_name(self) -> str:
         return self.served_model_name or self.model.name

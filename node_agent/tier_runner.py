@@ -17,7 +17,6 @@ other requests keep flowing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections import deque
@@ -49,12 +48,15 @@ class ThreadRunner:
         self._lock = threading.Lock()
         self._urgent: deque[_Job] = deque()
         self._background: deque[_Job] = deque()
+        self._unfinished = 0  # submitted, completion not yet handed to ``done``
 
     @property
     def pending(self) -> int:
-        """Jobs waiting for the thread (the I/O backlog; the one running not counted)."""
+        """Jobs whose completion has not reached ``done`` yet (the I/O backlog, the one
+        running included). A ``done`` that submits more work (a failed write's file
+        removal) does so before its own job stops counting: 0 means idle."""
         with self._lock:
-            return len(self._urgent) + len(self._background)
+            return self._unfinished
 
     def submit(
         self,
@@ -63,30 +65,50 @@ class ThreadRunner:
         *,
         urgent: bool = False,
     ) -> None:
-        if self._closed:  # after shutdown (a last clear): at once, on the caller's thread
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                (self._urgent if urgent else self._background).append((work, done))
+                self._unfinished += 1
+        if closed:  # after shutdown (a last clear): at once, on the caller's thread
             InlineRunner().submit(work, done)
             return
-        with self._lock:
-            (self._urgent if urgent else self._background).append((work, done))
         # One turn of the thread per job; each turn takes the next urgent job if any.
-        self._executor.submit(self._next).add_done_callback(self._finished)
+        try:
+            self._executor.submit(self._next).add_done_callback(self._finished)
+        except RuntimeError:  # shut down between the check and here: this turn, inline
+            self._deliver(*self._next())
 
-    def _next(self) -> tuple[Callable[[Any, BaseException | None], None], Any]:
+    def _next(self) -> tuple[Callable[[Any, BaseException | None], None], Any, Any]:
         with self._lock:
             work, done = self._urgent.popleft() if self._urgent else self._background.popleft()
         try:
-            return done, (work(), None)
-        except Exception as exc:  # handed to done, which decides
-            return done, (None, exc)
+            return done, work(), None
+        except BaseException as exc:  # handed to done, which decides; a waiter never hangs
+            return done, None, exc
 
-    def _finished(self, future: Future[tuple[Any, Any]]) -> None:
-        done, (result, error) = future.result()
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody to tell
-            self._loop.call_soon_threadsafe(done, result, error)
+    def _finished(self, future: Future[tuple[Any, Any, Any]]) -> None:
+        done, result, error = future.result()
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, done, result, error)
+        except RuntimeError:  # the loop closed: nobody to tell
+            with self._lock:
+                self._unfinished -= 1
+
+    def _deliver(
+        self, done: Callable[[Any, BaseException | None], None], result: Any, error: Any
+    ) -> None:
+        try:
+            done(result, error)
+        finally:
+            with self._lock:
+                self._unfinished -= 1
 
     def close(self) -> None:
-        """Finish what was submitted (pending writes), then stop the thread."""
-        self._closed = True
+        """Finish what was submitted (pending writes), then stop the thread; work
+        submitted from then on runs at once on the caller's thread."""
+        with self._lock:
+            self._closed = True
         self._executor.shutdown(wait=True)
 
 

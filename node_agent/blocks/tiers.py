@@ -34,10 +34,13 @@ Threads
     the simulator: ``InlineRunner``, at once). A demoted entry keeps its content until
     its host copy or file write completes, so it stays readable meanwhile; a write that
     fails makes the key *lost* (``take_lost``: the pool reports it removed). File
-    writes, reads and removals run in submission order on that one thread, so they
-    never overlap for a key. ``prefetch`` loads a transaction's lower-tier blocks onto
-    the device there before the transaction promotes them (``load`` then finds them
-    staged); what it did not stage, ``load`` copies on the caller's thread.
+    writes, reads and removals run on that one thread, so they never overlap for a key;
+    background work (copies to host, writes, removals) in submission order, and a
+    transaction's ``prefetch`` before any of it still queued (it reads a file only once
+    its write finished; until then it reads the block from memory). ``prefetch`` loads
+    a transaction's lower-tier blocks onto the device there before the transaction
+    promotes them (``load`` then finds them staged); what it did not stage, ``load``
+    copies on the caller's thread.
 """
 
 from __future__ import annotations
@@ -357,7 +360,9 @@ class LowerTiers:
                     self._disk.pop(key)
                     self._unstage(key)
                     self._lost.append(key)
-                self._remove_file(key)
+                    # Only then: a key no longer current was discarded (its removal is
+                    # queued) and may be on disk again, newer, by the time this runs.
+                    self._remove_file(key)
             elif current and seconds is not None:
                 entry.content = None
                 self._disk.writes.add(entry.nbytes, seconds)
@@ -655,7 +660,12 @@ def _read_all(path: Path) -> bytearray:
 
 def _write_atomic(path: Path, *parts: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as handle:
-        for part in parts:
-            handle.write(part)
-    tmp.replace(path)
+    try:
+        with tmp.open("wb") as handle:
+            for part in parts:
+                handle.write(part)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # no half-written file left behind
+            tmp.unlink()
+        raise

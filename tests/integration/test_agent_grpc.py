@@ -323,3 +323,28 @@ async def test_kvc_probe_reports_agent_health(agent: AgentServer) -> None:
     assert await asyncio.to_thread(probe, f"grpc://{agent.address}")
     await agent.stop(grace_s=0.1)
     assert not await asyncio.to_thread(probe, f"grpc://{agent.address}", 1.0)
+
+
+async def test_a_prompt_whose_kv_never_fits_the_staging_area_is_rejected_not_busy(
+    start_agent: AgentFactory,
+) -> None:
+    """A busy answer tells the conductor to retry; a prompt larger than the whole staging
+    area would be retried for ever, so it is refused as such, before any compute."""
+    per_token = 2048  # tiny-llama's KV per token
+    prefill = await start_agent("prefill", max_staged_bytes=40 * per_token)
+    async with grpc.aio.insecure_channel(prefill.address) as channel:
+        stub = pb_grpc.NodeAgentStub(channel)
+        prompt = list(range(10, 10 + 70))  # 69 tokens of KV: more than the 40 that fit
+        keys = compute_block_keys(prompt[:-1], tenant="t", model=MODEL, block_size=32)
+        await stub.TxAllocate(alloc("p1", list(keys)))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Prefill(
+                pb.PrefillRequest(request_id="r1", tenant="t", tx_id="p1", prompt_token_ids=prompt)
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_staged_bytes" in (info.value.details() or "")
+        await stub.TxAbort(pb.TxAbortRequest(tx_id="p1"))
+    assert_no_locks(prefill)
+    # By default the area holds the longest prompt the node can prefill (the 512 MiB floor).
+    default = await start_agent("prefill")
+    assert default.service.staging.max_bytes == 512 * 1024 * 1024

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvc.block_keys import BlockKey
 from node_agent.blocks.pool import BlockPool
-from node_agent.blocks.tiers import InlineRunner, LowerTiers
+from node_agent.blocks.tiers import FileStore, InlineRunner, LowerTiers
 from node_agent.blocks.types import (
     AllocateParams,
     BlockEvent,
@@ -502,7 +502,7 @@ def test_a_prefetch_runs_ahead_of_queued_demotions_and_reads_what_is_not_yet_wri
 
 async def test_thread_runner_runs_urgent_work_before_queued_background_work() -> None:
     runner = ThreadRunner(asyncio.get_running_loop())
-    gate = threading.Event()
+    started, gate = threading.Event(), threading.Event()
     ran: list[str] = []
     finished: list[str] = []
     all_done = asyncio.Event()
@@ -510,6 +510,7 @@ async def test_thread_runner_runs_urgent_work_before_queued_background_work() ->
     def job(name: str, wait: bool = False) -> Callable[[], str]:
         def work() -> str:
             if wait:
+                started.set()
                 gate.wait(5)
             ran.append(name)
             return name
@@ -524,17 +525,59 @@ async def test_thread_runner_runs_urgent_work_before_queued_background_work() ->
             all_done.set()
 
     runner.submit(job("busy", wait=True), done)  # holds the thread
+    assert await asyncio.to_thread(started.wait, 5)
     runner.submit(job("write-1"), done)
     runner.submit(job("write-2"), done)
     runner.submit(job("promote-1"), done, urgent=True)
     runner.submit(job("promote-2"), done, urgent=True)
-    assert runner.pending >= 4
+    assert runner.pending == 5  # the running job counts until its completion is handed over
     gate.set()
     await asyncio.wait_for(all_done.wait(), 10)
     assert ran == ["busy", "promote-1", "promote-2", "write-1", "write-2"]
     assert finished == ran  # completions come back in the order the work ran
     assert runner.pending == 0
     runner.close()
+
+
+async def test_thread_runner_close_finishes_both_lanes_then_runs_inline() -> None:
+    loop = asyncio.get_running_loop()
+    runner = ThreadRunner(loop)
+    gate = threading.Event()
+    results: list[str] = []
+
+    def slow() -> str:
+        gate.wait(5)
+        return "slow"
+
+    runner.submit(slow, lambda r, _e: results.append(str(r)))
+    runner.submit(lambda: "write", lambda r, _e: results.append(str(r)))
+    runner.submit(lambda: "promote", lambda r, _e: results.append(str(r)), urgent=True)
+    gate.set()
+    await asyncio.to_thread(runner.close)  # as the agent does at shutdown
+    await asyncio.sleep(0)  # the completions queued on the loop
+    assert results == ["slow", "promote", "write"]
+    assert runner.pending == 0
+    runner.submit(lambda: "late", lambda r, _e: results.append(str(r)))  # a last clear
+    assert results[-1] == "late"  # at once, on this thread
+    assert runner.pending == 0
+
+
+def test_tier_io_backlog_is_a_gauge(tmp_path: Path) -> None:
+    from node_agent.engines.base import EngineLoad
+    from node_agent.metrics import AgentMetrics
+
+    pool, lower, runner = deferred_pool(tmp_path, l1=1, l2=1, l3=4)
+    store(pool, "a", [1])
+    store(pool, "b", [2])  # 1 → host: a copy queued
+    store(pool, "c", [3])  # 2 → host, 1 → disk: more queued
+    metrics = AgentMetrics()
+    metrics.refresh(pool, EngineLoad(0, 0, 0), 0)
+    gauge = "node_agent_tier_io_queued_jobs"
+    assert metrics.registry.get_sample_value(gauge) == lower.io_backlog == len(runner.queue) > 0
+    runner.run_all()
+    metrics.refresh(pool, EngineLoad(0, 0, 0), 0)
+    assert metrics.registry.get_sample_value(gauge) == 0
+    pool.check_invariants()
 
 
 async def test_thread_runner_hands_a_failure_to_done() -> None:
@@ -548,3 +591,52 @@ async def test_thread_runner_hands_a_failure_to_done() -> None:
     error = await asyncio.wait_for(got, 10)
     assert isinstance(error, OSError)
     runner.close()
+
+
+class FailFirstWrite(FileStore):
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, TensorKvCodec("cpu"))
+        self.failed = False
+
+    def write(self, key: BlockKey, content: KvContent) -> None:
+        if not self.failed:
+            self.failed = True
+            raise OSError("disk full")
+        super().write(key, content)
+
+
+def test_a_late_failed_write_never_removes_a_newer_file_of_its_key(tmp_path: Path) -> None:
+    """The I/O thread runs ahead of the loop: a write that failed, whose key was promoted
+    and demoted to disk again meanwhile, must not take the newer file with it."""
+    disk = FailFirstWrite(tmp_path / "l3")
+    lower = LowerTiers(
+        TensorKvCodec("cpu"), host_bytes=0, disk_bytes=8 * BLOCK_BYTES, disk_store=disk
+    )
+    pool = BlockPool(2, Clock(), lower=lower)
+    runner = DeferredRunner()
+    lower.set_runner(runner)
+    for i, k in enumerate((1, 2, 3)):
+        store(pool, f"tx{i}", [k])  # 1 → disk: its write (to fail) queued
+    result = pool.tx_allocate(AllocateParams("again", "t", [BlockKey(1)], 30.0))
+    assert result.promoted_blocks == 1  # from memory; its old entry discarded
+    pool.tx_commit("again")
+    store(pool, "tx3", [4])
+    store(pool, "tx4", [5])  # 1 → disk again, a newer write queued
+    assert lower.medium_of(BlockKey(1)) is KvMedium.DISK
+    # Every queued job runs on the thread before any completion reaches the loop.
+    jobs = runner.urgent + runner.queue
+    runner.urgent.clear()
+    runner.queue.clear()
+    outcomes: list[tuple[object, BaseException | None]] = []
+    for work, _done in jobs:
+        try:
+            outcomes.append((work(), None))
+        except OSError as exc:
+            outcomes.append((None, exc))
+    for (_work, done), (result_, error) in zip(jobs, outcomes, strict=True):
+        done(result_, error)
+    runner.run_all()  # whatever the completions queued
+    assert disk.path(BlockKey(1)).exists()  # the newer file stays
+    assert lower.load(BlockKey(1)) is not None
+    assert not list((tmp_path / "l3").glob("*.tmp"))
+    pool.check_invariants()

@@ -28,11 +28,13 @@ def test_a_prompt_larger_than_the_whole_area_is_rejected_not_busy() -> None:
         area.check_room(101)
 
 
-def test_default_holds_two_full_context_prompts_and_at_least_512_mib() -> None:
-    settings = AgentSettings()
+def test_default_holds_the_longest_prompt_the_pool_takes_and_at_least_512_mib() -> None:
+    settings = AgentSettings(capacity_blocks=1024, block_size=32)  # a 32k-token pool
     assert settings.max_staged_bytes == 0
-    # Llama-3-8B's layout (128 KiB per token) with a 16k context: two prompts, 4 GiB.
-    assert settings.resolved_max_staged_bytes(128 * 1024, 16384) == 4096 * MIB
+    # Llama-3-8B's layout (128 KiB per token) with a 16k context: one prompt, 2 GiB.
+    assert settings.resolved_max_staged_bytes(128 * 1024, 16384) == 2048 * MIB
+    # A 128k context is bounded by the pool: 32k tokens, 4 GiB.
+    assert settings.resolved_max_staged_bytes(128 * 1024, 131072) == 4096 * MIB
     # A tiny model (2 KiB per token, 4k context) keeps the 512 MiB floor.
     assert settings.resolved_max_staged_bytes(2048, 4096) == 512 * MIB
     explicit = AgentSettings(max_staged_bytes=MIB)
