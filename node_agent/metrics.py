@@ -178,6 +178,12 @@ class AgentMetrics:
             ("direction", "outcome"),
             registry=r,
         )
+        self.shared_memory_transfers = Counter(
+            "node_agent_kv_shared_memory_transfers_total",
+            "KV transfers this agent received through a shared-memory file (the sender on "
+            "the same host) instead of a gRPC stream.",
+            registry=r,
+        )
         self.transfer_failures = Counter(
             "node_agent_kv_transfer_failures_total",
             "KV transfers this agent received that failed (peer unreachable, checksum, "

@@ -284,6 +284,15 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         description="KV transfer chunk size",
         json_schema_extra=_BLOCKS,
     )
+    kv_shm_dir: str = Field(
+        "/dev/shm",
+        description=(
+            "Directory for same-host KV transfers through shared-memory files (both "
+            "agents on one machine: the KV is written there instead of streamed over "
+            "gRPC); empty: always stream"
+        ),
+        json_schema_extra=_BLOCKS,
+    )
 
     # engine=vllm (docs/engines.md): the agent launches vLLM with vllm_python, or attaches
     # to vllm_url; either way it talks HTTP (generation, /metrics) and ZMQ (KV events).

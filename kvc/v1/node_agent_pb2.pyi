@@ -1579,6 +1579,7 @@ class FetchKvRequest(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     STAGE_HANDLE_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_NAME_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """for logs only"""
     max_chunk_bytes: _builtins.int
@@ -1587,6 +1588,12 @@ class FetchKvRequest(_message.Message):
     """required: PrefillResponse.stage_handle"""
     tenant: _builtins.str
     """must be the staged prefill's tenant (else NOT_FOUND)"""
+    shared_memory_name: _builtins.str
+    """Same-host transfer offer: the name of a file the caller made in its shared-memory
+    directory (kvc-kv-<32 hex>, exactly total_bytes long). A sender that finds it in
+    its own such directory (same host) writes the KV there and answers one KvChunk
+    with in_shared_memory set; otherwise it streams as usual. The caller removes it.
+    """
     def __init__(
         self,
         *,
@@ -1594,10 +1601,11 @@ class FetchKvRequest(_message.Message):
         max_chunk_bytes: _builtins.int = ...,
         stage_handle: _builtins.str = ...,
         tenant: _builtins.str = ...,
+        shared_memory_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_chunk_bytes", b"max_chunk_bytes", "request_id", b"request_id", "stage_handle", b"stage_handle", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_chunk_bytes", b"max_chunk_bytes", "request_id", b"request_id", "shared_memory_name", b"shared_memory_name", "stage_handle", b"stage_handle", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1613,6 +1621,7 @@ class KvChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     CRC32_FIELD_NUMBER: _builtins.int
+    IN_SHARED_MEMORY_FIELD_NUMBER: _builtins.int
     num_tokens: _builtins.int
     """tokens of KV in the whole transfer"""
     total_bytes: _builtins.int
@@ -1622,6 +1631,10 @@ class KvChunk(_message.Message):
     data: _builtins.bytes
     crc32: _builtins.int
     """zlib.crc32 of data"""
+    in_shared_memory: _builtins.bool
+    """The whole transfer was written into the caller's shared_memory_name file (same
+    host; data empty, crc32 0): the only chunk of the stream.
+    """
     @_builtins.property
     def layout(self) -> Global___KvLayout:
         """first chunk only"""
@@ -1635,10 +1648,11 @@ class KvChunk(_message.Message):
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
         crc32: _builtins.int = ...,
+        in_shared_memory: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "data", b"data", "layout", b"layout", "num_tokens", b"num_tokens", "offset", b"offset", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "data", b"data", "in_shared_memory", b"in_shared_memory", "layout", b"layout", "num_tokens", b"num_tokens", "offset", b"offset", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1653,6 +1667,7 @@ class ReadBlocksRequest(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     READ_TOKEN_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_NAME_FIELD_NUMBER: _builtins.int
     tx_id: _builtins.str
     """an open Tx on the serving (source) node"""
     max_chunk_bytes: _builtins.int
@@ -1661,6 +1676,8 @@ class ReadBlocksRequest(_message.Message):
     """must be the Tx's tenant (else PERMISSION_DENIED)"""
     read_token: _builtins.str
     """required: the Tx's TxAllocateResponse.read_token"""
+    shared_memory_name: _builtins.str
+    """as in FetchKvRequest"""
     @_builtins.property
     def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Must equal the keys of the Tx's first len(block_keys) blocks, in order;
@@ -1675,10 +1692,11 @@ class ReadBlocksRequest(_message.Message):
         max_chunk_bytes: _builtins.int = ...,
         tenant: _builtins.str = ...,
         read_token: _builtins.str = ...,
+        shared_memory_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "max_chunk_bytes", b"max_chunk_bytes", "read_token", b"read_token", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "max_chunk_bytes", b"max_chunk_bytes", "read_token", b"read_token", "shared_memory_name", b"shared_memory_name", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import time
 import zlib
+from pathlib import Path
 
 from kvc import fast_json
 from kvc.block_keys import compute_block_keys
@@ -31,7 +32,8 @@ from node_agent.agent_state import AgentState
 from node_agent.blocks.types import AllocateResult, InvalidArgument
 from node_agent.engines.base import PrefixJob, PrefixLendingEngine
 from node_agent.errors import PromptRejected, TransferError
-from node_agent.kv import KvContent
+from node_agent.kv import KvCodec, KvContent, KvLayout
+from node_agent.transfer.shm import SharedOffer
 from node_agent.transfer.transport import KvRequest, KvTransport
 
 __all__ = ["KvReceiver"]
@@ -204,15 +206,46 @@ class KvReceiver:
         timeout_s: float | None = None,
     ) -> tuple[KvContent | None, float, int]:
         """Receive and verify: (kv of ``expected_tokens`` tokens or None for zero, seconds,
-        bytes)."""
+        bytes). A same-host peer writes into a shared-memory file this node offers
+        (``node_agent.transfer.shm``); any other streams."""
         codec = self._state.codec() if expected_tokens else None
         started = time.perf_counter()
         own = self._state.engine.info.kv_layout
+        offer = await self._offer(expected_tokens * own.bytes_per_token)
+        if offer is not None:
+            request.shared_memory_name = offer.name
+        try:
+            return await self._take(address, request, codec, own, expected_tokens, offer, started,
+                                    timeout_s)  # fmt: skip
+        finally:
+            if offer is not None:
+                offer.close()
+
+    async def _offer(self, nbytes: int) -> SharedOffer | None:
+        shm_dir = self._state.settings.kv_shm_dir
+        if not shm_dir or nbytes <= 0:
+            return None
+        return await asyncio.to_thread(SharedOffer.create, Path(shm_dir), nbytes)
+
+    async def _take(
+        self,
+        address: str,
+        request: KvRequest,
+        codec: KvCodec | None,
+        own: KvLayout,
+        expected_tokens: int,
+        offer: SharedOffer | None,
+        started: float,
+        timeout_s: float | None,
+    ) -> tuple[KvContent | None, float, int]:
         buffer = bytearray()
         expected_total = -1
+        shared = False
         stream = self._transport.receive(address, request, timeout_s=timeout_s)
         async with contextlib.aclosing(stream):
             async for chunk in stream:
+                if shared:
+                    raise TransferError("peer sent chunks after its shared-memory transfer")
                 if expected_total < 0:
                     lay = chunk.layout
                     theirs = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
@@ -225,6 +258,11 @@ class KvReceiver:
                     expected_total = chunk.total_bytes
                     if expected_total != expected_tokens * own.bytes_per_token:
                         raise TransferError("peer announced a KV size that does not match")
+                    if chunk.in_shared_memory:
+                        if offer is None or chunk.data or expected_total != offer.nbytes:
+                            raise TransferError("peer claims a shared-memory transfer not offered")
+                        shared = True
+                        continue
                 if chunk.offset != len(buffer):
                     raise TransferError("KV chunk out of order")
                 if zlib.crc32(chunk.data) != chunk.crc32:
@@ -232,6 +270,17 @@ class KvReceiver:
                 buffer.extend(chunk.data)
                 if len(buffer) > expected_total:
                     raise TransferError("peer sent more KV than announced")
+        if shared:
+            assert offer is not None  # shared is set only against an offer
+            assert codec is not None  # and an offer only for a transfer of > 0 tokens
+            self._state.metrics.shared_memory_transfers.inc()
+            try:
+                view = offer.mapped()
+            except (OSError, ValueError) as exc:
+                raise TransferError(f"the shared-memory transfer cannot be read: {exc}") from exc
+            # Decoded from the mapping: one copy onto the engine's device (none on CPU).
+            got = await asyncio.to_thread(codec.from_bytes, own, view, expected_tokens)
+            return got, time.perf_counter() - started, expected_total
         if len(buffer) != expected_total:
             raise TransferError("KV transfer ended early")
         kv = None

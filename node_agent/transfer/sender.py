@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 from kvc import fast_json
 from kvc.block_keys import compute_block_keys
@@ -22,8 +23,9 @@ from node_agent.blocks.types import BlockPoolError, InvalidArgument, TenantMisma
 from node_agent.engines.base import PrefixJob, PrefixLendingEngine
 from node_agent.errors import ContentMissing, NotPermitted, NotStaged, PromptRejected
 from node_agent.kv import KvContent
+from node_agent.transfer.shm import write_shared
 from node_agent.transfer.staging import ReadGrants, StagingArea
-from node_agent.transfer.transport import KvTransport
+from node_agent.transfer.transport import KvTransport, layout_to_pb
 
 __all__ = ["KvSender"]
 
@@ -57,7 +59,9 @@ class KvSender:
         staged = self._staging.claim(request.stage_handle, request.tenant, self._may_use(caller))
         if staged is None:  # the same answer whether absent or another tenant's
             raise NotStaged(f"no staged KV under this handle (request {request.request_id!r})")
-        stream = self._stream(staged.kv, staged.num_tokens, request.max_chunk_bytes)
+        stream = self._stream(
+            staged.kv, staged.num_tokens, request.max_chunk_bytes, request.shared_memory_name
+        )
         async for msg in self._count_sent(stream, "handoff"):
             yield msg
 
@@ -82,7 +86,7 @@ class KvSender:
             await self._state.events.after_mutation()  # the lookup may have expired leases
             raise
         num_tokens = len(request.block_keys) * self._state.settings.block_size
-        stream = self._stream(kv, num_tokens, request.max_chunk_bytes)
+        stream = self._stream(kv, num_tokens, request.max_chunk_bytes, request.shared_memory_name)
         async for msg in self._count_sent(stream, "migration"):
             yield msg
 
@@ -125,17 +129,28 @@ class KvSender:
         )
 
     def _stream(
-        self, kv: KvContent | None, num_tokens: int, max_chunk_bytes: int
+        self, kv: KvContent | None, num_tokens: int, max_chunk_bytes: int, shared_name: str
     ) -> AsyncIterator[pb.KvChunk]:
         limit = self._state.settings.transfer_chunk_bytes
         chunk_bytes = max(_MIN_CHUNK_BYTES, min(max_chunk_bytes or limit, limit))
-        return self._framed(kv, num_tokens, chunk_bytes)
+        return self._framed(kv, num_tokens, chunk_bytes, shared_name)
 
     async def _framed(
-        self, kv: KvContent | None, num_tokens: int, chunk_bytes: int
+        self, kv: KvContent | None, num_tokens: int, chunk_bytes: int, shared_name: str
     ) -> AsyncIterator[pb.KvChunk]:
         data = await asyncio.to_thread(kv.to_bytes) if kv is not None else b""
         layout = self._state.engine.info.kv_layout
+        shm_dir = self._state.settings.kv_shm_dir
+        # The caller offers a same-host file: written there if it is here, else streamed.
+        offered = bool(shared_name and shm_dir and data)
+        if offered and await asyncio.to_thread(write_shared, Path(shm_dir), shared_name, data):
+            yield pb.KvChunk(
+                layout=layout_to_pb(layout),
+                num_tokens=num_tokens,
+                total_bytes=len(data),
+                in_shared_memory=True,
+            )
+            return
         async for msg in self._transport.send(
             data, layout=layout, num_tokens=num_tokens, chunk_bytes=chunk_bytes
         ):
@@ -151,7 +166,7 @@ class KvSender:
         complete = False
         try:
             async for msg in stream:
-                sent += len(msg.data)
+                sent += msg.total_bytes if msg.in_shared_memory else len(msg.data)
                 yield msg
             complete = True
         finally:

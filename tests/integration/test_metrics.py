@@ -264,9 +264,9 @@ async def test_every_request_is_counted_once_with_its_outcome(
 async def test_an_upstream_failure_before_the_first_token_is_counted_once(
     start_agent: AgentFactory, conductor: ConductorFactory, stream: bool
 ) -> None:
-    from tests.integration.test_transfer_faults import LinkDropsAfter
+    from tests.integration.test_transfer_faults import STREAMED, LinkDropsAfter
 
-    prefill = await start_agent("prefill", transport=LinkDropsAfter(chunks=0))
+    prefill = await start_agent("prefill", transport=LinkDropsAfter(chunks=0), **STREAMED)
     decode = await start_agent("decode")
     async with conductor([prefill, decode]) as c:
         body = chat_body("hello " * 80, stream=stream)

@@ -18,6 +18,9 @@ from node_agent.transfer.transport import GrpcKvTransport, KvRequest
 from tests.conftest import MODEL, AgentFactory, ConductorFactory, assert_no_locks, chat_body
 
 PROMPT = [(7 * i) % 1900 + 20 for i in range(300)]  # 299 tokens of KV ≈ 600 KB: many chunks
+# The faults below are a link's: the senders stream (as between hosts) instead of writing
+# into the receiver's same-host shared-memory file (tests/integration/test_kv_shm.py).
+STREAMED = {"kv_shm_dir": ""}
 
 
 class LinkDropsAfter:
@@ -99,7 +102,7 @@ async def test_prefill_node_gone_before_the_fetch(start_agent: AgentFactory) -> 
 
 async def test_transfer_cut_mid_stream(start_agent: AgentFactory) -> None:
     prefill = await start_agent(
-        "prefill", transport=LinkDropsAfter(chunks=2), transfer_chunk_bytes=4096
+        "prefill", transport=LinkDropsAfter(chunks=2), transfer_chunk_bytes=4096, **STREAMED
     )
     decode = await start_agent("decode")
     async with (
@@ -125,7 +128,7 @@ async def test_transfer_cut_mid_stream(start_agent: AgentFactory) -> None:
 async def test_conductor_reports_a_broken_handoff_and_leaks_nothing(
     start_agent: AgentFactory, conductor: ConductorFactory
 ) -> None:
-    prefill = await start_agent("prefill", transport=LinkDropsAfter(chunks=0))
+    prefill = await start_agent("prefill", transport=LinkDropsAfter(chunks=0), **STREAMED)
     decode = await start_agent("decode")
     async with conductor([prefill, decode]) as c:
         resp = await c.client.post("/v1/chat/completions", json=chat_body("hello " * 80))
