@@ -4,14 +4,17 @@ prefill agent to a decode agent costs in TTFT and buys in TBT, through the real 
   python -m bench.pd_ttft [--device cpu|cuda] [--model DIR | --shape llama-8b]
       [--tokens 2048,8192] [--repeats 5] [--max-tokens 32] [--out bench/results]
 
-Two deployments, one after the other, on the same device and the same seeded weights
+Three deployments, one after the other, on the same device and the same seeded weights
 (real processes on loopback; ``kvc conductor`` and ``kvc agent``):
 
 - **aggregated**: one agent (role both) prefills and decodes each request;
-- **disaggregated**: a prefill agent and a decode agent; the conductor runs the prefill on
-  the first, which hands the KV of every prompt token but the last to the second (the
-  agents' handoff: gRPC stream, CRC per chunk, device → host → device), which runs the
-  last token as its first step and streams the tokens.
+- **P/D streamed**: a prefill agent and a decode agent; the conductor runs the prefill on
+  the first, which hands the KV of every prompt token but the last to the second, which
+  runs the last token as its first step and streams the tokens. The handoff is the
+  agents' gRPC stream (CRC per chunk, device → host → device), as between two hosts
+  (``--kv-shm-dir ""``);
+- **P/D shared memory**: the same, with the agents' default same-host handoff: the KV
+  written into a shared-memory file the decode agent offers (docs/protocol.md).
 
 For each prompt length N (a multiple of the 32-token block): two warm-up requests, then
 ``--repeats`` fresh prompts (random token ids, never seen: no prefix reuse — checked,
@@ -20,11 +23,11 @@ For each prompt length N (a multiple of the 32-token block): two warm-up request
 from the first to the last token over the tokens between). Measured by the decode agent
 (its ``node_agent_kv_transfer_seconds`` / ``_bytes_total{direction="received",
 kind="handoff"}``, read before and after each request): the handoff's duration and bytes.
-The same prompts go to both deployments; ``same output`` counts the requests whose greedy
-text is equal in both. On the CPU in float32 every one must be (the KV moves bit for bit);
-in bf16 on a GPU the decode is not run-to-run deterministic, so long outputs of a random
-model can differ even between two runs on one deployment (``bench.decode_determinism``
-tells the two apart).
+The same prompts go to every deployment; ``same output`` counts the requests whose greedy
+text equals the aggregated one's. On the CPU in float32 every one must be (the KV moves
+bit for bit); in bf16 on a GPU the decode is not run-to-run deterministic, so long
+outputs of a random model can differ even between two runs on one deployment
+(``bench.decode_determinism`` tells the two apart).
 
 Writes ``pd_ttft-<model>-<device>.md`` / ``.json`` / ``.png`` under ``--out``.
 """
@@ -59,7 +62,13 @@ from bench.tier_ttft import (
 from kvc.processes import free_ports
 from node_agent.engines.vllm.http_parsing import metric_values
 
-MODES: Final = ("aggregated", "disaggregated")
+MODES: Final = ("aggregated", "P/D streamed", "P/D shared memory")
+_AGENT_ARGS: Final = {
+    "aggregated": [],
+    "P/D streamed": ["--kv-shm-dir", ""],
+    "P/D shared memory": [],  # the default
+}
+_SHARED: Final = "node_agent_kv_shared_memory_transfers_total"
 _SECONDS: Final = "node_agent_kv_transfer_seconds_sum"
 _COUNT: Final = "node_agent_kv_transfer_seconds_count"
 _BYTES: Final = "node_agent_kv_transfer_bytes_total"
@@ -101,7 +110,8 @@ class Deployment(ConductorSystem):
         http, *ports = free_ports(5)
         roles = ("both",) if mode == "aggregated" else ("prefill", "decode")
         addresses = [f"127.0.0.1:{ports[2 * i]}" for i in range(len(roles))]
-        super().__init__(model_dir, addresses, http, work / mode)
+        logs = work / mode.replace("/", "").replace(" ", "-")
+        super().__init__(model_dir, addresses, http, logs)
         self.decode_metrics = ""
         for i, role in enumerate(roles):
             grpc, metrics = ports[2 * i], ports[2 * i + 1]
@@ -114,12 +124,16 @@ class Deployment(ConductorSystem):
                     "--metrics-port", str(metrics), "--role", role, "--no-calibrate",
                     "--model", str(model_dir), "--device", device,
                     "--block-size", str(BLOCK_TOKENS), "--capacity-blocks", str(pool_blocks),
+                    *_AGENT_ARGS[mode],
                 ],
             )  # fmt: skip
         self.start_conductor()
 
-    def handoffs(self) -> tuple[float, float, float]:
-        return _handoff(self.client.get(self.decode_metrics).text)
+    def handoffs(self) -> tuple[float, float, float, float]:
+        """(seconds, count, bytes) of received handoffs, and shared-memory transfers."""
+        text = self.client.get(self.decode_metrics).text
+        shared = sum(v for _, v in metric_values(text).get(_SHARED, []))
+        return (*_handoff(text), shared)
 
     def complete(self, prompt: list[int], max_tokens: int) -> Sample:
         before = self.handoffs()
@@ -129,9 +143,12 @@ class Deployment(ConductorSystem):
             raise CheckFailed(f"a fresh prompt reported {got.cached_tokens} cached tokens")
         if got.completion_tokens != max_tokens:
             raise CheckFailed(f"{got.completion_tokens} tokens generated, asked for {max_tokens}")
-        moved = int(after[1] - before[1])
-        if moved != (1 if self.mode == "disaggregated" else 0):
-            raise CheckFailed(f"{self.mode}: {moved} handoffs for one request")
+        moved, shared = int(after[1] - before[1]), int(after[3] - before[3])
+        want = {"aggregated": (0, 0), "P/D streamed": (1, 0), "P/D shared memory": (1, 1)}
+        if (moved, shared) != want[self.mode]:
+            raise CheckFailed(
+                f"{self.mode}: {moved} handoffs ({shared} through shared memory) for one request"
+            )
         first, last = got.stamps[0], got.stamps[-1]
         return Sample(
             self.mode, len(prompt), (first - got.started) * 1e3,
@@ -144,7 +161,7 @@ class Deployment(ConductorSystem):
 def prompts_for(
     lengths: Sequence[int], repeats: int, vocab: int, seed: int
 ) -> dict[int, list[list[int]]]:
-    """The same fresh prompts for both deployments: ``repeats`` + 2 warm-ups per length."""
+    """The same fresh prompts for every deployment: ``repeats`` + 2 warm-ups per length."""
     rng = random.Random(seed)
     return {
         n: [[rng.randrange(10, vocab) for _ in range(n)] for _ in range(repeats + 2)]
@@ -199,19 +216,21 @@ def table_rows(samples: Sequence[Sample], bytes_per_token: int) -> list[list[Any
     rows: list[list[Any]] = []
     for n in sorted({s.tokens for s in samples}):
         agg = [s for s in samples if s.tokens == n and s.mode == "aggregated"]
-        dis = [s for s in samples if s.tokens == n and s.mode == "disaggregated"]
-        same = sum(a.text == d.text for a, d in zip(agg, dis, strict=True))
-        for mode, group in (("aggregated", agg), ("disaggregated", dis)):
+        for mode in MODES:
+            group = [s for s in samples if s.tokens == n and s.mode == mode]
+            if not group:
+                continue
+            same = sum(a.text == d.text for a, d in zip(agg, group, strict=True))
             handoff = _median(group, "handoff_ms")
             moved = statistics.median(s.handoff_bytes for s in group)
             rate = f"{moved / (handoff / 1e3) / 1e6:.0f}" if handoff > 0 else ""
+            pd = mode != "aggregated"
             rows.append(
                 [
                     n, n * bytes_per_token / (1 << 20), mode, _median(group, "ttft_ms"),
                     _median(group, "tbt_ms"), _median(group, "total_ms"),
-                    f"{handoff:.1f}" if mode == "disaggregated" else "",
-                    rate if mode == "disaggregated" else "",
-                    f"{same}/{len(agg)}",
+                    f"{handoff:.1f}" if pd else "", rate if pd else "",
+                    f"{same}/{len(agg)}" if pd else "",
                 ]
             )  # fmt: skip
     return rows
@@ -225,20 +244,21 @@ def plot(path: Path, title: str, samples: Sequence[Sample]) -> None:
 
     lengths = sorted({s.tokens for s in samples})
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
-    width = 0.38
+    width = 0.8 / len(MODES)
+    colors = ("tab:blue", "tab:orange", "tab:green")
     for i, mode in enumerate(MODES):
         xs = [j + i * width for j in range(len(lengths))]
         group = [[s for s in samples if s.tokens == n and s.mode == mode] for n in lengths]
         ttft = [_median(g, "ttft_ms") for g in group]
-        left.bar(xs, ttft, width, label=mode, color=("tab:blue", "tab:orange")[i])
-        if mode == "disaggregated":
+        left.bar(xs, ttft, width, label=mode, color=colors[i])
+        if mode != "aggregated":
             handoff = [_median(g, "handoff_ms") for g in group]
             left.bar(xs, handoff, width, color="none", edgecolor="black", hatch="//",
-                     label="of which KV handoff")  # fmt: skip
+                     label="of which KV handoff" if i == 1 else None)  # fmt: skip
         right.bar(xs, [_median(g, "tbt_ms") for g in group], width, label=mode,
-                  color=("tab:blue", "tab:orange")[i])  # fmt: skip
+                  color=colors[i])  # fmt: skip
     for ax, what in ((left, "TTFT median, ms"), (right, "TBT median, ms")):
-        ax.set_xticks([j + width / 2 for j in range(len(lengths))],
+        ax.set_xticks([j + width * (len(MODES) - 1) / 2 for j in range(len(lengths))],
                       [f"{n} tokens" for n in lengths])  # fmt: skip
         ax.set_ylabel(what)
         ax.grid(True, axis="y", alpha=0.3)
@@ -288,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             "Streamed `/v1/completions` through the conductor, loopback; TTFT and TBT taken by "
             "the client; handoff: the decode agent's own duration of the KV handoff and its "
-            "bytes; `same output`: prompts whose greedy text is equal in both deployments.",
+            "bytes; `same output`: prompts whose greedy text equals the aggregated one's.",
             "",
             "",
         ]

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from conductor.core.prefix_index import NodeId
@@ -181,6 +181,9 @@ class SimBlockKv:
         raise NotImplementedError("the simulator never cuts a block's content")
 
     def to_bytes(self) -> bytes:
+        raise NotImplementedError("the simulator's blocks have a size, not bytes")
+
+    def to_buffers(self) -> Iterator[memoryview]:
         raise NotImplementedError("the simulator's blocks have a size, not bytes")
 
 

@@ -5,7 +5,8 @@ The server and the transfer code handle prompt KV through two ports an engine pr
 * ``KvContent``: one token range of KV (a pool block, a staged prefill). It knows its
   ``num_tokens``, its ``layout`` and its size, cuts sub-ranges (``slice``) and writes
   the wire format (``to_bytes``: layer-major, key then value, native little-endian
-  dtype, as ``docs/protocol.md`` describes).
+  dtype, as ``docs/protocol.md`` describes; ``to_buffers``: the same as a sequence of
+  host buffers, for a same-host transfer that writes them straight into a file).
 * ``KvCodec``: what only the engine can do, build content: ``concat`` consecutive
   ranges and ``from_bytes`` (the inverse of ``to_bytes``, onto the engine's device).
 
@@ -17,7 +18,7 @@ torch: the agent, the gRPC server and the vLLM adapter run without it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol, Self, runtime_checkable
 
@@ -70,6 +71,11 @@ class KvContent(Protocol):
     def slice(self, start: int, end: int) -> Self: ...
 
     def to_bytes(self) -> bytes: ...
+
+    def to_buffers(self) -> Iterator[memoryview]:
+        """What ``to_bytes`` writes, as consecutive host buffers: no copy into one
+        ``bytes`` (none at all for content already in host memory)."""
+        ...
 
 
 class KvCodec(Protocol):

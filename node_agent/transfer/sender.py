@@ -138,19 +138,21 @@ class KvSender:
     async def _framed(
         self, kv: KvContent | None, num_tokens: int, chunk_bytes: int, shared_name: str
     ) -> AsyncIterator[pb.KvChunk]:
-        data = await asyncio.to_thread(kv.to_bytes) if kv is not None else b""
         layout = self._state.engine.info.kv_layout
         shm_dir = self._state.settings.kv_shm_dir
         # The caller offers a same-host file: written there if it is here, else streamed.
-        offered = bool(shared_name and shm_dir and data)
-        if offered and await asyncio.to_thread(write_shared, Path(shm_dir), shared_name, data):
-            yield pb.KvChunk(
-                layout=layout_to_pb(layout),
-                num_tokens=num_tokens,
-                total_bytes=len(data),
-                in_shared_memory=True,
-            )
-            return
+        if shared_name and shm_dir and kv is not None and kv.nbytes > 0:
+            nbytes = kv.nbytes
+            where = Path(shm_dir)
+            if await asyncio.to_thread(write_shared, where, shared_name, kv.to_buffers(), nbytes):
+                yield pb.KvChunk(
+                    layout=layout_to_pb(layout),
+                    num_tokens=num_tokens,
+                    total_bytes=nbytes,
+                    in_shared_memory=True,
+                )
+                return
+        data = await asyncio.to_thread(kv.to_bytes) if kv is not None else b""
         async for msg in self._transport.send(
             data, layout=layout, num_tokens=num_tokens, chunk_bytes=chunk_bytes
         ):

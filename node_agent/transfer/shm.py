@@ -15,7 +15,8 @@ The receiver owns the file, from start to end:
 2. the sender (``write_shared``) opens that name in *its* directory — found only on the
    same host (and the same mount) — checks it is a regular file of this user of exactly
    the transfer's size (no symbolic link: ``O_NOFOLLOW``), writes the KV with ``pwrite``
-   (a full file system is an error there, never a crash) and answers one chunk with
+   straight from its tensors' host buffers (a full file system is an error there, never
+   a crash) and answers one chunk with
    ``in_shared_memory``; anything else and it streams as before;
 3. the receiver maps the written file and decodes the KV from it (one copy onto the
    engine's device, none on a CPU engine), then removes the name in every case.
@@ -31,6 +32,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
 
@@ -93,11 +95,14 @@ class SharedOffer:
             self.path.unlink()
 
 
-def write_shared(directory: Path, name: str, data: bytes) -> bool:
-    """Write ``data`` into the receiver's offer ``name`` in ``directory``: True when done;
-    False (nothing written that anyone reads) when there is no such file here, it is not
-    a regular file of this user of exactly ``len(data)`` bytes, or the write fails."""
-    if not valid_name(name) or not data:
+def write_shared(
+    directory: Path, name: str, buffers: Iterable[bytes | memoryview], nbytes: int
+) -> bool:
+    """Write ``buffers`` (``nbytes`` in all, consecutive) into the receiver's offer
+    ``name`` in ``directory``: True when done; False (nothing written that anyone reads)
+    when there is no such file here, it is not a regular file of this user of exactly
+    ``nbytes``, the buffers hold another size, or the write fails."""
+    if not valid_name(name) or nbytes <= 0:
         return False
     try:
         fd = os.open(directory / name, os.O_WRONLY | _OPEN_FLAGS)
@@ -105,17 +110,18 @@ def write_shared(directory: Path, name: str, data: bytes) -> bool:
         return False  # another host (or mount): the receiver's file is not here
     try:
         info = os.fstat(fd)
-        if (
-            not stat.S_ISREG(info.st_mode)
-            or info.st_uid != os.getuid()
-            or info.st_size != len(data)
-        ):
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size != nbytes:
             return False
-        view = memoryview(data)
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], done)
-        return True
+        offset = 0
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")
+            if offset + len(view) > nbytes:
+                return False
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+            offset += len(view)
+        return offset == nbytes
     except OSError:
         return False  # e.g. the file system is full: the caller streams instead
     finally:
