@@ -36,6 +36,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -76,6 +77,7 @@ from node_agent.tier_runner import ThreadRunner, prefetch
 from node_agent.token_stream import TokenStreamServer
 from node_agent.transfer.receiver import KvReceiver
 from node_agent.transfer.sender import KvSender
+from node_agent.transfer.shm import remove_orphans
 from node_agent.transfer.staging import ReadGrants, StagingArea
 from node_agent.transfer.transport import GrpcKvTransport, KvTransport, layout_to_pb
 
@@ -615,6 +617,10 @@ class AgentServer:
         return self.service.node_info.advertise_address
 
     async def start(self) -> int:
+        if self.settings.kv_shm_dir:  # same-host transfer files of receivers killed mid-way
+            orphans = remove_orphans(Path(self.settings.kv_shm_dir))
+            if orphans:
+                log.info("removed %d same-host KV transfer files of agents gone", orphans)
         lower = self.service.pool.lower
         if lower is not None:  # tier copies and disk I/O off the event loop from now on
             self._tier_runner = ThreadRunner(asyncio.get_running_loop())

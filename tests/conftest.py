@@ -55,6 +55,9 @@ async def start_agent() -> AsyncIterator[AgentFactory]:
     ) -> AgentServer:
         """An agent with these settings; ``transport`` replaces its KV transport (faults)."""
         overrides.setdefault("calibrate", False)  # tests/*/test_agent_calibration.py
+        # Transfers between in-process agents stream (the path between hosts, with its
+        # chunk checks); tests/integration/test_kv_shm.py opts into same-host files.
+        overrides.setdefault("kv_shm_dir", "")
         overrides.setdefault("load_interval_s", 0.05)
         settings = AgentSettings(role=role, port=0, **overrides)
         server = AgentServer(settings, build_engine(settings), transport=transport)

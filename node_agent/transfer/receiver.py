@@ -211,7 +211,7 @@ class KvReceiver:
         codec = self._state.codec() if expected_tokens else None
         started = time.perf_counter()
         own = self._state.engine.info.kv_layout
-        offer = await self._offer(expected_tokens * own.bytes_per_token)
+        offer = self._offer(expected_tokens * own.bytes_per_token)
         if offer is not None:
             request.shared_memory_name = offer.name
         try:
@@ -221,11 +221,13 @@ class KvReceiver:
             if offer is not None:
                 offer.close()
 
-    async def _offer(self, nbytes: int) -> SharedOffer | None:
+    def _offer(self, nbytes: int) -> SharedOffer | None:
+        """A same-host offer, made on the loop (a sparse file: microseconds) so that a
+        cancellation can never leave it unclosed."""
         shm_dir = self._state.settings.kv_shm_dir
         if not shm_dir or nbytes <= 0:
             return None
-        return await asyncio.to_thread(SharedOffer.create, Path(shm_dir), nbytes)
+        return SharedOffer.create(Path(shm_dir), nbytes)
 
     async def _take(
         self,
@@ -246,6 +248,8 @@ class KvReceiver:
             async for chunk in stream:
                 if shared:
                     raise TransferError("peer sent chunks after its shared-memory transfer")
+                if chunk.in_shared_memory and expected_total >= 0:
+                    raise TransferError("peer claims a shared-memory transfer mid-stream")
                 if expected_total < 0:
                     lay = chunk.layout
                     theirs = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
@@ -273,13 +277,13 @@ class KvReceiver:
         if shared:
             assert offer is not None  # shared is set only against an offer
             assert codec is not None  # and an offer only for a transfer of > 0 tokens
-            self._state.metrics.shared_memory_transfers.inc()
             try:
-                view = offer.mapped()
+                data = await asyncio.to_thread(offer.read)
             except (OSError, ValueError) as exc:
                 raise TransferError(f"the shared-memory transfer cannot be read: {exc}") from exc
-            # Decoded from the mapping: one copy onto the engine's device (none on CPU).
-            got = await asyncio.to_thread(codec.from_bytes, own, view, expected_tokens)
+            # Decoded from the mapping: one copy onto a GPU, none on a CPU engine.
+            got = await asyncio.to_thread(codec.from_bytes, own, data, expected_tokens)
+            self._state.metrics.shared_memory_transfers.inc()
             return got, time.perf_counter() - started, expected_total
         if len(buffer) != expected_total:
             raise TransferError("KV transfer ended early")

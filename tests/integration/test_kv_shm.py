@@ -5,15 +5,19 @@ stream as before."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import grpc
+import pytest
 import torch
 
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.engines.embedded.kv_tensors import KvCache
+from node_agent.kv import KvLayout
 from node_agent.server import AgentServer
+from node_agent.transfer.transport import GrpcKvTransport, KvRequest
 from tests.conftest import AgentFactory, assert_no_locks
 from tests.integration.test_block_migration import S_PROMPT, alloc, cache_prompt, keys_of
 from tests.integration.test_transfer_faults import PROMPT, generate, stage
@@ -118,3 +122,49 @@ async def test_agents_that_cannot_see_each_others_file_stream(
     assert shared_transfers(decode) == 0.0
     assert files(tmp_path / "b") == []  # the unused offer was removed too
     assert_no_locks(prefill, decode)
+
+
+class ClaimsSharedMemory:
+    """A receiving transport whose peer answers "written to your file" and wrote nothing."""
+
+    def __init__(self) -> None:
+        self._real = GrpcKvTransport()
+
+    def send(
+        self, data: bytes, *, layout: KvLayout, num_tokens: int, chunk_bytes: int
+    ) -> AsyncIterator[pb.KvChunk]:
+        return self._real.send(data, layout=layout, num_tokens=num_tokens, chunk_bytes=chunk_bytes)
+
+    async def receive(
+        self, address: str, request: KvRequest, *, timeout_s: float | None = None
+    ) -> AsyncGenerator[pb.KvChunk, None]:
+        request.shared_memory_name = ""  # the real peer streams; its first chunk is replaced
+        async for chunk in self._real.receive(address, request, timeout_s=timeout_s):
+            yield pb.KvChunk(
+                layout=chunk.layout, num_tokens=chunk.num_tokens,
+                total_bytes=chunk.total_bytes, in_shared_memory=True,
+            )  # fmt: skip
+            return
+
+    async def lend(
+        self, address: str, request: pb.LendBlocksRequest, *, timeout_s: float | None = None
+    ) -> pb.LendBlocksResponse:
+        return await self._real.lend(address, request, timeout_s=timeout_s)
+
+    async def aclose(self) -> None:
+        await self._real.aclose()
+
+
+async def test_a_claimed_shared_memory_transfer_nobody_wrote_fails_cleanly(
+    start_agent: AgentFactory, tmp_path: Path
+) -> None:
+    prefill = await start_agent("prefill")
+    decode = await start_agent("decode", kv_shm_dir=str(tmp_path), transport=ClaimsSharedMemory())
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await handoff_tokens(prefill, decode, "r4")
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "not written" in (failed.value.details() or "")  # never decoded as zeros
+    assert shared_transfers(decode) == 0.0
+    assert files(tmp_path) == []
+    assert decode.engine.load().running_requests == 0
+    assert_no_locks(decode)
