@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +22,39 @@ from conductor.state import AppState
 from kvc.processes import free_port
 from kvc.roles import NodeRole
 from kvc.tls import write_bundle
+from kvc.v1 import node_agent_pb2 as pb
+from node_agent.kv import KvLayout
 from node_agent.main import build_engine
 from node_agent.server import AgentServer
 from node_agent.settings import AgentSettings
-from node_agent.transfer.transport import KvTransport
+from node_agent.transfer.transport import GrpcKvTransport, KvRequest, KvTransport
+
+
+class DelegatingTransport:
+    """A KV transport passing everything to a real ``GrpcKvTransport``: a fault test
+    overrides the one method its fault lives in."""
+
+    def __init__(self) -> None:
+        self._real = GrpcKvTransport()
+
+    def send(
+        self, data: bytes, *, layout: KvLayout, num_tokens: int, chunk_bytes: int
+    ) -> AsyncIterator[pb.KvChunk]:
+        return self._real.send(data, layout=layout, num_tokens=num_tokens, chunk_bytes=chunk_bytes)
+
+    def receive(
+        self, address: str, request: KvRequest, *, timeout_s: float | None = None
+    ) -> AsyncGenerator[pb.KvChunk, None]:
+        return self._real.receive(address, request, timeout_s=timeout_s)
+
+    async def lend(
+        self, address: str, request: pb.LendBlocksRequest, *, timeout_s: float | None = None
+    ) -> pb.LendBlocksResponse:
+        return await self._real.lend(address, request, timeout_s=timeout_s)
+
+    async def aclose(self) -> None:
+        await self._real.aclose()
+
 
 MODEL = "tiny-llama"
 

@@ -24,10 +24,9 @@ from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.blocks.types import BlockPoolError, BlockState, KvMedium
 from node_agent.engines.embedded.kv_tensors import KvCache
-from node_agent.kv import KvLayout
 from node_agent.server import AgentServer
-from node_agent.transfer.transport import GrpcKvTransport, KvRequest
-from tests.conftest import MODEL, AgentFactory, assert_no_locks, wait_until
+from node_agent.transfer.transport import KvRequest
+from tests.conftest import MODEL, AgentFactory, DelegatingTransport, assert_no_locks, wait_until
 
 BS = 32
 TENANT = "t"
@@ -64,32 +63,19 @@ def alloc(
 Stubs = Callable[[AgentServer], "pb_grpc.NodeAgentAsyncStub"]
 
 
-class SlowToFinish:
+class SlowToFinish(DelegatingTransport):
     """A KV transport whose received streams end only once ``until()`` holds."""
 
     def __init__(self) -> None:
-        self._real = GrpcKvTransport()
+        super().__init__()
         self.until: Callable[[], bool] = lambda: True
 
-    def send(
-        self, data: bytes, *, layout: KvLayout, num_tokens: int, chunk_bytes: int
-    ) -> AsyncIterator[pb.KvChunk]:
-        return self._real.send(data, layout=layout, num_tokens=num_tokens, chunk_bytes=chunk_bytes)
-
-    async def receive(
+    async def receive(  # an async generator: the same call shape
         self, address: str, request: KvRequest, *, timeout_s: float | None = None
     ) -> AsyncGenerator[pb.KvChunk, None]:
         async for chunk in self._real.receive(address, request, timeout_s=timeout_s):
             yield chunk
         await wait_until(self.until)
-
-    async def lend(
-        self, address: str, request: pb.LendBlocksRequest, *, timeout_s: float | None = None
-    ) -> pb.LendBlocksResponse:
-        return await self._real.lend(address, request, timeout_s=timeout_s)
-
-    async def aclose(self) -> None:
-        await self._real.aclose()
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ stream as before."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import grpc
@@ -15,10 +15,9 @@ import torch
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.engines.embedded.kv_tensors import KvCache
-from node_agent.kv import KvLayout
 from node_agent.server import AgentServer
-from node_agent.transfer.transport import GrpcKvTransport, KvRequest
-from tests.conftest import AgentFactory, assert_no_locks
+from node_agent.transfer.transport import KvRequest
+from tests.conftest import AgentFactory, DelegatingTransport, assert_no_locks
 from tests.integration.test_block_migration import S_PROMPT, alloc, cache_prompt, keys_of
 from tests.integration.test_transfer_faults import PROMPT, generate, stage
 
@@ -124,18 +123,10 @@ async def test_agents_that_cannot_see_each_others_file_stream(
     assert_no_locks(prefill, decode)
 
 
-class ClaimsSharedMemory:
+class ClaimsSharedMemory(DelegatingTransport):
     """A receiving transport whose peer answers "written to your file" and wrote nothing."""
 
-    def __init__(self) -> None:
-        self._real = GrpcKvTransport()
-
-    def send(
-        self, data: bytes, *, layout: KvLayout, num_tokens: int, chunk_bytes: int
-    ) -> AsyncIterator[pb.KvChunk]:
-        return self._real.send(data, layout=layout, num_tokens=num_tokens, chunk_bytes=chunk_bytes)
-
-    async def receive(
+    async def receive(  # an async generator: the same call shape
         self, address: str, request: KvRequest, *, timeout_s: float | None = None
     ) -> AsyncGenerator[pb.KvChunk, None]:
         request.shared_memory_name = ""  # the real peer streams; its first chunk is replaced
@@ -145,14 +136,6 @@ class ClaimsSharedMemory:
                 total_bytes=chunk.total_bytes, in_shared_memory=True,
             )  # fmt: skip
             return
-
-    async def lend(
-        self, address: str, request: pb.LendBlocksRequest, *, timeout_s: float | None = None
-    ) -> pb.LendBlocksResponse:
-        return await self._real.lend(address, request, timeout_s=timeout_s)
-
-    async def aclose(self) -> None:
-        await self._real.aclose()
 
 
 async def test_a_claimed_shared_memory_transfer_nobody_wrote_fails_cleanly(

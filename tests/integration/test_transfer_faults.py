@@ -3,7 +3,7 @@ decode node, nothing committed on the prefill node, no lock left once leases end
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -14,8 +14,14 @@ from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import ERROR_INFO_KEY
 from node_agent.kv import KvLayout
 from node_agent.server import AgentServer
-from node_agent.transfer.transport import GrpcKvTransport, KvRequest
-from tests.conftest import MODEL, AgentFactory, ConductorFactory, assert_no_locks, chat_body
+from tests.conftest import (
+    MODEL,
+    AgentFactory,
+    ConductorFactory,
+    DelegatingTransport,
+    assert_no_locks,
+    chat_body,
+)
 
 PROMPT = [(7 * i) % 1900 + 20 for i in range(300)]  # 299 tokens of KV ≈ 600 KB: many chunks
 # The faults below are a link's: the senders stream (as between hosts) instead of writing
@@ -23,14 +29,14 @@ PROMPT = [(7 * i) % 1900 + 20 for i in range(300)]  # 299 tokens of KV ≈ 600 K
 STREAMED = {"kv_shm_dir": ""}
 
 
-class LinkDropsAfter:
+class LinkDropsAfter(DelegatingTransport):
     """A KV transport whose sending link drops after ``chunks`` chunks (0: at once)."""
 
     def __init__(self, chunks: int) -> None:
+        super().__init__()
         self._chunks = chunks
-        self._real = GrpcKvTransport()
 
-    async def send(
+    async def send(  # an async generator: the same call shape
         self, data: bytes, *, layout: KvLayout, num_tokens: int, chunk_bytes: int
     ) -> AsyncIterator[pb.KvChunk]:
         sent = 0
@@ -42,19 +48,6 @@ class LinkDropsAfter:
                 raise ConnectionResetError("link dropped")
             sent += 1
             yield chunk
-
-    def receive(
-        self, address: str, request: KvRequest, *, timeout_s: float | None = None
-    ) -> AsyncGenerator[pb.KvChunk, None]:
-        return self._real.receive(address, request, timeout_s=timeout_s)
-
-    async def lend(
-        self, address: str, request: pb.LendBlocksRequest, *, timeout_s: float | None = None
-    ) -> pb.LendBlocksResponse:
-        return await self._real.lend(address, request, timeout_s=timeout_s)
-
-    async def aclose(self) -> None:
-        await self._real.aclose()
 
 
 async def stage(prefill: AgentServer, stub: pb_grpc.NodeAgentAsyncStub, rid: str) -> str:

@@ -544,17 +544,23 @@ async def test_thread_runner_close_finishes_both_lanes_then_runs_inline() -> Non
     runner = ThreadRunner(loop)
     gate = threading.Event()
     results: list[str] = []
+    three = asyncio.Event()
+
+    def record(result: str | None, _error: BaseException | None) -> None:
+        results.append(str(result))
+        if len(results) == 3:
+            three.set()
 
     def slow() -> str:
         gate.wait(5)
         return "slow"
 
-    runner.submit(slow, lambda r, _e: results.append(str(r)))
-    runner.submit(lambda: "write", lambda r, _e: results.append(str(r)))
-    runner.submit(lambda: "promote", lambda r, _e: results.append(str(r)), urgent=True)
+    runner.submit(slow, record)
+    runner.submit(lambda: "write", record)
+    runner.submit(lambda: "promote", record, urgent=True)
     gate.set()
     await asyncio.to_thread(runner.close)  # as the agent does at shutdown
-    await asyncio.sleep(0)  # the completions queued on the loop
+    await asyncio.wait_for(three.wait(), 10)  # the completions queued on the loop
     assert results == ["slow", "promote", "write"]
     assert runner.pending == 0
     runner.submit(lambda: "late", lambda r, _e: results.append(str(r)))  # a last clear
