@@ -493,9 +493,12 @@ class Dispatcher:
                 if retain:
                     retention = retention_name(alloc.retention)
                 if placement.migration is not None:
-                    migrated = await self._migrate(
-                        req, keys, placement, prefill, tx_id, reused_blocks
-                    )
+                    try:
+                        migrated = await self._migrate(
+                            req, keys, placement, prefill, tx_id, reused_blocks
+                        )
+                    finally:
+                        loop_state.pulled()
             else:
                 tx_id = ""  # shorter than one block: nothing to own, no Tx needed
             cached_tokens = max(reused_blocks, migrated) * block_size

@@ -488,6 +488,8 @@ class Cluster:
             )
         )  # fmt: skip
         locked = lock.reused_blocks
+        assert flight.loop is not None
+        pulled = flight.loop.pulled
         after = src.promoted_counts()
         bt = self.config.block_tokens
         # The holder loads what it lent from host memory or disk before it sends.
@@ -495,6 +497,7 @@ class Cluster:
         if locked <= local_blocks:
             src.pool.tx_commit(src_tx)  # paired tx: the holder commits, releasing locks
             self._publish(src)
+            pulled()
             return
         nbytes = (
             (locked - local_blocks) * self.config.block_tokens * self.profile.kv_bytes_per_token
@@ -515,6 +518,7 @@ class Cluster:
                 job.migrating = False
                 job.migrated_blocks = locked
                 self._migrated_blocks += locked - local_blocks
+                pulled()
                 self._try_start(dst)
 
             self.loop.at(arrive, done)
@@ -523,8 +527,9 @@ class Cluster:
             send()
             return
         # The holder's engine lends with a request of its own: it waits its turn there
-        # (at the back of the queue, or at the front behind the running prefill) and
-        # computes the prefix's last token; the KV leaves when it ends.
+        # (at the back of the queue, or ahead of the waiting prefills behind the running
+        # one and the lends already waiting) and computes one token; the KV leaves when
+        # it ends.
         lend = QueuedPrefill(
             request_id=f"{flight.req.request_id}:lend",
             tx_id=src_tx,
@@ -533,11 +538,12 @@ class Cluster:
             input_tokens=1,
             on_start=lambda _cached, _duration: None,
             on_done=lambda: self._lent(src, lend, send),
+            lend=True,
         )
         if self.config.lend_wait == "queue":
             src.enqueue(lend)
         else:
-            src.enqueue_first(lend)
+            src.enqueue_lend(lend)
         self._try_start(src)
 
     def _lent(self, src: PrefillInstance, lend: QueuedPrefill, send: Callable[[], None]) -> None:

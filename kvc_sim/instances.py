@@ -150,6 +150,7 @@ class QueuedPrefill:
     migrating: bool = False  # a prefix pull is in flight; the job may not start
     migrated_blocks: int = 0  # leading blocks whose KV arrived from another node
     load_s: float = 0.0  # promoting its blocks from host memory / disk (tiered clusters)
+    lend: bool = False  # the node's lend request for another node's prefix pull
 
 
 class SimBlockKv:
@@ -311,9 +312,15 @@ class PrefillInstance:
         self.queue.append(job)
         self.queued_tokens += job.input_tokens
 
-    def enqueue_first(self, job: QueuedPrefill) -> None:
-        """Queue ``job`` before every waiting one (after the running one)."""
-        self.queue.appendleft(job)
+    def enqueue_lend(self, job: QueuedPrefill) -> None:
+        """Queue a lend before every waiting prefill, after the lends already waiting
+        (after the running one): vLLM's priority scheduling with the lend legs first,
+        first come first served among equal priorities."""
+        queue = self.queue
+        i = 0
+        while i < len(queue) and queue[i].lend:
+            i += 1
+        queue.insert(i, job)
         self.queued_tokens += job.input_tokens
 
     def next_ready(self) -> QueuedPrefill | None:

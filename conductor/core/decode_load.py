@@ -77,6 +77,9 @@ class NodeBook:
     pending_model_version: int = -1  # the prefill model's version the estimates are from
     pending_since_s: dict[str, float] = field(default_factory=dict)  # when assigned
     prefill_free_s: float = -math.inf  # when the last of ours ended there (if told when)
+    # Lend requests of our prefix pulls from this node (its engine lends with a request
+    # of its own, ahead of waiting prefills): predicted seconds per pulling request.
+    pending_lends: dict[str, float] = field(default_factory=dict)
     decodes: dict[str, PlacedDecode] = field(default_factory=dict)
 
 

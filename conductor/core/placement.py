@@ -17,6 +17,7 @@ is that loop, written sans-I/O: a driver asks ``decide`` and performs what it an
             a node refused          -> placement.failed(node, kind); continue
             allocated               -> placement.allocated()
             blocks committed        -> placement.committed()
+            prefix pull ended       -> placement.pulled()    (only with a migration)
             prefill measured        -> placement.prefill_done(total, cached, seconds)
             first token             -> placement.decode_started(now_s)
             end / error / cancel    -> placement.finished(output_tokens, stopped)
@@ -211,6 +212,7 @@ class RequestPlacement:
         "_excluded",
         "_keys",
         "_last_failure",
+        "_lending",
         "_loop",
         "_open",
         "_request",
@@ -230,6 +232,7 @@ class RequestPlacement:
         self._excluded: set[NodeId] = set()
         self._last_failure: tuple[NodeId, FailureKind] | None = None
         self._tracked: NodeId | None = None  # node whose in-flight set holds our keys
+        self._lending: NodeId | None = None  # holder whose queue books our pull's lend
         self._waiting = False
         self._open = False  # the scheduler's books hold this request
         self.placement: Placement | None = None
@@ -271,6 +274,8 @@ class RequestPlacement:
             self._stop_waiting()
             scheduler.on_assigned(req, decision, now_s)
             self._open = True
+            if decision.migration is not None and decision.migration.lend_s > 0:
+                self._lending = decision.migration.source
             self.placement = decision
             return decision
         capacity = decision.reason in ("no_prefill_node", "no_decode_node")
@@ -334,6 +339,12 @@ class RequestPlacement:
             self._loop.inflight.remove(self._tracked, self._keys)
             self._tracked = None
 
+    def pulled(self) -> None:
+        """The placement's prefix pull ended (done, failed or given up). Idempotent."""
+        if self._lending is not None:
+            self._loop.scheduler.on_pulled(self._request.request_id, self._lending)
+            self._lending = None
+
     def prefill_done(
         self,
         total_tokens: int,
@@ -370,6 +381,7 @@ class RequestPlacement:
         """
         self._stop_waiting()
         self.committed()
+        self.pulled()
         placement = self.placement
         if self._open and placement is not None:
             self._open = False
@@ -385,6 +397,7 @@ class RequestPlacement:
     def _release_books(self) -> None:
         """Undo the previous attempt's bookkeeping before scheduling again."""
         self.committed()
+        self.pulled()
         placement = self.placement
         if self._open and placement is not None:
             self._open = False

@@ -96,6 +96,10 @@ class Migration:
     source: NodeId
     blocks: int
     transfer_s: float
+    # The holder's own work for it: its engine's lend request (a one-token prefill step,
+    # ``lend_wait`` not "none"), booked on the holder's queue until the pull ends. 0 where
+    # lending costs the holder's engine nothing (the embedded engine reads its pool).
+    lend_s: float = 0.0
 
 
 class PrefillCandidate(NamedTuple):
@@ -154,6 +158,8 @@ class Estimates(Protocol):
     def load_s(self, node: NodeState, req: ScheduleRequest) -> float: ...
 
     def lend_wait_s(self, node: NodeState) -> float: ...
+
+    def lend_s(self, node: NodeState) -> float: ...
 
     def decode_slots_free(self, node: NodeState) -> bool: ...
 
@@ -257,6 +263,7 @@ def _pull_candidates(
     holder_wait: dict[str, float] = {
         f: est.load_s(h, req) + est.lend_wait_s(h) for f, (h, _) in holders.items()
     }
+    holder_lend: dict[str, float] = {f: est.lend_s(h) for f, (h, _) in holders.items()}
     out = []
     for node in nodes:
         holder, best_len = holders[node.kv_family]
@@ -282,7 +289,9 @@ def _pull_candidates(
             # its engine's queue) is taken only when it still beats computing here.
             must_pay = break_even or holder_wait_s > 0
             if not must_pay or transfer_s + pulled_s < prefill_s:
-                migration = Migration(source=holder.node_id, blocks=best_len, transfer_s=transfer_s)
+                migration = Migration(
+                    holder.node_id, best_len, transfer_s, holder_lend[node.kv_family]
+                )
                 prefix = best_len
                 prefill_s = pulled_s
         load_s = est.load_s(node, req)

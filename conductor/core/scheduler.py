@@ -337,6 +337,8 @@ class Scheduler:
                 book.pending_prefill_s[rid] = model.estimate(tokens, cached)
             book.pending_model_version = model.version
         own_s = sum(book.pending_prefill_s.values())
+        if book.pending_lends:
+            own_s += sum(book.pending_lends.values())
         own_tokens = sum(book.pending_prefill_tokens.values())
         foreign_tokens = max(0, node.queued_prefill_tokens - own_tokens)
         foreign_s = 0.0
@@ -376,8 +378,10 @@ class Scheduler:
         "running": what is left of the oldest of this scheduler's prefills pending there
         (under FIFO the one running): its predicted end, from when it could start (its
         assignment, or the end of the previous one there) plus its predicted duration,
-        less the decision's time; with none of ours pending, the queue (other
-        conductors' work). Never more than the queue.
+        less the decision's time, plus the lends of our pulls already waiting there
+        (lends go before waiting prefills, first come first served among themselves);
+        with none of ours pending, the queue (other conductors' work and our lends).
+        Never more than the queue.
         """
         if node.lend_wait == "none":
             return 0.0
@@ -388,8 +392,18 @@ class Scheduler:
                 since = book.pending_since_s.get(rid, self._decision_now_s)
                 started = max(since, book.prefill_free_s)
                 left = max(0.0, started + duration_s - self._decision_now_s)
+                if book.pending_lends:
+                    left += sum(book.pending_lends.values())
                 return min(queue, left)
         return queue
+
+    def lend_s(self, node: NodeState) -> float:
+        """Predicted time ``node``'s engine spends lending a prefix: one prefill step
+        of one token where lending is a request to its engine (``lend_wait`` not
+        "none"; the prefix itself is cached there), else 0."""
+        if node.lend_wait == "none":
+            return 0.0
+        return self.prefill_model(node.node_id).estimate(1, 0)
 
     def prefill_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float:
         """Predicted prefill time of ``prompt_tokens`` reusing ``prefix_blocks`` blocks."""
@@ -532,6 +546,9 @@ class Scheduler:
         book.pending_prefill_tokens[req.request_id] = req.prompt_tokens
         book.pending_cached_tokens[req.request_id] = placement.cached_tokens
         book.pending_since_s[req.request_id] = now_s
+        migration = placement.migration
+        if migration is not None and migration.lend_s > 0:
+            self._book(migration.source).pending_lends[req.request_id] = migration.lend_s
         self._book(placement.decode).decodes[req.request_id] = PlacedDecode(
             start_s=now_s + placement.ttft_s,
             step_s=placement.tbt_s,
@@ -556,6 +573,13 @@ class Scheduler:
             book.prefill_free_s = max(book.prefill_free_s, now_s)
         if duration_s is not None and duration_s > 0:
             self.prefill_model(node).observe(total_tokens, cached_tokens, duration_s)
+
+    def on_pulled(self, request_id: str, source: NodeId) -> None:
+        """The request's prefix pull from ``source`` ended (done, failed or given up):
+        the lend booked there no longer waits on its queue."""
+        book = self._books.get(source)
+        if book is not None:
+            book.pending_lends.pop(request_id, None)
 
     def on_decode_started(self, request_id: str, node: NodeId, now_s: float) -> None:
         d = self._book(node).decodes.get(request_id)

@@ -11,6 +11,7 @@ from conductor.core.placement import (
     InflightPrefixes,
     PlacementLoop,
     Refusal,
+    RequestPlacement,
     Wait,
     fleet_view,
 )
@@ -71,6 +72,47 @@ def test_a_capacity_refusal_excludes_the_node_and_the_loop_reschedules() -> None
     assert last.last_failure == (NodeId("p2"), FailureKind.BUSY)
     rp.finished()
     assert lp.scheduler.active_decodes(NodeId("d1"), NOW + 100) == (0, 0)
+
+
+def test_a_pulls_lend_is_booked_on_its_holder_until_the_pull_ends() -> None:
+    """Whichever way the request goes on — the pull ends, the node refuses, the request
+    ends before the pull does — the lend it booked on the holder is released once."""
+    fleet = [
+        node("p1", kv_family="vllm", lend_wait="running"),
+        node("p2", kv_family="vllm", lend_wait="running"),
+        node("d1", "decode"),
+    ]
+    holder = fleet[1]
+
+    def busy_holder(lp: PlacementLoop) -> None:
+        """A short prefill runs on the holder, a long one waits behind it."""
+        for rid, tokens in (("a", 200), ("b", 4800)):
+            rp = lp.begin(request(rid, prompt_tokens=tokens), KEYS, NOW)
+            assert isinstance(rp.decide([holder, fleet[2]], NOW), Placement)  # type: ignore[list-item]
+
+    def placed_pull(lp: PlacementLoop, rid: str) -> RequestPlacement:
+        rp = lp.begin(request(rid, prefix={"p2": 30}), KEYS, NOW)
+        step = rp.decide(fleet, NOW)  # type: ignore[arg-type]
+        assert isinstance(step, Placement)
+        assert step.migration is not None
+        assert step.migration.source == "p2"
+        assert step.migration.lend_s > 0
+        return rp
+
+    for end in ("pulled", "failed", "finished"):
+        lp = loop(policy=Policy.KV_CENTRIC)
+        busy_holder(lp)
+        before = lp.scheduler.queue_s(holder)  # type: ignore[arg-type]
+        rp = placed_pull(lp, end)
+        lend_s = lp.scheduler.lend_s(holder)  # type: ignore[arg-type]
+        assert lp.scheduler.queue_s(holder) == pytest.approx(before + lend_s)  # type: ignore[arg-type]
+        if end == "pulled":
+            rp.pulled()
+        elif end == "failed":
+            rp.failed(NodeId("p1"), FailureKind.UNREACHABLE)
+        rp.finished()
+        rp.pulled()
+        assert lp.scheduler.queue_s(holder) == pytest.approx(before)  # type: ignore[arg-type]
 
 
 def test_no_usable_node_is_unavailable() -> None:

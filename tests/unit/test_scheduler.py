@@ -398,6 +398,53 @@ def test_a_pull_is_charged_what_the_holders_lend_waits_for(policy: Policy) -> No
     assert (p.prefill, p.migration) == ("p1", None)
 
 
+def test_a_planned_lend_waits_on_the_holders_queue_until_its_pull_ends() -> None:
+    """A holder that lends through its engine spends a one-token step on each lend,
+    ahead of its waiting prefills: an assigned pull books that step on the holder's
+    queue (a prefill placed there later waits for it, and a later lend waits behind it,
+    first come first served) until the pull ends. Holders that read their pool for a
+    lend (the embedded engine) book nothing."""
+    s = Scheduler(config(policy=Policy.KV_ADAPTIVE))
+    fleet = [
+        node("p1", kv_family="vllm", lend_wait="running"),
+        node("p2", kv_family="vllm", lend_wait="running"),
+        node("d1", "decode"),
+    ]
+    holder = fleet[1]
+    for rid, tokens in (("a", 200), ("b", 4800)):  # a runs on the holder, b waits
+        queued = request(prompt=tokens, rid=rid)
+        s.on_assigned(queued, placed(s.schedule(queued, [holder, fleet[2]], NOW)), NOW)
+    running_s = s.lend_wait_s(holder)
+    queue_s = s.queue_s(holder)
+    step_s = s.prefill_model(NodeId("p2")).estimate(1, 0)
+    assert step_s > 0
+    assert s.lend_s(holder) == pytest.approx(step_s)
+    pull = request({"p2": 30}, rid="pull-1")
+    p = placed(s.schedule(pull, fleet, NOW))
+    assert (p.prefill, p.prefix_blocks) == ("p1", 30)
+    assert p.migration is not None
+    assert p.migration.lend_s == pytest.approx(step_s)
+    s.on_assigned(pull, p, NOW)
+    assert s.queue_s(holder) == pytest.approx(queue_s + step_s)
+    assert s.lend_wait_s(holder) == pytest.approx(running_s + step_s)
+    # The next pull from it is charged the first lend too.
+    nxt = placed(s.schedule(request({"p2": 30}, rid="pull-2"), fleet, NOW))
+    assert nxt.migration is not None
+    assert nxt.migration.transfer_s == pytest.approx(p.migration.transfer_s + step_s)
+    s.on_pulled("pull-1", NodeId("p2"))
+    s.on_pulled("pull-1", NodeId("p2"))  # idempotent
+    assert s.queue_s(holder) == pytest.approx(queue_s)
+    assert s.lend_wait_s(holder) == pytest.approx(running_s)
+    # A holder that lends from its pool: nothing to book.
+    direct = [replace(n, lend_wait="none") for n in fleet]
+    assert s.lend_s(direct[1]) == 0.0
+    p = placed(s.schedule(request({"p2": 30}, rid="pull-3"), direct, NOW))
+    assert p.migration is not None
+    assert p.migration.lend_s == 0.0
+    s.on_assigned(request({"p2": 30}, rid="pull-3"), p, NOW)
+    assert s.queue_s(direct[1]) == pytest.approx(queue_s)
+
+
 # ---------------------------------------------------------------- capacity before work
 
 

@@ -10,9 +10,11 @@ from typing import Literal
 import pytest
 
 from conductor.core.policies import Policy
+from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import Admission, SchedulerConfig, Slo
 from kvc_sim.cluster import Cluster, simulate
 from kvc_sim.cluster_config import ClusterConfig
+from kvc_sim.instances import PrefillInstance, QueuedPrefill
 from kvc_sim.metrics import RequestRecord, summarize
 from kvc_sim.profile import Profile, load_profile
 from kvc_sim.trace import TraceRequest
@@ -51,6 +53,8 @@ def check_consistent(cluster: Cluster) -> None:
         assert cluster.index.node_keys(node) == frozenset(inst.pool.cached_keys())
         assert cluster.index.position(node) == (inst.epoch, inst.last_seq)
     cluster.index.check_invariants()
+    # Every pull ended: no lend is still booked on a holder's queue.
+    assert not any(book.pending_lends for book in cluster.scheduler._books.values())
 
 
 @pytest.mark.parametrize("delay_s", [0.0, 0.5])
@@ -145,6 +149,34 @@ def test_a_pull_from_a_holder_that_lends_through_its_engine_waits_its_turn() -> 
     assert (b.prefill_node, b.cached_tokens) == ("prefill-01", 0)
     assert b.ttft_s < results["running"]["b"].ttft_s  # type: ignore[operator]
     check_consistent(cluster)
+
+
+def test_lends_go_before_waiting_prefills_first_come_first_served() -> None:
+    """vLLM's priority scheduling with the lend legs first: a lend waits behind the
+    running prefill and the lends already waiting, never behind a waiting prefill."""
+    inst = PrefillInstance(NodeId("prefill-00"), profile(), 100, 512, lambda: 0.0, 60.0)
+
+    def job(rid: str, lend: bool = False) -> QueuedPrefill:
+        return QueuedPrefill(rid, f"{rid}-tx", (), (), 1, lambda _c, _d: None, lambda: None,
+                             lend=lend)  # fmt: skip
+
+    inst.enqueue(job("running"))
+    running = inst.next_ready()
+    assert running is not None
+    for j in (job("w1"), job("l1", lend=True), job("w2"), job("l2", lend=True)):
+        if j.lend:
+            inst.enqueue_lend(j)
+        else:
+            inst.enqueue(j)
+    assert [j.request_id for j in inst.queue] == ["l1", "l2", "w1", "w2"]
+    assert inst.next_ready() is None  # the running one first
+    inst.finish(running)
+    order = []
+    while (nxt := inst.next_ready()) is not None:
+        order.append(nxt.request_id)
+        inst.finish(nxt)
+    assert order == ["l1", "l2", "w1", "w2"]
+    assert inst.queued_tokens == 0
 
 
 def test_nodes_that_own_their_kv_never_migrate() -> None:
