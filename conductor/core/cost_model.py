@@ -143,6 +143,7 @@ class _LogRatioCorrection:
         "_bucket_window",
         "_buckets",
         "_dirty",
+        "_floor_factor",
         "_global",
         "_global_correction",
         "_half_life",
@@ -171,6 +172,7 @@ class _LogRatioCorrection:
         self._seen = 0
         self._dirty = False
         self._global_correction = 0.0
+        self._floor_factor = 1.0
         self._knot_t: list[float] = []
         self._knot_c: list[float] = []
         self._knot_h_max: list[float] = []
@@ -229,6 +231,8 @@ class _LogRatioCorrection:
             self._knot_t.append(float(key))
             self._knot_c.append(c)
             self._knot_h_max.append(h_max)
+        # Every c(t) lies between knots' c or between a knot's and g (``_shape``).
+        self._floor_factor = math.exp(min([g, *self._knot_c]))
 
     def _shape(self, position: float) -> tuple[float, int]:
         """The log correction at ``position`` and the index of the last knot <= it."""
@@ -270,6 +274,19 @@ class _LogRatioCorrection:
         if not math.isfinite(h):  # prior_s itself infinite
             return prior_s
         return _POSITION_UNIT_S * math.exp(min(h, _MAX_LOG_ESTIMATE))
+
+    def floor(self, prior_s: float) -> float:
+        """A lower bound of ``estimate(prior_s)``: the prior times the smallest factor
+        the correction applies at any size (``c(t)`` never goes below its knots' and
+        the global factor; the running maximum only raises it). O(1) between
+        observations: what lets the scheduler pass over nodes that cannot win."""
+        if not prior_s > 0:
+            return 0.0
+        if self._seen == 0:
+            return prior_s
+        if self._dirty:
+            self._refresh()
+        return min(prior_s * self._floor_factor, _POSITION_UNIT_S * math.exp(_MAX_LOG_ESTIMATE))
 
     def has_evidence(self, prior_s: float) -> bool:
         """Enough observations in all, or a few within 4x of ``prior_s``."""
@@ -405,6 +422,26 @@ class PrefillTimeModel(_CorrectedModel):
     def estimate(self, total_tokens: int, cached_tokens: int) -> float:
         """Predicted seconds (>= 0) to prefill ``total_tokens`` with ``cached_tokens`` reused."""
         return self._correction.estimate(self._prior_s(total_tokens, cached_tokens))
+
+    def estimate_floor(self, total_tokens: int, cached_tokens: int) -> float:
+        """A lower bound of ``estimate(total_tokens, cached_tokens)`` (O(1); the
+        scheduler asks it of every prefill node per decision, so the prior's formula
+        is written out here for non-negative ints and checked by ``_prior_s`` else)."""
+        if (
+            total_tokens.__class__ is int
+            and cached_tokens.__class__ is int
+            and 0 <= cached_tokens <= total_tokens
+        ):
+            uncached = float(total_tokens - cached_tokens)
+            prior = self._prior
+            prior_s = (
+                prior.fixed_s
+                + prior.per_token_s * uncached
+                + prior.per_token_context_s * (uncached * float(total_tokens + cached_tokens))
+            )
+        else:
+            prior_s = self._prior_s(total_tokens, cached_tokens)
+        return self._correction.floor(prior_s)
 
     def has_evidence(self, total_tokens: int, cached_tokens: int) -> bool:
         """The estimate rests on a measured prior or on observations of similar size."""

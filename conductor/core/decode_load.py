@@ -81,6 +81,12 @@ class NodeBook:
     # of its own, ahead of waiting prefills): predicted seconds per pulling request.
     pending_lends: dict[str, float] = field(default_factory=dict)
     decodes: dict[str, PlacedDecode] = field(default_factory=dict)
+    # The last queue estimate: (prefill model version, agent-reported queued tokens,
+    # seconds); None once the pending prefills or lends above change.
+    queue_memo: tuple[int, int, float] | None = None
+    # The decode step at the agent-reported batch: (decode model version, reported
+    # running requests, seconds).
+    step_memo: tuple[int, int, float] | None = None
 
 
 class DecodeForecast(NamedTuple):
@@ -98,9 +104,11 @@ def forecast_decode_load(
     now_s: float,
     lengths: LengthDistribution,
     model: DecodeTimeModel,
+    reported_step_s: float | None = None,
 ) -> DecodeForecast:
     """Expected decode batch at ``at_s`` of a node running ``decodes`` (ours) and
-    ``reported_running`` in all (its agent's count); ``lengths``: the arriving request's."""
+    ``reported_running`` in all (its agent's count); ``lengths``: the arriving request's.
+    ``reported_step_s``: ``model``'s step at the reported batch, if the caller has it."""
     requests = 0.0
     context = 0.0
     running_now = 0
@@ -117,7 +125,9 @@ def forecast_decode_load(
         if at_s <= now_s:
             share = 1.0
         else:
-            step = model.estimate(max(1, reported_running), 0)
+            step = reported_step_s
+            if step is None:
+                step = model.estimate(max(1, reported_running), 0)
             share = lengths.survival((at_s - now_s) / step) if step > 0 else 0.0
         requests += foreign * share
         context += foreign * share * per_decode_context

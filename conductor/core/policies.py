@@ -8,7 +8,7 @@ decides exactly as Algorithm 1 and its baselines are written)::
 
     prefill:  PrefixPlanner  (per prefill-capable node: reusable prefix, any migration,
                               queue and prefill estimates -> PrefillCandidate)
-              -> PrefillRanker (best first; the rest become the placement's fallbacks)
+              -> PrefillRanker (best first)
     decode:   DecodeFilter*  (drop nodes that cannot take the request after this prefill)
               -> DecodeRanker (best first, each with its predicted TBT)
 
@@ -38,6 +38,16 @@ pending_blocks``), which a FIFO prefill placed behind them will find cached
 
 Ties always go to the smallest node id. Complexity per decision: O(P log P) for P
 prefill nodes plus the decode filters' and ranker's O(D log D).
+
+Contenders. Under ``LowestTtft`` only the first candidate is ever used (and the
+affinity node's, ``ScheduleRequest.affinity``), so the planners build candidates only
+for nodes that may rank first (``PrefixPlanner.contenders``): every node gets a lower
+bound of its TTFT first — its queue plus the cost model's floor for the longest prefix
+it could reuse (``Estimates.prefill_floor_s``), O(1) — and nodes are evaluated in order
+of that bound until the bound passes the best TTFT found. The first candidate is the
+one the full ranking puts first (property-tested against it); what is saved is the
+prefill estimates, transfers and candidates of the nodes that cannot win, most of the
+fleet when it is large and only a few nodes hold the prefix.
 """
 
 from __future__ import annotations
@@ -155,6 +165,8 @@ class Estimates(Protocol):
 
     def prefill_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float: ...
 
+    def prefill_floor_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float: ...
+
     def load_s(self, node: NodeState, req: ScheduleRequest) -> float: ...
 
     def lend_wait_s(self, node: NodeState) -> float: ...
@@ -179,6 +191,13 @@ class PrefixPlanner(Protocol):
         self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
     ) -> list[PrefillCandidate]: ...
 
+    def contenders(
+        self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
+    ) -> list[PrefillCandidate]:
+        """The candidates that may have the lowest TTFT (ties: smallest node id) and the
+        affinity node's: ``LowestTtft`` ranks them first as it would rank all."""
+        ...
+
 
 class PrefillRanker(Protocol):
     def rank(self, candidates: list[PrefillCandidate]) -> list[PrefillCandidate]: ...
@@ -195,13 +214,25 @@ class LocalPrefix:
     def candidates(
         self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
     ) -> list[PrefillCandidate]:
-        out = []
-        for node in nodes:
-            local = req.prefix_blocks.get(node.node_id, 0)
-            prefill_s = est.prefill_s(node, req.prompt_tokens, local)
-            load_s = est.load_s(node, req)
-            out.append(PrefillCandidate(node, local, None, est.queue_s(node), prefill_s, load_s))
-        return out
+        return [self._candidate(req, node, est) for node in nodes]
+
+    def contenders(
+        self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
+    ) -> list[PrefillCandidate]:
+        prefix_blocks, prompt_tokens = req.prefix_blocks, req.prompt_tokens
+        return _contenders(
+            req, nodes,
+            lambda node: est.queue_s(node)
+            + est.prefill_floor_s(node, prompt_tokens, prefix_blocks.get(node.node_id, 0)),
+            lambda node: self._candidate(req, node, est),
+        )  # fmt: skip
+
+    @staticmethod
+    def _candidate(req: ScheduleRequest, node: NodeState, est: Estimates) -> PrefillCandidate:
+        local = req.prefix_blocks.get(node.node_id, 0)
+        prefill_s = est.prefill_s(node, req.prompt_tokens, local)
+        load_s = est.load_s(node, req)
+        return PrefillCandidate(node, local, None, est.queue_s(node), prefill_s, load_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +252,11 @@ class ThresholdPull:
     ) -> list[PrefillCandidate]:
         return _pull_candidates(req, nodes, est, self.min_blocks, self.threshold)
 
+    def contenders(
+        self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
+    ) -> list[PrefillCandidate]:
+        return _pull_candidates(req, nodes, est, self.min_blocks, self.threshold, bounded=True)
+
 
 @dataclass(frozen=True, slots=True)
 class BreakEvenPull:
@@ -238,6 +274,42 @@ class BreakEvenPull:
     ) -> list[PrefillCandidate]:
         return _pull_candidates(req, nodes, est, self.min_blocks, None)
 
+    def contenders(
+        self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
+    ) -> list[PrefillCandidate]:
+        return _pull_candidates(req, nodes, est, self.min_blocks, None, bounded=True)
+
+
+# Relative slack of a lower bound against the best TTFT found: the bound and the
+# estimate reach the same value by different float roundings.
+_BOUND_SLACK = 1e-9
+
+
+def _contenders(
+    req: ScheduleRequest,
+    nodes: Sequence[NodeState],
+    bound: Callable[[NodeState], float],
+    candidate: Callable[[NodeState], PrefillCandidate],
+) -> list[PrefillCandidate]:
+    """Candidates of the nodes whose TTFT lower bound (``bound``) does not pass the
+    lowest TTFT among them, evaluated in order of the bound, plus the affinity node's.
+    A node left out has a TTFT above the lowest: it neither wins nor ties."""
+    bounds = sorted([(bound(node), i) for i, node in enumerate(nodes)])
+    out: list[PrefillCandidate] = []
+    best = math.inf
+    for lower, i in bounds:
+        if lower > best + abs(best) * _BOUND_SLACK:
+            break
+        c = candidate(nodes[i])
+        out.append(c)
+        ttft = c.base_ttft_s
+        if ttft < best:
+            best = ttft
+    affinity = req.affinity
+    if affinity is not None and all(c.node.node_id != affinity for c in out):
+        out.extend(candidate(n) for n in nodes if n.node_id == affinity)
+    return out
+
 
 def _pull_candidates(
     req: ScheduleRequest,
@@ -245,8 +317,11 @@ def _pull_candidates(
     est: Estimates,
     min_blocks: int,
     threshold: float | None,
+    *,
+    bounded: bool = False,
 ) -> list[PrefillCandidate]:
-    """Candidates that may pull the longest prefix; ``threshold`` None: break-even rule."""
+    """Candidates that may pull the longest prefix; ``threshold`` None: break-even rule.
+    ``bounded``: only the contenders (``PrefixPlanner.contenders``)."""
     break_even = threshold is None
     # FindBestPrefixMatch: the longest holder; ties go to the smallest node id. A holder
     # lends from every tier: what sits in its host memory or on disk is loaded first.
@@ -264,39 +339,70 @@ def _pull_candidates(
         f: est.load_s(h, req) + est.lend_wait_s(h) for f, (h, _) in holders.items()
     }
     holder_lend: dict[str, float] = {f: est.lend_s(h) for f, (h, _) in holders.items()}
-    out = []
-    for node in nodes:
-        holder, best_len = holders[node.kv_family]
-        holder_wait_s = holder_wait[node.kv_family]
+    prompt_tokens = req.prompt_tokens
+    pending_blocks = req.pending_blocks
+
+    def local_of(node: NodeState) -> int:
         local = prefix_blocks.get(node.node_id, 0)
         if break_even:
-            local = max(local, req.pending_blocks.get(node.node_id, 0))
-        migration = None
-        prefix = local
-        prefill_s = est.prefill_s(node, req.prompt_tokens, local)
-        if (
+            local = max(local, pending_blocks.get(node.node_id, 0))
+        return local
+
+    def pull_s(node: NodeState, local: int) -> float | None:
+        """Wait and wire time of pulling the holder's longer prefix, None: no pull."""
+        holder, best_len = holders[node.kv_family]
+        if not (
             holder.node_id != node.node_id
             and node.kv_migration
             and holder.kv_migration
             and best_len - local >= min_blocks
             and (threshold is None or (math.inf if local == 0 else best_len / local) > threshold)
         ):
-            nbytes = (best_len - local) * node.block_size * node.kv_bytes_per_token
-            transfer_s = holder_wait_s + est.transfer.estimate(holder.node_id, node.node_id, nbytes)
-            pulled_s = est.prefill_s(node, req.prompt_tokens, best_len)
-            # Algorithm 1 pulls past the threshold whatever it costs; a pull that must
-            # first wait at the holder (loading its blocks from host memory or disk, or
-            # its engine's queue) is taken only when it still beats computing here.
-            must_pay = break_even or holder_wait_s > 0
-            if not must_pay or transfer_s + pulled_s < prefill_s:
+            return None
+        nbytes = (best_len - local) * node.block_size * node.kv_bytes_per_token
+        wire_s = est.transfer.estimate(holder.node_id, node.node_id, nbytes)
+        return holder_wait[node.kv_family] + wire_s
+
+    # Algorithm 1 pulls past the threshold whatever it costs; a pull that must first wait
+    # at the holder (loading its blocks from host memory or disk, or its engine's queue)
+    # is taken only when it still beats computing here.
+    def must_pay(node: NodeState) -> bool:
+        return break_even or holder_wait[node.kv_family] > 0
+
+    def bound(node: NodeState) -> float:
+        # ``candidate`` with each prefill estimate replaced by its floor; tier loads
+        # only add.
+        local = local_of(node)
+        transfer_s = pull_s(node, local)
+        if transfer_s is None:
+            return est.queue_s(node) + est.prefill_floor_s(node, prompt_tokens, local)
+        best_len = holders[node.kv_family][1]
+        pulled_s = transfer_s + est.prefill_floor_s(node, prompt_tokens, best_len)
+        if must_pay(node):
+            pulled_s = min(pulled_s, est.prefill_floor_s(node, prompt_tokens, local))
+        return est.queue_s(node) + pulled_s
+
+    def candidate(node: NodeState) -> PrefillCandidate:
+        holder, best_len = holders[node.kv_family]
+        local = local_of(node)
+        migration = None
+        prefix = local
+        prefill_s = est.prefill_s(node, prompt_tokens, local)
+        transfer_s = pull_s(node, local)
+        if transfer_s is not None:
+            pulled_s = est.prefill_s(node, prompt_tokens, best_len)
+            if not must_pay(node) or transfer_s + pulled_s < prefill_s:
                 migration = Migration(
                     holder.node_id, best_len, transfer_s, holder_lend[node.kv_family]
                 )
                 prefix = best_len
                 prefill_s = pulled_s
         load_s = est.load_s(node, req)
-        out.append(PrefillCandidate(node, prefix, migration, est.queue_s(node), prefill_s, load_s))
-    return out
+        return PrefillCandidate(node, prefix, migration, est.queue_s(node), prefill_s, load_s)
+
+    if bounded:
+        return _contenders(req, nodes, bound, candidate)
+    return [candidate(node) for node in nodes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,7 +503,10 @@ class SchedulingPolicy:
     def order_prefill(
         self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
     ) -> list[PrefillCandidate]:
-        """The prefill-capable ``nodes`` as candidates, best first (never empty given nodes)."""
+        """The prefill-capable ``nodes`` as candidates, best first (never empty given
+        nodes). Ranked by TTFT, only the contenders: the first is the same."""
+        if isinstance(self.prefill_ranker, LowestTtft):
+            return self.prefill_ranker.rank(self.prefix.contenders(req, nodes, est))
         return self.prefill_ranker.rank(self.prefix.candidates(req, nodes, est))
 
     def order_decode(

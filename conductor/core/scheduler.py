@@ -206,7 +206,6 @@ class Placement:
     handoff_s: float  # prefill → decode KV transfer
     ttft_s: float
     tbt_s: float
-    fallbacks: tuple[NodeId, ...]  # other prefill nodes, best first, if ``prefill`` refuses
     cached_tokens: int = 0  # prompt tokens the prefill reuses (prefix after any migration)
 
 
@@ -329,6 +328,9 @@ class Scheduler:
         """
         book = self._book(node.node_id)
         model = self.prefill_model(node.node_id)
+        memo = book.queue_memo
+        if memo is not None and memo[0] == model.version and memo[1] == node.queued_prefill_tokens:
+            return memo[2]
         if book.pending_model_version != model.version:
             # The model learned since these were estimated: re-estimate, or a queue
             # predicted by a wrong prior outlives the correction. O(pending) per change.
@@ -344,6 +346,7 @@ class Scheduler:
         foreign_s = 0.0
         if foreign_tokens:
             foreign_s = model.per_token_s * foreign_tokens
+        book.queue_memo = (model.version, node.queued_prefill_tokens, own_s + foreign_s)
         return own_s + foreign_s
 
     def forecast(
@@ -353,17 +356,34 @@ class Scheduler:
 
         See ``decode_load.forecast_decode_load``. O(decodes on the node).
         """
+        book = self._book(node.node_id)
+        model = self.decode_model(node.node_id)
         return forecast_decode_load(
-            self._book(node.node_id).decodes.values(), node.running_requests, at_s, now_s,
-            lengths, self.decode_model(node.node_id),
+            book.decodes.values(), node.running_requests, at_s, now_s, lengths, model,
+            self._reported_step_s(node, book, model),
         )  # fmt: skip
+
+    @staticmethod
+    def _reported_step_s(node: NodeState, book: NodeBook, model: DecodeTimeModel) -> float:
+        """The node's decode step at its reported batch (remembered per model version
+        and reported count: every decision asks it of every decode node)."""
+        running = node.running_requests
+        memo = book.step_memo
+        if memo is not None and memo[0] == model.version and memo[1] == running:
+            return memo[2]
+        step_s = model.estimate(max(1, running), 0)
+        book.step_memo = (model.version, running, step_s)
+        return step_s
 
     def tbt_at(self, node: NodeState, at_s: float, now_s: float, req: ScheduleRequest) -> float:
         """Predicted TBT on ``node`` at ``at_s`` with ``req`` joining."""
-        load = self.forecast(node, at_s, now_s, self.lengths_for(req))
-        return self.decode_model(node.node_id).estimate(
-            load.requests + 1, load.context_tokens + req.prompt_tokens
-        )
+        book = self._book(node.node_id)
+        model = self.decode_model(node.node_id)
+        load = forecast_decode_load(
+            book.decodes.values(), node.running_requests, at_s, now_s, self.lengths_for(req),
+            model, self._reported_step_s(node, book, model),
+        )  # fmt: skip
+        return model.estimate(load.requests + 1, load.context_tokens + req.prompt_tokens)
 
     def load_s(self, node: NodeState, req: ScheduleRequest) -> float:
         """Time to load the node's lower-tier blocks of this prompt back onto its device."""
@@ -409,6 +429,12 @@ class Scheduler:
         """Predicted prefill time of ``prompt_tokens`` reusing ``prefix_blocks`` blocks."""
         cached = min(prompt_tokens - 1, prefix_blocks * node.block_size)
         return self.prefill_model(node.node_id).estimate(prompt_tokens, max(0, cached))
+
+    def prefill_floor_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float:
+        """A lower bound of ``prefill_s`` with the same arguments (O(1)); it is also
+        a lower bound for any more ``prefix_blocks``."""
+        cached = min(prompt_tokens - 1, prefix_blocks * node.block_size)
+        return self.prefill_model(node.node_id).estimate_floor(prompt_tokens, max(0, cached))
 
     def _prefill_evidence(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> bool:
         cached = max(0, min(prompt_tokens - 1, prefix_blocks * node.block_size))
@@ -481,7 +507,6 @@ class Scheduler:
             handoff_s=handoff_s,
             ttft_s=ttft,
             tbt_s=tbt,
-            fallbacks=tuple(c.node.node_id for c in ordered[1:]),
             cached_tokens=max(
                 0, min(req.prompt_tokens - 1, best.prefix_blocks * best.node.block_size)
             ),
@@ -542,13 +567,16 @@ class Scheduler:
     def on_assigned(self, req: ScheduleRequest, placement: Placement, now_s: float) -> None:
         """Record the assignment so the next decisions see its queue and decode load."""
         book = self._book(placement.prefill)
+        book.queue_memo = None
         book.pending_prefill_s[req.request_id] = placement.prefill_s
         book.pending_prefill_tokens[req.request_id] = req.prompt_tokens
         book.pending_cached_tokens[req.request_id] = placement.cached_tokens
         book.pending_since_s[req.request_id] = now_s
         migration = placement.migration
         if migration is not None and migration.lend_s > 0:
-            self._book(migration.source).pending_lends[req.request_id] = migration.lend_s
+            source = self._book(migration.source)
+            source.pending_lends[req.request_id] = migration.lend_s
+            source.queue_memo = None
         self._book(placement.decode).decodes[req.request_id] = PlacedDecode(
             start_s=now_s + placement.ttft_s,
             step_s=placement.tbt_s,
@@ -566,6 +594,7 @@ class Scheduler:
         told; the next prefill there is then taken to start when it was assigned);
         learn from its duration."""
         book = self._book(node)
+        book.queue_memo = None
         book.pending_prefill_s.pop(request_id, None)
         book.pending_prefill_tokens.pop(request_id, None)
         book.pending_cached_tokens.pop(request_id, None)
@@ -578,8 +607,8 @@ class Scheduler:
         """The request's prefix pull from ``source`` ended (done, failed or given up):
         the lend booked there no longer waits on its queue."""
         book = self._books.get(source)
-        if book is not None:
-            book.pending_lends.pop(request_id, None)
+        if book is not None and book.pending_lends.pop(request_id, None) is not None:
+            book.queue_memo = None
 
     def on_decode_started(self, request_id: str, node: NodeId, now_s: float) -> None:
         d = self._book(node).decodes.get(request_id)
@@ -603,6 +632,7 @@ class Scheduler:
         the length is at least that much. Both teach the output-length model.
         """
         book = self._book(prefill)
+        book.queue_memo = None
         book.pending_prefill_s.pop(request_id, None)
         book.pending_prefill_tokens.pop(request_id, None)
         book.pending_cached_tokens.pop(request_id, None)

@@ -377,6 +377,33 @@ def test_prefill_estimate_is_monotone_in_uncached_tokens(
         previous = estimate
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    observations=st.lists(
+        st.tuples(
+            st.integers(1, 200_000),
+            st.integers(0, 200_000),
+            st.floats(1e-6, 1e4, allow_nan=False),
+        ),
+        max_size=40,
+    ),
+    total=st.integers(0, 10**7),
+    cached=st.integers(0, 10**7),
+)
+def test_the_prefill_floor_is_below_the_estimate_at_every_size(
+    observations: list[tuple[int, int, float]], total: int, cached: int
+) -> None:
+    """The scheduler passes over a node whose floor exceeds the best TTFT found: the
+    floor must never exceed the estimate, for this prompt or one with more cached."""
+    model = PrefillTimeModel(TRUE_PREFILL, prior_weight=1.0)
+    assert model.estimate_floor(total, cached) == model.estimate(total, cached)  # the prior
+    for n, p, duration_s in observations:
+        model.observe(n, p, duration_s)
+    floor = model.estimate_floor(total, cached)
+    assert 0 <= floor <= model.estimate(total, cached) * (1 + 1e-12)
+    assert floor <= model.estimate(total, max(0, cached - 1000)) * (1 + 1e-12)
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     observations=st.lists(

@@ -142,7 +142,7 @@ def _busy_decode(lp: PlacementLoop, count: int, ends_after_s: float) -> None:
         req = request(rid=f"busy{i}", max_new_tokens=round(ends_after_s / step_s))
         p = Placement(
             prefill=NodeId("p1"), decode=NodeId("d1"), prefix_blocks=0, migration=None,
-            queue_s=0, prefill_s=0, handoff_s=0, ttft_s=0, tbt_s=step_s, fallbacks=(),
+            queue_s=0, prefill_s=0, handoff_s=0, ttft_s=0, tbt_s=step_s,
         )  # fmt: skip
         lp.scheduler.on_assigned(req, p, NOW)
         lp.scheduler.on_decode_started(req.request_id, NodeId("d1"), NOW)

@@ -77,7 +77,6 @@ def test_prefers_the_node_holding_the_prefix() -> None:
     assert p.prefix_blocks == 30
     assert p.migration is None
     assert p.prefill_s == pytest.approx((1025 - 30 * BS) * 0.001)
-    assert p.fallbacks == ("p1", "p3")
 
 
 def test_busy_holder_loses_to_migration_when_ratio_exceeds_threshold() -> None:
@@ -191,7 +190,7 @@ def _load_decode(s: Scheduler, count: int, end_s: float) -> None:
         req = request(rid=f"busy{i}", max_new=cap)
         p = Placement(
             prefill=NodeId("p1"), decode=NodeId("d1"), prefix_blocks=0, migration=None,
-            queue_s=0, prefill_s=0, handoff_s=0, ttft_s=0, tbt_s=step_s, fallbacks=(),
+            queue_s=0, prefill_s=0, handoff_s=0, ttft_s=0, tbt_s=step_s,
         )  # fmt: skip
         s.on_assigned(req, p, NOW - 1)
         s.on_decode_started(req.request_id, NodeId("d1"), NOW - 1)
@@ -537,7 +536,7 @@ def _running_decodes(s: Scheduler, count: int, cap: int) -> None:
         req = request(rid=f"run{i}", max_new=cap)
         p = Placement(
             prefill=NodeId("p1"), decode=NodeId("d1"), prefix_blocks=0, migration=None,
-            queue_s=0, prefill_s=0, handoff_s=0, ttft_s=0, tbt_s=0.01, fallbacks=(),
+            queue_s=0, prefill_s=0, handoff_s=0, ttft_s=0, tbt_s=0.01,
         )  # fmt: skip
         s.on_assigned(req, p, NOW)
         s.on_decode_started(req.request_id, NodeId("d1"), NOW)
@@ -648,7 +647,6 @@ def test_an_affinity_hint_wins_within_its_slack_and_loses_beyond_it() -> None:
     assert placed(s.schedule(request(), slightly_busy, NOW)).prefill == "p1"
     p = placed(s.schedule(hinted, slightly_busy, NOW))
     assert p.prefill == "p2"
-    assert p.fallbacks == ("p1",)
     busy = [node("p1"), node("p2", queued_prefill_tokens=5000), node("d1", "decode")]
     assert placed(s.schedule(hinted, busy, NOW)).prefill == "p1"
     gone = replace(hinted, affinity=NodeId("p9"))  # a node no longer in the fleet
