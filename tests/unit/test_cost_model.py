@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 from conductor.core.cost_model import DecodeTimeModel, PrefillTimeModel
 from conductor.core.prefix_index import NodeId
 from conductor.core.transfer_model import TransferModel
-from kvc.priors import DecodePrior, PrefillPrior, fit_decode_prior, fit_prefill_prior
+from kvc.priors import (
+    DecodePrior,
+    PrefillPrior,
+    decode_features,
+    fit_decode_prior,
+    fit_prefill_prior,
+    prefill_features,
+)
 
 SRC, DST = NodeId("p0"), NodeId("d0")
 
@@ -66,6 +73,28 @@ def test_prefill_without_observations_is_exactly_the_prior(total: int, cached: i
     model = PrefillTimeModel(prior)
     assert model.coefficients is prior
     assert model.estimate(total, cached) == prefill_truth(prior, total, cached)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    total=st.integers(0, 10**9),
+    cached=st.integers(0, 10**9),
+    batch=st.one_of(st.integers(0, 10**6), st.floats(0, 1e6)),
+    context=st.one_of(st.integers(0, 10**12), st.floats(0, 1e12)),
+)
+def test_prior_estimates_equal_the_features_formula_bit_for_bit(
+    total: int, cached: int, batch: float, context: float
+) -> None:
+    """The models compute the prior without calling the feature functions on the
+    scheduler's inputs; the result must be the same float as through them."""
+    prefill = PrefillPrior(fixed_s=0.015, per_token_s=3.3e-5, per_token_context_s=7.7e-10)
+    f1, f2 = prefill_features(total, cached)
+    expected = prefill.fixed_s + prefill.per_token_s * f1 + prefill.per_token_context_s * f2
+    assert PrefillTimeModel(prefill).estimate(total, cached) == expected
+    decode = DecodePrior(fixed_s=0.012, per_request_s=1.5e-4, per_context_token_s=2.0e-8)
+    b, c = decode_features(batch, context)
+    expected = decode.fixed_s + decode.per_request_s * b + decode.per_context_token_s * c
+    assert DecodeTimeModel(decode).estimate(batch, context) == expected
 
 
 def test_cached_beyond_total_counts_as_fully_cached() -> None:

@@ -422,3 +422,70 @@ def test_max_keys_bound_holds(max_keys: int, ops: list[tuple[int, int, bool]]) -
         else:
             model.observe(f"m{model_id}", f"t{tenant_id}", 10 + tenant_id)
         assert model.key_count <= max_keys
+
+
+# ------------------------------------------------- the rebuilds against their definitions
+
+
+def _kaplan_meier_by_bin(
+    exact: list[float], censored: list[float], unwatched: list[float], scale: float,
+    pseudo: list[float],
+) -> list[float]:  # fmt: skip
+    """The actuarial Kaplan-Meier recurrence, one bin at a time (the definition)."""
+    n = len(exact)
+    at_risk = [0.0] * n
+    running = 0.0
+    for k in range(n - 1, -1, -1):
+        running += (exact[k] + censored[k]) / scale + pseudo[k]
+        at_risk[k] = running
+    survival = [1.0] * (n + 1)
+    s = 1.0
+    for k in range(n):
+        deaths = exact[k] / scale + pseudo[k]
+        exposed = at_risk[k] - unwatched[k] / scale
+        if deaths > 0.0 and exposed > 0.0:
+            s *= max(0.0, 1.0 - min(1.0, deaths / exposed))
+        survival[k + 1] = s
+    return survival
+
+
+def _areas_by_bin(survival: list[float], knots: tuple[float, ...]) -> list[float]:
+    area = [0.0] * len(survival)
+    for k in range(len(survival) - 1):
+        area[k + 1] = area[k] + (survival[k] + survival[k + 1]) * (knots[k + 1] - knots[k]) / 2
+    return area
+
+
+_COUNT = st.one_of(st.just(0.0), st.floats(1e-6, 1e6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    counts=st.lists(st.tuples(_COUNT, _COUNT, _COUNT, _COUNT), min_size=1, max_size=8),
+    scale=st.floats(1e-3, 1e100),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_rebuilds_equal_their_per_bin_definitions_bit_for_bit(
+    counts: list[tuple[float, float, float, float]], scale: float, seed: int
+) -> None:
+    """The distribution is rebuilt with whole-array operations; every float must be the
+    one the per-bin recurrences give, or decisions would drift from the definitions."""
+    from conductor.core import output_length as ol
+
+    rng = random.Random(seed)
+    bins = ol._N_BINS
+    rows = [counts[rng.randrange(len(counts))] for _ in range(bins)]
+    for k in rng.sample(range(bins), bins // 2):  # sparse, as real counts are
+        rows[k] = (0.0, 0.0, 0.0, rows[k][3])
+    exact, censored, pseudo = ([r[i] for r in rows] for i in (0, 1, 3))
+    unwatched = [min(r[1], r[2]) for r in rows]  # never more than the censored weight
+    expected = _kaplan_meier_by_bin(exact, censored, unwatched, scale, pseudo)
+    survival = ol._kaplan_meier(exact, censored, unwatched, scale, pseudo)
+    assert survival == expected
+    snap = ol._snapshot(survival, 1.0)
+    assert list(snap.knot_area) == _areas_by_bin(expected, ol._KNOTS)
+    tail = next((k for k in range(1, bins + 1) if expected[k] <= TAIL_SURVIVAL), bins)
+    assert snap.tail_index == tail
+    pmf = [max(0.0, expected[k] - expected[k + 1]) for k in range(bins)]
+    pmf[-1] += max(0.0, expected[-1])
+    assert ol._pmf(snap).tolist() == pmf
