@@ -13,13 +13,18 @@ does — allocated, prefill done (the predicted time x a factor in [0.7, 1.4]), 
 started, finished after 64 tokens at the predicted TBT x the same kind of factor — so
 every timed decision finds the cost models freshly observed (their lazy refresh is in
 the time) and the in-flight prefix book in use. Tokenization of an equally long text
-is reported separately. Writes ``scheduler_decision.md``/``.json`` and a PNG (p99 by
-prompt length, one line per fleet size).
+is reported separately. After the timed decisions, ``PROFILED`` more run under
+``cProfile`` (untimed) to count the Python calls (functions and built-ins) one placement
+makes: a measure of work that a shared, noisy machine cannot move, for comparing code
+versions. Writes ``scheduler_decision.md``/``.json`` and a PNG (p99 by prompt length,
+one line per fleet size).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import time
 from dataclasses import dataclass
@@ -43,6 +48,7 @@ from kvc.roles import NodeRole
 from kvc.tokenization import ChatTokenizer
 
 PROMPTS = (1024, 8192, 32768, 131072)
+PROFILED = 20  # decisions counted under cProfile after the timed ones
 FLEETS = (8, 64, 256, 1024)
 MODEL = "bench-model"
 
@@ -95,7 +101,9 @@ def measure(prompt_tokens: int, fleet: Fleet, repeats: int) -> dict[str, Any]:
     samples: list[float] = []
     placing: list[float] = []  # the placement loop alone (no keys, no match)
     now_s = 1000.0
-    for r in range(repeats):
+    profiler = cProfile.Profile()
+    for r in range(repeats + PROFILED):
+        profiled = r >= repeats
         started = time.perf_counter()
         keys = compute_block_keys(tokens[:-1], tenant="t", model=MODEL, block_size=32)
         request = ScheduleRequest(
@@ -107,17 +115,23 @@ def measure(prompt_tokens: int, fleet: Fleet, repeats: int) -> dict[str, Any]:
             length_key=(MODEL, "t"),
         )
         matched = time.perf_counter()
+        if profiled:
+            profiler.enable()
         placement = loop.begin(request, keys, now_s)
         step = placement.decide(fleet.nodes, now_s)
         ended = time.perf_counter()
-        samples.append(ended - started)
-        placing.append(ended - matched)
+        if profiled:
+            profiler.disable()
+        else:
+            samples.append(ended - started)
+            placing.append(ended - matched)
         now_s = _report_like_live(placement, step, prompt_tokens, now_s, rng)
     return {
         "prompt_tokens": prompt_tokens,
         "nodes": len(fleet.nodes),
         **summarize_ms(samples),
         "placement_p50_ms": summarize_ms(placing)["p50_ms"],
+        "placement_calls": pstats.Stats(profiler).total_calls / PROFILED,  # type: ignore[attr-defined]
     }
 
 
@@ -214,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             "decision p50 ms",
             "decision p99 ms",
             "of which placement p50 ms",
+            "Python calls per placement",
             "tokenize p50 ms",
         ],
         [
@@ -224,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["p50_ms"],
                 r["p99_ms"],
                 r["placement_p50_ms"],
+                round(r["placement_calls"]),
                 tok[r["prompt_tokens"]]["p50_ms"],
             ]
             for r in rows

@@ -39,6 +39,9 @@ def test_scheduler_decision_bench_writes_table_json_and_plot(tmp_path: Path) -> 
     }  # fmt: skip
     assert all(r["p99_ms"] > 0 for r in data["rows"])
     assert all(0 < r["placement_p50_ms"] <= r["p99_ms"] for r in data["rows"])
+    # More nodes, more work per placement (the prefill nodes' bounds, the decode forecasts).
+    calls = {(r["prompt_tokens"], r["nodes"]): r["placement_calls"] for r in data["rows"]}
+    assert 0 < calls[(1024, 8)] < calls[(1024, 64)]
     assert (tmp_path / "scheduler_decision.png").stat().st_size > 1000
 
 
