@@ -86,7 +86,7 @@ Complexity
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_right, insort
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,6 +129,7 @@ def _median(values: Sequence[float]) -> float:
 class _Bucket:
     log_ratios: deque[float]
     last_seen: int  # the correction's observation count when this bucket last got one
+    median: float = 0.0  # of ``log_ratios``, kept at each observation (one bucket changes)
 
 
 class _LogRatioCorrection:
@@ -140,6 +141,7 @@ class _LogRatioCorrection:
     """
 
     __slots__ = (
+        "_bucket_keys",
         "_bucket_window",
         "_buckets",
         "_dirty",
@@ -169,6 +171,7 @@ class _LogRatioCorrection:
         self._half_life = float(half_life)
         self._global: deque[float] = deque(maxlen=window)
         self._buckets: dict[int, _Bucket] = {}
+        self._bucket_keys: list[int] = []  # sorted
         self._seen = 0
         self._dirty = False
         self._global_correction = 0.0
@@ -205,13 +208,11 @@ class _LogRatioCorrection:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(deque(maxlen=self._bucket_window), 0)
+            insort(self._bucket_keys, key)
         bucket.log_ratios.append(log_ratio)
+        bucket.median = _median(bucket.log_ratios)
         bucket.last_seen = self._seen
         self._dirty = True
-
-    def _weight(self, bucket: _Bucket) -> float:
-        age = self._seen - bucket.last_seen
-        return len(bucket.log_ratios) * math.pow(0.5, age / self._half_life)
 
     def _refresh(self) -> None:
         if not self._dirty:
@@ -221,18 +222,26 @@ class _LogRatioCorrection:
         if self._global:  # the prior's pull fades with every observation ever made
             g = _median(self._global) * self._seen / (self._seen + self._prior_weight)
         self._global_correction = g
-        self._knot_t, self._knot_c, self._knot_h_max = [], [], []
+        # One pass over the buckets (their medians are kept by ``observe``): the refresh
+        # follows every observation, so once per decision on a node that just reported.
+        knot_t: list[float] = []
+        knot_c: list[float] = []
+        knot_h_max: list[float] = []
         h_max = -math.inf
-        for key in sorted(self._buckets):
-            bucket = self._buckets[key]
-            weight = self._weight(bucket)
-            c = g + weight / (weight + _BUCKET_PRIOR_WEIGHT) * (_median(bucket.log_ratios) - g)
-            h_max = max(h_max, key * _LOG2 + c)
-            self._knot_t.append(float(key))
-            self._knot_c.append(c)
-            self._knot_h_max.append(h_max)
+        buckets, seen, half_life = self._buckets, self._seen, self._half_life
+        for key in self._bucket_keys:
+            bucket = buckets[key]
+            weight = len(bucket.log_ratios) * math.pow(0.5, (seen - bucket.last_seen) / half_life)
+            c = g + weight / (weight + _BUCKET_PRIOR_WEIGHT) * (bucket.median - g)
+            h = key * _LOG2 + c
+            if h > h_max:
+                h_max = h
+            knot_t.append(float(key))
+            knot_c.append(c)
+            knot_h_max.append(h_max)
+        self._knot_t, self._knot_c, self._knot_h_max = knot_t, knot_c, knot_h_max
         # Every c(t) lies between knots' c or between a knot's and g (``_shape``).
-        self._floor_factor = math.exp(min([g, *self._knot_c]))
+        self._floor_factor = math.exp(min(g, *knot_c)) if knot_c else math.exp(g)
 
     def _shape(self, position: float) -> tuple[float, int]:
         """The log correction at ``position`` and the index of the last knot <= it."""

@@ -42,12 +42,14 @@ prefill nodes plus the decode filters' and ranker's O(D log D).
 Contenders. Under ``LowestTtft`` only the first candidate is ever used (and the
 affinity node's, ``ScheduleRequest.affinity``), so the planners build candidates only
 for nodes that may rank first (``PrefixPlanner.contenders``): every node gets a lower
-bound of its TTFT first — its queue plus the cost model's floor for the longest prefix
-it could reuse (``Estimates.prefill_floor_s``), O(1) — and nodes are evaluated in order
-of that bound until the bound passes the best TTFT found. The first candidate is the
-one the full ranking puts first (property-tested against it); what is saved is the
-prefill estimates, transfers and candidates of the nodes that cannot win, most of the
-fleet when it is large and only a few nodes hold the prefix.
+bound of its TTFT first, O(1) — the candidate's own formula with each prefill estimate
+replaced by the cost model's floor (``Estimates.prefill_floor_s``): its queue, plus the
+floor for its own prefix, or the pull's wait and wire time plus the floor for the
+pulled one (the smaller of the two where a pull is taken only when it pays) — and
+nodes are evaluated in order of that bound until the bound passes the best TTFT found.
+The first candidate is the one the full ranking puts first (property-tested against
+it); what is saved is the prefill estimates and candidates of the nodes that cannot
+win, most of the fleet when it is large and only a few nodes hold the prefix.
 """
 
 from __future__ import annotations
