@@ -289,12 +289,9 @@ class _LogRatioCorrection:
         the correction applies at any size (``c(t)`` never goes below its knots' and
         the global factor; the running maximum only raises it). O(1) between
         observations: what lets the scheduler pass over nodes that cannot win."""
-        if not prior_s > 0:
-            return 0.0
-        if self._seen == 0:
-            return prior_s
-        if self._dirty:
-            self._refresh()
+        if not (prior_s > 0 and self._seen):  # the estimate is then the prior (or 0)
+            return prior_s if prior_s > 0 else 0.0
+        self._refresh()
         return min(prior_s * self._floor_factor, _POSITION_UNIT_S * math.exp(_MAX_LOG_ESTIMATE))
 
     def has_evidence(self, prior_s: float) -> bool:

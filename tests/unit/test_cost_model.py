@@ -380,18 +380,19 @@ def test_fits_refuse_samples_without_a_duration() -> None:
         fit_decode_prior([])
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    observations=st.lists(
-        st.tuples(
-            st.integers(0, 200_000),
-            st.integers(0, 200_000),
-            st.floats(0, 1e4, allow_nan=False),
-        ),
-        max_size=40,
+# Prefill observations (total, cached, seconds), some of them invalid (ignored).
+PREFILL_OBSERVATIONS = st.lists(
+    st.tuples(
+        st.integers(0, 200_000),
+        st.integers(0, 200_000),
+        st.floats(0, 1e4, allow_nan=False),
     ),
-    total=st.integers(0, 10**9),
+    max_size=40,
 )
+
+
+@settings(max_examples=80, deadline=None)
+@given(observations=PREFILL_OBSERVATIONS, total=st.integers(0, 10**9))
 def test_prefill_estimate_is_monotone_in_uncached_tokens(
     observations: list[tuple[int, int, float]], total: int
 ) -> None:
@@ -408,14 +409,7 @@ def test_prefill_estimate_is_monotone_in_uncached_tokens(
 
 @settings(max_examples=150, deadline=None)
 @given(
-    observations=st.lists(
-        st.tuples(
-            st.integers(1, 200_000),
-            st.integers(0, 200_000),
-            st.floats(1e-6, 1e4, allow_nan=False),
-        ),
-        max_size=40,
-    ),
+    observations=PREFILL_OBSERVATIONS,
     total=st.integers(0, 10**7),
     cached=st.integers(0, 10**7),
 )
