@@ -415,17 +415,7 @@ class PrefillTimeModel(_CorrectedModel):
         return self._prior.per_token_s * math.exp(self._correction.global_correction)
 
     def _prior_s(self, total_tokens: int, cached_tokens: int) -> float:
-        # ``prefill_features`` written out for what the scheduler passes (ints, cached
-        # within total: the same floats); anything else goes through its checks.
-        if (
-            total_tokens.__class__ is int
-            and cached_tokens.__class__ is int
-            and 0 <= cached_tokens <= total_tokens
-        ):
-            f1 = float(total_tokens - cached_tokens)
-            f2 = f1 * float(total_tokens + cached_tokens)
-        else:
-            f1, f2 = prefill_features(total_tokens, cached_tokens)
+        f1, f2 = prefill_features(total_tokens, cached_tokens)
         prior = self._prior
         return prior.fixed_s + prior.per_token_s * f1 + prior.per_token_context_s * f2
 
@@ -494,17 +484,7 @@ class DecodeTimeModel(_CorrectedModel):
         return DecodePrior(*(c * factor for c in self._prior.coefficients))
 
     def _prior_s(self, batch_requests: float, context_tokens: float) -> float:
-        # ``decode_features`` written out for finite non-negative numbers (every call of
-        # the scheduler's; the same floats); anything else (NaN fails) takes its checks.
-        if (
-            (batch_requests.__class__ is float or batch_requests.__class__ is int)
-            and (context_tokens.__class__ is float or context_tokens.__class__ is int)
-            and 0 <= batch_requests < math.inf
-            and 0 <= context_tokens < math.inf
-        ):
-            batch, context = float(batch_requests), float(context_tokens)
-        else:
-            batch, context = decode_features(batch_requests, context_tokens)
+        batch, context = decode_features(batch_requests, context_tokens)
         prior = self._prior
         return prior.fixed_s + prior.per_request_s * batch + prior.per_context_token_s * context
 

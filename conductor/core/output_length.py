@@ -247,7 +247,7 @@ class LengthDistribution:
 # request is one), so they are written as whole-array operations: NumPy's accumulate
 # and element-wise operations perform the same IEEE operations in the same order as the
 # per-bin recurrences in the docstrings (tests/unit/test_output_length.py compares them
-# bit for bit with those loops), at a tenth of their cost.
+# bit for bit with those loops).
 _KNOT_WIDTHS: Final = np.diff(np.array(_KNOTS))  # x_{k+1} - x_k
 
 
@@ -299,7 +299,7 @@ def _snapshot(knot_survival: list[float], weight: float) -> LengthDistribution:
         tail_area = area[k - 1] + (s0 + TAIL_SURVIVAL) * (t_star - x0) / 2
         tail_index = k
     # Never at knot 0 (S = 1 there), so t* > 0; s_star > 0 unless the last knot is 0,
-    # and then the loop found a crossing with s_star = TAIL_SURVIVAL.
+    # and then a crossing was found with s_star = TAIL_SURVIVAL.
     return LengthDistribution(
         knot_survival=tuple(knot_survival),
         knot_area=tuple(area),

@@ -377,13 +377,10 @@ class Scheduler:
 
     def tbt_at(self, node: NodeState, at_s: float, now_s: float, req: ScheduleRequest) -> float:
         """Predicted TBT on ``node`` at ``at_s`` with ``req`` joining."""
-        book = self._book(node.node_id)
-        model = self.decode_model(node.node_id)
-        load = forecast_decode_load(
-            book.decodes.values(), node.running_requests, at_s, now_s, self.lengths_for(req),
-            model, self._reported_step_s(node, book, model),
-        )  # fmt: skip
-        return model.estimate(load.requests + 1, load.context_tokens + req.prompt_tokens)
+        load = self.forecast(node, at_s, now_s, self.lengths_for(req))
+        return self.decode_model(node.node_id).estimate(
+            load.requests + 1, load.context_tokens + req.prompt_tokens
+        )
 
     def load_s(self, node: NodeState, req: ScheduleRequest) -> float:
         """Time to load the node's lower-tier blocks of this prompt back onto its device."""

@@ -85,8 +85,8 @@ def test_prefill_without_observations_is_exactly_the_prior(total: int, cached: i
 def test_prior_estimates_equal_the_features_formula_bit_for_bit(
     total: int, cached: int, batch: float, context: float
 ) -> None:
-    """The models compute the prior without calling the feature functions on the
-    scheduler's inputs; the result must be the same float as through them."""
+    """Without observations an estimate is the prior through the feature functions,
+    the same float (what the scheduler's floors and estimates both start from)."""
     prefill = PrefillPrior(fixed_s=0.015, per_token_s=3.3e-5, per_token_context_s=7.7e-10)
     f1, f2 = prefill_features(total, cached)
     expected = prefill.fixed_s + prefill.per_token_s * f1 + prefill.per_token_context_s * f2
