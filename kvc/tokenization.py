@@ -205,6 +205,227 @@ class _PieceCache:
         return self._tokens
 
 
+# -- ASCII text through byte-level BPE without the tokenizer's pre-tokenizer ----------
+
+# What the pre-tokenizer's regex classes (Oniguruma, Unicode) match among ASCII
+# characters: \s is U+0009–U+000D and the space (not U+001C–U+001F, which Python's
+# ``str.isspace`` counts); \p{L} the letters, \p{N} the digits. Categories with no ASCII
+# member become a range of non-ASCII characters, which ASCII text never holds.
+_ASCII_SPACE: Final = r"\t\n\x0b\x0c\r "
+_NO_ASCII: Final = r"\x80-\U0010ffff"
+_ASCII_CLASSES: Final[Mapping[str, str]] = {
+    r"\s": _ASCII_SPACE,
+    r"\p{L}": "A-Za-z", r"\p{Lu}": "A-Z", r"\p{Ll}": "a-z",
+    r"\p{Lt}": _NO_ASCII, r"\p{Lm}": _NO_ASCII, r"\p{Lo}": _NO_ASCII,
+    r"\p{M}": _NO_ASCII, r"\p{N}": "0-9",
+}  # fmt: skip
+_ESCAPE: Final = re.compile(r"\\(p\{[A-Za-z]+\}|.)", re.DOTALL)
+# The byte-level pre-tokenizer's own split (GPT-2's), used when it splits by itself.
+_GPT2_SPLIT: Final = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Distinct pre-tokens whose ids an _AsciiBytePairs remembers (~15 MiB when full, then
+# forgotten at once). The BPE model inside ``tokenizers`` keeps such a cache of its own
+# (10,000 words), shared by every caller as this one is.
+_PRE_TOKENS_KEPT: Final = 65_536
+# Text the ASCII path is checked against when built: every pre-tokenizer rule's case
+# (contractions, runs of digits, punctuation, whitespace before a word and at the end).
+_ASCII_PROBES: Final = (
+    "Hello, world! It's 3:45pm -- we'll see.  Don't   stop\n\n\tnow?",
+    "x=[1, 22, 333, 4444, 55555];  // CAPS and MiXeD\r\n  trailing   ",
+    "I'M HERE, YOU'RE THERE; they'd've said 'quote' \"dq\" \x0b\x0c\x1c\x1f\x7f\x00 end",
+    "    def f(a, b):\n        return a**2 + b  # comment\n\n\n",
+    "",
+    " ",
+    "'s's'S 'LL 'll 12abc abc12 a_b-c.d/e\\f@g#h$i%j^k&l*m(n)o{p}q|r~s`t<u>v",
+)
+
+
+def _ascii_regex(pattern: str) -> re.Pattern[str] | None:
+    """``pattern`` (an Oniguruma regex of a pre-tokenizer) as a Python regex that
+    matches the same on ASCII text, or None when it uses anything not known to
+    translate exactly (other escapes, anchors, which Oniguruma reads per line)."""
+    out: list[str] = []
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            match = _ESCAPE.match(pattern, i)
+            assert match is not None
+            escape = "\\" + match.group(1)
+            i = match.end()
+            if escape in _ASCII_CLASSES:
+                inner = _ASCII_CLASSES[escape]
+                out.append(inner if in_class else f"[{inner}]")
+            elif escape == r"\S" and not in_class:
+                out.append(f"[^{_ASCII_SPACE}]")
+            elif escape in (r"\r", r"\n", r"\t") or not escape[1].isalnum():
+                out.append(escape)
+            else:
+                return None
+            continue
+        if char in "^$" and not in_class:
+            return None
+        if char == "[" and not in_class:
+            in_class = True
+            out.append(char)
+            i += 1
+            if pattern.startswith("^", i):  # a negated class
+                out.append("^")
+                i += 1
+            if pattern.startswith("]", i):  # a literal ] first in a class
+                out.append(r"\]")
+                i += 1
+            continue
+        if char == "[":  # a nested class: Oniguruma's, not Python's
+            return None
+        if char == "]" and in_class:
+            in_class = False
+        out.append(char)
+        i += 1
+    try:
+        return re.compile("".join(out))
+    except re.error:
+        return None
+
+
+def _byte_level_chars() -> list[str]:
+    """The byte-level alphabet (GPT-2's): bytes that print stand for themselves, the
+    others for the code points from 256 up, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = [""] * 256
+    for byte in printable:
+        chars[byte] = chr(byte)
+    shifted = 256
+    for byte in range(256):
+        if not chars[byte]:
+            chars[byte] = chr(shifted)
+            shifted += 1
+    return chars
+
+
+class _AsciiBytePairs:
+    """Token ids of ASCII text for a byte-level BPE tokenizer, several times faster
+    than ``Tokenizer.encode`` for prompt-sized text: ``tokenizers`` spends most of a
+    short encode in its Oniguruma pre-tokenizer and in building the ``Encoding``
+    (offsets, masks). Here the pre-tokenizer's regex runs as a Python regex that matches
+    the same on ASCII text, and each pre-token's ids come from the BPE model, once: a
+    pre-token encodes alone as it does in context (that is what pre-tokenizing means).
+
+    Built only for tokenizers whose pipeline is exactly that (no normalizer, a
+    byte-level pre-tokenizer alone or after regex splits, a BPE model) and whose
+    translated regex reproduces the tokenizer on probe text; text that holds an added
+    token's content or a character outside ASCII goes to the tokenizer."""
+
+    __slots__ = ("_added", "_chars", "_known", "_model", "_splits")
+
+    def __init__(
+        self, tokenizer: Tokenizer, splits: Sequence[re.Pattern[str]], added: Sequence[str]
+    ) -> None:
+        self._model = tokenizer.model
+        self._splits = tuple(splits)
+        self._chars = dict(enumerate(_byte_level_chars()[:128]))
+        # Leftmost-longest, as the tokenizer cuts its added tokens out first.
+        alternatives = sorted(added, key=len, reverse=True)
+        self._added = (
+            re.compile("|".join(re.escape(a) for a in alternatives)) if alternatives else None
+        )
+        self._known: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def build(cls, tokenizer: Tokenizer) -> _AsciiBytePairs | None:
+        """The fast path for ``tokenizer``, or None where it would not be exact."""
+        spec = json.loads(tokenizer.to_str())
+        model = spec.get("model") or {}
+        if spec.get("normalizer") is not None or model.get("type") != "BPE":
+            return None
+        if model.get("dropout") or getattr(tokenizer, "encode_special_tokens", False):
+            return None
+        splits = _pre_token_splits(spec.get("pre_tokenizer"))
+        if splits is None:
+            return None
+        added = [a.content for a in tokenizer.get_added_tokens_decoder().values() if a.content]
+        fast = cls(tokenizer, splits, added)
+        pre_tokenizer = tokenizer.pre_tokenizer
+        for probe in _ASCII_PROBES:
+            pieces = fast.pieces(probe)
+            if pieces is None:
+                continue
+            mapped = [piece.translate(fast._chars) for piece in pieces if piece]
+            if pre_tokenizer is None or mapped != [
+                piece for piece, _ in pre_tokenizer.pre_tokenize_str(probe)
+            ]:
+                return None
+            if fast.encode(probe) != tokenizer.encode(probe, add_special_tokens=False).ids:
+                return None
+        fast._known.clear()
+        return fast
+
+    def pieces(self, text: str) -> list[str] | None:
+        """ASCII ``text`` cut as the pre-tokenizer cuts it (before its byte-level
+        mapping), or None when it holds an added token's content (the tokenizer cuts
+        those out first) or a split would leave text between its matches."""
+        if self._added is not None and self._added.search(text) is not None:
+            return None
+        pieces = [text]
+        for split in self._splits:
+            pieces = [part for piece in pieces for part in split.findall(piece)]
+            if sum(map(len, pieces)) != len(text):  # a gap between matches
+                return None
+        return pieces
+
+    def encode(self, text: str) -> list[int] | None:
+        """Ids of ASCII ``text`` (as ``encode(text, add_special_tokens=False)``), or
+        None when it holds an added token's content (the tokenizer must cut it out)."""
+        pieces = self.pieces(text)
+        if pieces is None:
+            return None
+        known = self._known
+        out: list[int] = []
+        for piece in pieces:
+            ids = known.get(piece)
+            if ids is None:
+                mapped = piece.translate(self._chars)
+                ids = tuple(token.id for token in self._model.tokenize(mapped))
+                if len(known) >= _PRE_TOKENS_KEPT:
+                    known.clear()
+                known[piece] = ids
+            out.extend(ids)
+        return out
+
+
+def _pre_token_splits(spec: Any) -> list[re.Pattern[str]] | None:
+    """The Python regexes that split ASCII text as ``spec`` (a pre-tokenizer) does
+    before its byte-level mapping, or None when it is not such a pipeline."""
+    if not isinstance(spec, Mapping):
+        return None
+    kind = spec.get("type")
+    parts = list(spec.get("pretokenizers") or []) if kind == "Sequence" else [spec]
+    if not parts or not isinstance(last := parts[-1], Mapping) or last.get("type") != "ByteLevel":
+        return None
+    if last.get("add_prefix_space"):
+        return None
+    sources: list[str] = []
+    for part in parts[:-1]:
+        if not isinstance(part, Mapping) or part.get("type") != "Split":
+            return None
+        pattern = part.get("pattern")
+        if (
+            part.get("behavior") != "Isolated"
+            or part.get("invert")
+            or not isinstance(pattern, Mapping)
+            or not isinstance(pattern.get("Regex"), str)
+        ):
+            return None
+        sources.append(pattern["Regex"])
+    if last.get("use_regex", True):
+        sources.append(_GPT2_SPLIT)
+    compiled = [_ascii_regex(source) for source in sources]
+    # findall gives whole matches only when the pattern captures no group.
+    if any(c is None or c.groups for c in compiled):
+        return None
+    return [c for c in compiled if c is not None]
+
+
 class ChatTemplateError(ValueError):
     """A chat template could not be rendered for these messages."""
 
@@ -534,6 +755,17 @@ class ChatTokenizer:
             return None
         return _PieceCache(self._tokenizer, self._piece_cache_tokens)
 
+    @functools.cached_property
+    def _ascii_byte_pairs(self) -> _AsciiBytePairs | None:
+        # On first use (reads tokenizer.json and checks itself against the tokenizer).
+        return _AsciiBytePairs.build(self._tokenizer)
+
+    @property
+    def ascii_fast_path(self) -> bool:
+        """Whether short ASCII text is encoded without the tokenizer's pre-tokenizer
+        (a byte-level BPE whose split this module reproduces exactly)."""
+        return self._ascii_byte_pairs is not None
+
     @property
     def piece_cache_tokens(self) -> int | None:
         """Token ids the chat piece cache holds now (None: this tokenizer has none)."""
@@ -565,6 +797,10 @@ class ChatTokenizer:
         if len(text) > _GIL_FREE_ENCODE_CHARS:
             batch = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
             return list(batch[0].ids)
+        if not add_special_tokens and text.isascii() and (fast := self._ascii_byte_pairs):
+            ids = fast.encode(text)
+            if ids is not None:
+                return ids
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

@@ -633,3 +633,132 @@ def test_pieces_are_kept_per_scope() -> None:
     assert len(encoded) == n  # all from the cache
     assert tok.chat_token_ids(messages, cache_scope="tenant-b") == first
     assert len(encoded) == 2 * n  # encoded again
+
+
+# -- ASCII text without the tokenizer's pre-tokenizer ----------------------------
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split_then_bytes(pattern: str, **byte_level: Any) -> Any:
+    def change(spec: dict[str, Any]) -> None:
+        spec["pre_tokenizer"] = {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+                 "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                 "use_regex": False, **byte_level},
+            ],
+        }  # fmt: skip
+
+    return change
+
+
+_FAST_VARIANTS: dict[str, ChatTokenizer] = {}
+
+
+def _fast_variant(name: str) -> ChatTokenizer:
+    if name not in _FAST_VARIANTS:
+        changes = {"llama3": _split_then_bytes(_LLAMA3_SPLIT),
+                   "qwen2": _split_then_bytes(_QWEN2_SPLIT),
+                   "o200k": _split_then_bytes(_O200K_SPLIT)}  # fmt: skip
+        _FAST_VARIANTS[name] = tokenizer() if name == "gpt2" else _variant(changes[name])
+    return _FAST_VARIANTS[name]
+
+
+# ASCII with every class boundary the splits draw: letters of both cases, digits,
+# contractions, the six characters Oniguruma calls space and four it does not, other
+# controls, punctuation, an added token's text.
+_ASCII_ATOMS = ["a", "Z", "q", "7", "0", "'", "s", "S", "ll", "LL", "ve", "d", " ", "  ", "\t",
+                "\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1f", "\x00", "\x7f", ".", ",",
+                "/", "-", "_", "(", "]", "\\", "$", "^", "123456", "Hello", " world",
+                "<|eot_id|>", "<|im_start|>"]  # fmt: skip
+_ASCII_TEXT = st.lists(
+    st.sampled_from(_ASCII_ATOMS) | st.text(st.characters(max_codepoint=0x7F), max_size=8),
+    max_size=40,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(["gpt2", "llama3", "qwen2", "o200k"]), text=_ASCII_TEXT)
+def test_ascii_text_encodes_as_the_tokenizer_does(name: str, text: str) -> None:
+    """The ASCII path (the pre-tokenizer's regex run as a Python regex, each
+    pre-token's ids from the BPE model) gives the tokenizer's own ids, for the demo
+    model's GPT-2 split and for Llama 3's, Qwen 2's and o200k's splits."""
+    tok = _fast_variant(name)
+    assert tok.ascii_fast_path  # the path under test is the one taken
+    assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    fast = tok._ascii_byte_pairs
+    assert fast is not None
+    pieces = fast.pieces(text)
+    if pieces is not None:  # cut where the pre-tokenizer cuts, not only the same ids
+        pre = tok.tokenizer.pre_tokenizer
+        assert pre is not None
+        assert [p.translate(fast._chars) for p in pieces if p] == [
+            p for p, _ in pre.pre_tokenize_str(text)
+        ]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=60) | st.sampled_from([MIXED_TEXT[:300], "naïve 'café' – done"]))
+def test_any_text_encodes_as_the_tokenizer_does(text: str) -> None:
+    tok = tokenizer()
+    assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text, add_special_tokens=True) == tok.tokenizer.encode(text).ids
+
+
+def _bos_prefix(spec: dict[str, Any]) -> None:
+    spec["pre_tokenizer"]["add_prefix_space"] = True
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _normalizer,
+        _metaspace_first,
+        _bos_prefix,
+        _split_then_bytes(r"\d+|\D+"),  # escapes it does not translate
+        _split_then_bytes(r"^\s+|\S+|\s+"),  # Oniguruma's ^ is per line
+        _split_then_bytes(r"(\p{L}+)|\P{L}+"),  # a capturing group, \P
+        _split_then_bytes(_LLAMA3_SPLIT, add_prefix_space=True),
+    ],
+)
+def test_tokenizers_the_ascii_path_cannot_reproduce_go_to_the_tokenizer(change: Any) -> None:
+    tok = _variant(change)
+    assert not tok.ascii_fast_path
+    text = "It's 12345 o'clock,  Mr. Smith!\n\tdone  "
+    assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_a_split_that_leaves_gaps_goes_to_the_tokenizer() -> None:
+    """A Split keeps the text between its matches as pieces; where a regex leaves such
+    gaps, the ASCII path hands the text over rather than drop them."""
+    tok = _variant(_split_then_bytes(r"[a-z]+"))
+    assert tok.ascii_fast_path  # the probes with gaps were handed over too
+    text = "abc DEF ghi"
+    assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_the_ascii_path_forgets_its_pre_tokens_past_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvc.tokenization as tokenization
+
+    monkeypatch.setattr(tokenization, "_PRE_TOKENS_KEPT", 50)
+    fast = tokenization._AsciiBytePairs.build(tokenizer().tokenizer)
+    assert fast is not None
+    for i in range(20):
+        text = " ".join(f"w{i}x{j}" for j in range(10))
+        assert fast.encode(text) == tokenizer().tokenizer.encode(text, add_special_tokens=False).ids
+        assert len(fast._known) <= 50
