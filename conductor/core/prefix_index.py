@@ -119,6 +119,9 @@ _SCALAR_KEYS: Final = 2  # a prompt's first keys, looked up one by one
 _FIRST_CHUNK: Final = 32  # then keys looked up together, 8x more each time
 _MAX_CHUNK: Final = 1024
 _SMALL: Final = 64  # arrays up to this length are cheaper walked in Python than in NumPy
+# Keys up to this many are looked up and placed one by one: a vectorised probe costs
+# tens of microseconds whatever its length (most events store or remove a block or two).
+_FEW: Final = 8
 
 
 class ApplyOutcome(enum.Enum):
@@ -192,9 +195,9 @@ class _KeyTable:
     def home(self, keys: _U64) -> _I64:
         return ((keys * self._mult) % np.uint64(self.rows)).astype(np.int64)
 
-    def set_id_of(self, key: int) -> int:
-        """The set id of one key (``_EMPTY`` when absent), without vectorising: a few
-        row reads, cheaper than ``find`` for a key or two."""
+    def position_of(self, key: int) -> int:
+        """The slot of one key (-1 when absent), without vectorising: a few row reads,
+        cheaper than ``find`` for a key or two."""
         row = (key * self._mult_int & _MASK64) % self.rows
         while True:
             at = row * _ROW
@@ -203,13 +206,20 @@ class _KeyTable:
                 row_ids = self.ids[at : at + _ROW].tolist()
                 for col in range(_ROW):
                     if row_keys[col] == key and row_ids[col] > _TOMB:
-                        return int(row_ids[col])
+                        return at + col
             if not self.overflowed[row]:
-                return _EMPTY
+                return -1
             row = row + 1 if row + 1 < self.rows else 0
+
+    def set_id_of(self, key: int) -> int:
+        """The set id of one key (``_EMPTY`` when absent), as ``position_of``."""
+        at = self.position_of(key)
+        return _EMPTY if at < 0 else int(self.ids[at])
 
     def find(self, keys: _U64) -> _I64:
         """Table position of each key, -1 where absent."""
+        if len(keys) <= _FEW:
+            return np.array([self.position_of(k) for k in keys.tolist()], dtype=np.int64)
         found = np.full(len(keys), -1, dtype=np.int64)
         self._probe(keys, found, positions=True)
         return found
@@ -255,6 +265,10 @@ class _KeyTable:
         n = len(keys)
         if n == 0:
             return
+        if n <= _FEW:
+            for key, set_id in zip(keys.tolist(), ids.tolist(), strict=True):
+                self._place_one(key, set_id)
+            return
         row = self.home(keys)
         pending = np.arange(n)
         id_rows = self.ids.reshape(self.rows, _ROW)
@@ -294,6 +308,24 @@ class _KeyTable:
             row[row == self.rows] = 0
         self.live += n
         self.tombs -= reused
+
+    def _place_one(self, key: int, set_id: int) -> None:
+        """``place`` for one key: the first free slot from its home row on, flagging
+        each full row it passes."""
+        row = (key * self._mult_int & _MASK64) % self.rows
+        while True:
+            at = row * _ROW
+            row_ids = self.ids[at : at + _ROW].tolist()
+            for col in range(_ROW):
+                if row_ids[col] <= _TOMB:
+                    if row_ids[col] == _TOMB:
+                        self.tombs -= 1
+                    self.keys[at + col] = key
+                    self.ids[at + col] = set_id
+                    self.live += 1
+                    return
+            self.overflowed[row] = True
+            row = row + 1 if row + 1 < self.rows else 0
 
     def live_slots(self) -> _I64:
         return np.flatnonzero(self.ids > _TOMB)
