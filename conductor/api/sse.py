@@ -6,8 +6,10 @@ After the first byte the status is 200: a failure ends the stream with an
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from functools import partial
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -91,9 +93,49 @@ class GenerationResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            if self.background is None and _spec_version(scope) < (2, 4):
+                await stream_until_disconnect(partial(self.stream_response, send), receive)
+            else:
+                await super().__call__(scope, receive, send)
         finally:
             # Started, the generator closes itself in its ``finally``; never started
             # (cancelled at the response start), only ``abandon`` closes the generation.
             await self._events.aclose()
             await self._adm.abandon()
+
+
+async def stream_until_disconnect(stream: Callable[[], Awaitable[None]], receive: Receive) -> None:
+    """Starlette's streaming for servers of ASGI spec < 2.4 (uvicorn: a send to a client
+    that left does not raise), without its anyio task group: ``stream`` runs in this
+    task while one plain task waits for ``http.disconnect`` and cancels this one when
+    the client goes. Same outcomes: the client gone ends the response quietly; an error
+    of ``stream`` or of ``receive``, or a cancellation from outside, propagates."""
+    streamer = asyncio.current_task()
+    assert streamer is not None
+    failure: list[BaseException] = []  # what stopped the listener, if not the client
+
+    async def listen() -> None:
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the streaming task
+            failure.append(exc)
+        streamer.cancel()
+
+    listener = asyncio.create_task(listen())
+    try:
+        await stream()
+    except asyncio.CancelledError:
+        if listener.done() and not listener.cancelled() and streamer.uncancel() == 0:
+            if failure:
+                raise failure[0] from None
+            return  # the client went away: the response ends here
+        raise
+    finally:
+        listener.cancel()
+
+
+def _spec_version(scope: Scope) -> tuple[int, ...]:
+    return tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
