@@ -790,17 +790,20 @@ class ChatTokenizer:
 
         With ``limit``, text whose length alone shows it encodes into more than
         ``limit`` tokens raises ``TextTooLong`` before any encoding (a body of
-        megabytes is refused in microseconds). Long text is encoded without holding
-        the GIL, so a caller may run this in a worker thread and keep its loop free."""
+        megabytes is refused in microseconds). ASCII text for a byte-level BPE takes
+        the ASCII path (``ascii_fast_path``: 5x less CPU than the tokenizer at 8k
+        tokens, in Python, so a worker thread running it yields the GIL every switch
+        interval); other long text is encoded without holding the GIL, so a caller may
+        run this in a worker thread and keep its loop free."""
         if limit is not None and (bound := self.min_tokens(text)) > limit:
             raise TextTooLong(bound, limit)
-        if len(text) > _GIL_FREE_ENCODE_CHARS:
-            batch = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
-            return list(batch[0].ids)
         if not add_special_tokens and text.isascii() and (fast := self._ascii_byte_pairs):
             ids = fast.encode(text)
             if ids is not None:
                 return ids
+        if len(text) > _GIL_FREE_ENCODE_CHARS:
+            batch = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(batch[0].ids)
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
