@@ -222,9 +222,10 @@ _ASCII_CLASSES: Final[Mapping[str, str]] = {
 _ESCAPE: Final = re.compile(r"\\(p\{[A-Za-z]+\}|.)", re.DOTALL)
 # The byte-level pre-tokenizer's own split (GPT-2's), used when it splits by itself.
 _GPT2_SPLIT: Final = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# Distinct pre-tokens whose ids an _AsciiBytePairs remembers (~15 MiB when full, then
-# forgotten at once). The BPE model inside ``tokenizers`` keeps such a cache of its own
-# (10,000 words), shared by every caller as this one is.
+# Distinct pre-tokens whose ids an _AsciiBytePairs remembers (~14 MiB when full of words
+# of 3-10 letters, measured with tracemalloc; then forgotten at once). The BPE model
+# inside ``tokenizers`` keeps such a cache of its own (10,000 words), shared by every
+# caller as this one is.
 _PRE_TOKENS_KEPT: Final = 65_536
 # Text the ASCII path is checked against when built: every pre-tokenizer rule's case
 # (contractions, runs of digits, punctuation, whitespace before a word and at the end).
@@ -312,11 +313,14 @@ class _AsciiBytePairs:
     pre-token encodes alone as it does in context (that is what pre-tokenizing means).
 
     Built only for tokenizers whose pipeline is exactly that (no normalizer, a
-    byte-level pre-tokenizer alone or after regex splits, a BPE model) and whose
-    translated regex reproduces the tokenizer on probe text; text that holds an added
-    token's content or a character outside ASCII goes to the tokenizer."""
+    byte-level pre-tokenizer alone or after regex splits, a BPE model, no truncation
+    or padding) and whose translated regex reproduces the tokenizer on probe text;
+    text that holds an added token's content or a character outside ASCII goes to the
+    tokenizer. With special tokens, the post-processor's are put around the ids where
+    they are the same for every text (a template such as ``<bos> $A``: what the probe
+    text shows, checked on every probe), else the tokenizer encodes."""
 
-    __slots__ = ("_added", "_chars", "_known", "_model", "_splits")
+    __slots__ = ("_added", "_affixes", "_chars", "_known", "_model", "_splits")
 
     def __init__(
         self, tokenizer: Tokenizer, splits: Sequence[re.Pattern[str]], added: Sequence[str]
@@ -330,6 +334,8 @@ class _AsciiBytePairs:
             re.compile("|".join(re.escape(a) for a in alternatives)) if alternatives else None
         )
         self._known: dict[str, tuple[int, ...]] = {}
+        # The special tokens the post-processor puts before and after one text.
+        self._affixes: tuple[list[int], list[int]] | None = None
 
     @classmethod
     def build(cls, tokenizer: Tokenizer) -> _AsciiBytePairs | None:
@@ -339,6 +345,8 @@ class _AsciiBytePairs:
         if spec.get("normalizer") is not None or model.get("type") != "BPE":
             return None
         if model.get("dropout") or getattr(tokenizer, "encode_special_tokens", False):
+            return None
+        if tokenizer.truncation is not None or tokenizer.padding is not None:
             return None
         splits = _pre_token_splits(spec.get("pre_tokenizer"))
         if splits is None:
@@ -357,6 +365,12 @@ class _AsciiBytePairs:
                 return None
             if fast.encode(probe) != tokenizer.encode(probe, add_special_tokens=False).ids:
                 return None
+        fast._affixes = _special_affixes(tokenizer)
+        for probe in _ASCII_PROBES:
+            ids = fast.encode(probe, add_special_tokens=True)
+            if ids is not None and ids != tokenizer.encode(probe, add_special_tokens=True).ids:
+                fast._affixes = None
+                break
         fast._known.clear()
         return fast
 
@@ -373,14 +387,17 @@ class _AsciiBytePairs:
                 return None
         return pieces
 
-    def encode(self, text: str) -> list[int] | None:
-        """Ids of ASCII ``text`` (as ``encode(text, add_special_tokens=False)``), or
-        None when it holds an added token's content (the tokenizer must cut it out)."""
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int] | None:
+        """Ids of ASCII ``text`` (as ``encode(text, add_special_tokens=...)``), or None
+        when it holds an added token's content (the tokenizer must cut it out) or the
+        special tokens asked for are not known to be the same for every text."""
+        if add_special_tokens and self._affixes is None:
+            return None
         pieces = self.pieces(text)
         if pieces is None:
             return None
         known = self._known
-        out: list[int] = []
+        out: list[int] = list(self._affixes[0]) if add_special_tokens and self._affixes else []
         for piece in pieces:
             ids = known.get(piece)
             if ids is None:
@@ -390,7 +407,21 @@ class _AsciiBytePairs:
                     known.clear()
                 known[piece] = ids
             out.extend(ids)
+        if add_special_tokens and self._affixes:
+            out.extend(self._affixes[1])
         return out
+
+
+def _special_affixes(tokenizer: Tokenizer) -> tuple[list[int], list[int]] | None:
+    """What the post-processor puts before and after a probe text's ids (None when
+    its ids are not found whole among them)."""
+    probe = "a"
+    plain = tokenizer.encode(probe, add_special_tokens=False).ids
+    full = tokenizer.encode(probe, add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    return None
 
 
 def _pre_token_splits(spec: Any) -> list[re.Pattern[str]] | None:
@@ -797,8 +828,8 @@ class ChatTokenizer:
         run this in a worker thread and keep its loop free."""
         if limit is not None and (bound := self.min_tokens(text)) > limit:
             raise TextTooLong(bound, limit)
-        if not add_special_tokens and text.isascii() and (fast := self._ascii_byte_pairs):
-            ids = fast.encode(text)
+        if text.isascii() and (fast := self._ascii_byte_pairs) is not None:
+            ids = fast.encode(text, add_special_tokens=add_special_tokens)
             if ids is not None:
                 return ids
         if len(text) > _GIL_FREE_ENCODE_CHARS:

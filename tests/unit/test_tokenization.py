@@ -699,6 +699,7 @@ def test_ascii_text_encodes_as_the_tokenizer_does(name: str, text: str) -> None:
     tok = _fast_variant(name)
     assert tok.ascii_fast_path  # the path under test is the one taken
     assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text, add_special_tokens=True) == tok.tokenizer.encode(text).ids
     fast = tok._ascii_byte_pairs
     assert fast is not None
     pieces = fast.pieces(text)
@@ -722,12 +723,24 @@ def _bos_prefix(spec: dict[str, Any]) -> None:
     spec["pre_tokenizer"]["add_prefix_space"] = True
 
 
+def _truncating(spec: dict[str, Any]) -> None:
+    spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst",
+                          "stride": 0}  # fmt: skip
+
+
+def _padding(spec: dict[str, Any]) -> None:
+    spec["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 0, "pad_type_id": 0, "pad_token": "<|begin_of_text|>"}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "change",
     [
         _normalizer,
         _metaspace_first,
         _bos_prefix,
+        _truncating,
+        _padding,
         _split_then_bytes(r"\d+|\D+"),  # escapes it does not translate
         _split_then_bytes(r"^\s+|\S+|\s+"),  # Oniguruma's ^ is per line
         _split_then_bytes(r"(\p{L}+)|\P{L}+"),  # a capturing group, \P
@@ -739,6 +752,36 @@ def test_tokenizers_the_ascii_path_cannot_reproduce_go_to_the_tokenizer(change: 
     assert not tok.ascii_fast_path
     text = "It's 12345 o'clock,  Mr. Smith!\n\tdone  "
     assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text, add_special_tokens=True) == tok.tokenizer.encode(text).ids
+
+
+def _bos_and_eos(spec: dict[str, Any]) -> None:
+    bos = "<|begin_of_text|>"
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}},
+                   {"SpecialToken": {"id": "<|eot_id|>", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {
+            bos: {"id": bos, "ids": [0], "tokens": [bos]},
+            "<|eot_id|>": {"id": "<|eot_id|>", "ids": [3], "tokens": ["<|eot_id|>"]},
+        },
+    }  # fmt: skip
+
+
+def test_special_tokens_around_the_ascii_path() -> None:
+    """The post-processor's tokens before and after the text (the demo model's BOS; a
+    template with an EOS after as well; none at all) come around the ASCII path's ids."""
+    none = _variant(lambda spec: spec.update(post_processor=None))
+    for tok in (tokenizer(), _variant(_bos_and_eos), none):
+        fast = tok._ascii_byte_pairs
+        assert fast is not None
+        assert fast._affixes is not None
+        for text in ("", "Hello there", "x" * 5_000):
+            want = tok.tokenizer.encode(text).ids
+            assert fast.encode(text, add_special_tokens=True) == want
+    assert tokenizer()._ascii_byte_pairs._affixes == ([0], [])  # type: ignore[union-attr]
 
 
 def test_a_split_that_leaves_gaps_goes_to_the_tokenizer() -> None:
