@@ -513,10 +513,12 @@ class Dispatcher:
                     request_id=req.request_id,
                     tenant=req.tenant,
                     tx_id=tx_id,
-                    prompt_token_ids=req.prompt_ids,
                     stage_ttl_s=self._lease_s,
                     grantee=decode.info.node_id if decode.info else "",  # who may fetch
                 )
+                # From the Generate request's field, not the tuple again: a copy inside
+                # protobuf (4 us at 8k ids) instead of a conversion per id (340 us).
+                prefill_request.prompt_token_ids.extend(gen.prompt_token_ids)
                 if fused:
                     prefill_request.tx.CopyFrom(allocate)
                 pre = await prefill.stub.Prefill(prefill_request, timeout=self._request_timeout_s)
