@@ -443,7 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, default=256, help="per agent")
     p.add_argument("--idle-s", type=float, default=10.0, help="idle CPU sample")
     p.add_argument("--port", type=int, default=8300, help="the conductor's HTTP port")
-    p.add_argument("--base-port", type=int, default=33000, help="engines and agents from here")
+    # Below Linux's ephemeral range (32768-60999 by default): 33000 up collided with the
+    # fleet's own outgoing connections, and an agent then failed to bind (2026-11-28).
+    p.add_argument("--base-port", type=int, default=21000, help="engines and agents from here")
     p.add_argument(
         "--conductor-arg", action="append", default=[], metavar="ARG",
         help="pass ARG to the conductor (repeatable; --conductor-arg=--flag=value)",
