@@ -25,7 +25,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -146,6 +146,16 @@ def _splits_independently(tokenizer: Tokenizer) -> bool:
     return "Metaspace" not in pre and "prepend_scheme" not in pre
 
 
+def _added_token_pattern(contents: Iterable[str]) -> re.Pattern[str] | None:
+    """A regex whose one group matches any added token's content, longest first: at
+    the leftmost place the longest added token wins, as in the tokenizer's own
+    leftmost-longest matcher (None: no added tokens)."""
+    alternatives = sorted(contents, key=len, reverse=True)
+    if not alternatives:
+        return None
+    return re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
+
+
 class _PieceCache:
     """Token ids of the text between added tokens, remembered (least recently used
     first out, bounded by the tokens kept), so a conversation sent again with one more
@@ -158,14 +168,7 @@ class _PieceCache:
 
     def __init__(self, tokenizer: Tokenizer, max_tokens: int) -> None:
         added = {a.content: i for i, a in tokenizer.get_added_tokens_decoder().items() if a.content}
-        # Longest first: at the leftmost place, the longest added token wins (as the
-        # tokenizer's own leftmost-longest matcher).
-        alternatives = sorted(added, key=len, reverse=True)
-        self._split = (
-            re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
-            if alternatives
-            else None
-        )
+        self._split = _added_token_pattern(added)
         self._ids = added
         self._max_tokens = max_tokens
         self._pieces: OrderedDict[tuple[str, str], array[int]] = OrderedDict()
@@ -328,11 +331,7 @@ class _AsciiBytePairs:
         self._model = tokenizer.model
         self._splits = tuple(splits)
         self._chars = dict(enumerate(_byte_level_chars()[:128]))
-        # Leftmost-longest, as the tokenizer cuts its added tokens out first.
-        alternatives = sorted(added, key=len, reverse=True)
-        self._added = (
-            re.compile("|".join(re.escape(a) for a in alternatives)) if alternatives else None
-        )
+        self._added = _added_token_pattern(added)  # the tokenizer cuts these out first
         self._known: dict[str, tuple[int, ...]] = {}
         # The special tokens the post-processor puts before and after one text.
         self._affixes: tuple[list[int], list[int]] | None = None
