@@ -17,20 +17,28 @@ class _Client:
 
     def __init__(self) -> None:
         self.gone = asyncio.Event()
+        self.listening = asyncio.Event()  # the listener is waiting in receive()
         self.error: BaseException | None = None
-        self.waiting = 0
 
     async def receive(self) -> dict[str, Any]:
-        self.waiting += 1
+        self.listening.set()
         await self.gone.wait()
         if self.error is not None:
             raise self.error
         return {"type": "http.disconnect"}
 
 
-async def _idle_tasks() -> set[asyncio.Task[Any]]:
-    await asyncio.sleep(0)
-    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+async def _forever() -> None:
+    """A stream's next token that never comes (until the task is cancelled)."""
+    await asyncio.Event().wait()
+
+
+async def _unfinished_tasks() -> set[asyncio.Task[Any]]:
+    """Tasks other than this one that do not end within a second."""
+    others = {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=1.0)
+    return {t for t in others if not t.done()}
 
 
 async def test_a_stream_that_ends_leaves_no_listener() -> None:
@@ -38,15 +46,13 @@ async def test_a_stream_that_ends_leaves_no_listener() -> None:
     sent: list[int] = []
 
     async def stream() -> None:
-        for i in range(3):
-            await asyncio.sleep(0)
-            sent.append(i)
+        await asyncio.wait_for(client.listening.wait(), timeout=5.0)
+        sent.extend(range(3))
 
-    before = await _idle_tasks()
+    before = await _unfinished_tasks()
     await stream_until_disconnect(stream, client.receive)
     assert sent == [0, 1, 2]
-    assert await _idle_tasks() == before  # the listener is gone with the stream
-    assert client.waiting == 1
+    assert await _unfinished_tasks() == before  # the listener is gone with the stream
 
 
 async def test_the_client_leaving_ends_the_stream_quietly() -> None:
@@ -56,21 +62,21 @@ async def test_the_client_leaving_ends_the_stream_quietly() -> None:
 
     async def stream() -> None:
         try:
-            for i in range(1_000):
-                if i == 5:
-                    client.gone.set()
-                await asyncio.sleep(0)
-                sent.append(i)
+            sent.extend(range(5))
+            client.gone.set()
+            await _forever()  # the next token: the client's leaving ends the wait
         finally:
             stopped.set()
 
     await stream_until_disconnect(stream, client.receive)  # returns: no exception
     assert stopped.is_set()
-    assert 5 <= len(sent) < 10  # stopped at once, not run to its end
+    assert sent == [0, 1, 2, 3, 4]
     task = asyncio.current_task()
     assert task is not None
     assert task.cancelling() == 0  # the cancellation was its own
-    await asyncio.sleep(0)  # and no cancellation is left pending for the caller
+    # And none is left pending for the caller: its next wait completes.
+    done, _ = await asyncio.wait([asyncio.ensure_future(client.gone.wait())], timeout=1.0)
+    assert len(done) == 1
 
 
 @pytest.mark.parametrize("client_leaves_too", [False, True])
@@ -82,7 +88,7 @@ async def test_a_cancellation_from_outside_propagates(client_leaves_too: bool) -
 
     async def stream() -> None:
         started.set()
-        await asyncio.sleep(60)
+        await _forever()
 
     task = asyncio.create_task(stream_until_disconnect(stream, client.receive))
     await started.wait()
@@ -97,13 +103,13 @@ async def test_an_error_of_the_stream_propagates() -> None:
     client = _Client()
 
     async def stream() -> None:
-        await asyncio.sleep(0)
+        await asyncio.wait_for(client.listening.wait(), timeout=5.0)
         raise RuntimeError("engine gone")
 
-    before = await _idle_tasks()
+    before = await _unfinished_tasks()
     with pytest.raises(RuntimeError, match="engine gone"):
         await stream_until_disconnect(stream, client.receive)
-    assert await _idle_tasks() == before
+    assert await _unfinished_tasks() == before
 
 
 async def test_an_error_of_receive_propagates() -> None:
@@ -112,7 +118,7 @@ async def test_an_error_of_receive_propagates() -> None:
 
     async def stream() -> None:
         client.gone.set()
-        await asyncio.sleep(60)
+        await _forever()
 
     with pytest.raises(OSError, match="server failed"):
         await stream_until_disconnect(stream, client.receive)
