@@ -190,6 +190,10 @@ class Dispatcher:
         self._affinity_slack_s = affinity_slack_s
         self._max_affinity_keys = max_affinity_keys
         self._prompt_cache_min_tokens = prompt_cache_min_tokens
+        # Per agent address: what its NodeState was built from, and the state. Rebuilt
+        # only when one of those changes (a new NodeInfo or load report, ours in flight
+        # or ended): was ~21 µs per node per request, O(fleet) (1.4 ms at 64 nodes).
+        self._views: dict[str, tuple[_ViewKey, NodeState]] = {}
 
     # ------------------------------------------------------------------ helpers
     async def _shielded(self, coro: Awaitable[None]) -> None:
@@ -238,52 +242,80 @@ class Dispatcher:
         return self._lower
 
     def node_states(self) -> list[NodeState]:
-        """What every polled agent last reported: the placement loop's fleet view."""
+        """What every polled agent last reported: the placement loop's fleet view.
+
+        An agent's state is built again only when what it is built from changed: its
+        NodeInfo or load report (new messages on every poll and report; never changed
+        in place), reachability, the model check, or this conductor's work on it in
+        flight or ended since the report.
+        """
         states = []
-        for agent in self._fleet.handles():
+        views = self._views
+        handles = self._fleet.handles()
+        if len(views) > len(handles):  # agents removed: forget their views
+            kept = {agent.address for agent in handles}
+            for address in [a for a in views if a not in kept]:
+                del views[address]
+        for agent in handles:
             info = agent.info
             if info is None:
                 continue
-            node = NodeId(agent.address)
-            if info.HasField("calibration"):
-                cal = info.calibration
-                self.scheduler.set_measured_priors(
-                    node,
-                    PrefillPrior(
-                        cal.prefill_fixed_s, cal.prefill_per_token_s,
-                        cal.prefill_per_token_context_s,
-                    ),
-                    DecodePrior(
-                        cal.decode_fixed_s, cal.decode_per_request_s,
-                        cal.decode_per_context_token_s,
-                    ),
-                )  # fmt: skip
-            load = agent.load
-            free = load.free_blocks if load else info.capacity_blocks
-            states.append(
-                NodeState(
-                    node_id=node,
-                    role=agent.role,
-                    healthy=agent.usable,
-                    block_size=info.block_size,
-                    capacity_blocks=info.capacity_blocks,
-                    free_blocks=free,
-                    allocatable_blocks=(
-                        max(free, load.allocatable_blocks) if load else info.capacity_blocks
-                    ),
-                    kv_bytes_per_token=info.kv_layout.bytes_per_token,
-                    # Pool payloads (embedded) or the engine's own connector (vLLM with
-                    # pd_connector); agents from before the flag: embedded only.
-                    kv_migration=info.kv_migration or info.engine == "embedded",
-                    kv_family=info.engine,
-                    lend_wait=_lend_wait(info),
-                    queued_prefill_tokens=agent.queued_prefill_tokens,
-                    running_requests=agent.running_requests,
-                    max_running_requests=info.max_running_requests,
-                    tier_read_bytes_per_s=_tier_bandwidth(load.tiers if load else info.tiers),
-                )
+            key: _ViewKey = (
+                info,
+                agent.load,
+                agent.reachable,
+                agent.model_matches,
+                agent.inflight,
+                agent.ended_prefill_tokens,
+                agent.ended_generations,
             )
+            seen = views.get(agent.address)
+            if seen is not None and seen[0] == key:  # identical, or equal messages
+                state = seen[1]
+            else:
+                state = self._node_state(agent, info, seen is None or seen[0][0] != info)
+            views[agent.address] = (key, state)  # the newest messages: compared by identity
+            states.append(state)
         return states
+
+    def _node_state(self, agent: AgentHandle, info: pb.NodeInfo, new_info: bool) -> NodeState:
+        node = NodeId(agent.address)
+        if new_info and info.HasField("calibration"):
+            cal = info.calibration
+            self.scheduler.set_measured_priors(
+                node,
+                PrefillPrior(
+                    cal.prefill_fixed_s, cal.prefill_per_token_s,
+                    cal.prefill_per_token_context_s,
+                ),
+                DecodePrior(
+                    cal.decode_fixed_s, cal.decode_per_request_s,
+                    cal.decode_per_context_token_s,
+                ),
+            )  # fmt: skip
+        load = agent.load
+        free = load.free_blocks if load else info.capacity_blocks
+        return NodeState(
+            node_id=node,
+            role=agent.role,
+            healthy=agent.usable,
+            block_size=info.block_size,
+            capacity_blocks=info.capacity_blocks,
+            free_blocks=free,
+            allocatable_blocks=(
+                max(free, load.allocatable_blocks) if load else info.capacity_blocks
+            ),
+            kv_bytes_per_token=info.kv_layout.bytes_per_token,
+            # Pool payloads (embedded) or the engine's own connector (vLLM with
+            # pd_connector); agents from before the flag: embedded only.
+            kv_migration=info.kv_migration or info.engine == "embedded",
+            kv_family=info.engine,
+            lend_wait=_lend_wait(info),
+            queued_prefill_tokens=agent.queued_prefill_tokens,
+            running_requests=agent.running_requests,
+            max_running_requests=info.max_running_requests,
+            tier_read_bytes_per_s=_tier_bandwidth(load.tiers if load else info.tiers),
+        )
 
     # ------------------------------------------------------------------ entry point
     async def start(self, req: GenerationRequest) -> GenerationStream:
@@ -671,6 +703,11 @@ def retention_of(
             ttl_by_blocks[blocks] = max(ttl_by_blocks.get(blocks, 0.0), bp.ttl_s)
     return [pb.Retention(blocks=b, ttl_s=t) for b, t in sorted(ttl_by_blocks.items())]
 
+
+# What an agent's NodeState is built from (``Dispatcher.node_states``): its NodeInfo and
+# load report, reachable, model matches, ours in flight, prefill tokens and generations
+# of ours ended since the report.
+_ViewKey = tuple[pb.NodeInfo, pb.LoadUpdate | None, bool, bool, int, int, int]
 
 _LEND_WAITS: dict[int, LendWait] = {
     pb.LEND_WAIT_NONE: "none",
