@@ -23,7 +23,9 @@ Behaviour
     refuse. The request path validates its floats finite before they get here.
 
 ``FastJsonRoute`` is a FastAPI route class whose request bodies are decoded this way;
-the route's validation, errors and OpenAPI document are unchanged. orjson refuses an
+the route's validation, errors and OpenAPI document are unchanged. A subclass may serve a
+decoded JSON body itself (``direct_handler``), falling back to FastAPI's handler for
+anything it does not take. orjson refuses an
 escaped lone UTF-16 surrogate (``"\\ud800"``), which the standard library lets through
 into a ``str`` that no UTF-8 encoder takes: while a body that orjson decoded is being
 handled, ``body_text_is_unicode()`` is true, and a validator that looks for such strings
@@ -33,7 +35,7 @@ may skip the walk.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import ContextVar
 from typing import Any, Final
 
@@ -41,7 +43,11 @@ import orjson
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-__all__ = ["FastJsonRoute", "body_text_is_unicode", "dumps", "loads"]
+__all__ = ["DirectHandler", "FastJsonRoute", "body_text_is_unicode", "dumps", "loads"]
+
+DirectHandler = Callable[[Request, Any], Awaitable[Response | None]]
+"""Serves a request from its decoded JSON body, or returns None (nothing done) to leave
+it to FastAPI's handler."""
 
 _JSON_TYPES: Final = ("application/json", "+json")
 _UNICODE_BODY: Final[ContextVar[bool]] = ContextVar("kvc_json_body_unicode", default=False)
@@ -88,12 +94,19 @@ class FastJsonRoute(APIRoute):
     left for FastAPI's own ``request.json()`` (the standard library, as ``loads`` falls
     back), so malformed bodies get exactly the error they got before."""
 
+    def direct_handler(self) -> DirectHandler | None:
+        """A handler for requests whose JSON body orjson decoded, tried before FastAPI's
+        (which gets the request when it returns None); none here."""
+        return None
+
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        direct = self.direct_handler()
 
         async def decode_then_handle(request: Request) -> Response:
             content_type = request.headers.get("content-type", "")
             unicode_body = False
+            parsed: Any = None
             if content_type.startswith(_JSON_TYPES[0]) or _JSON_TYPES[1] in content_type:
                 body = await request.body()
                 if body:
@@ -107,6 +120,10 @@ class FastJsonRoute(APIRoute):
                         unicode_body = True
             token = _UNICODE_BODY.set(unicode_body)
             try:
+                if direct is not None and unicode_body:
+                    response = await direct(request, parsed)
+                    if response is not None:
+                        return response
                 return await handler(request)
             finally:
                 _UNICODE_BODY.reset(token)

@@ -37,7 +37,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
-from conductor.api.deps import StateDep, TenantDep, request_id
+from conductor.api.deps import GenerationRoute, StateDep, TenantDep, request_id
 from conductor.api.openai import log_unknown_fields, start_chat
 from conductor.api.openapi_doc import GENERATION_ERRORS, errors, streamed
 from conductor.api.schemas import (
@@ -51,12 +51,11 @@ from conductor.api.sse import GenerationResponse
 from conductor.api.tool_calls import Call, CallArguments, CallEnd, CallStart, Content, collect
 from conductor.errors import ConductorError, InvalidRequest, UnprocessableEntity
 from conductor.generation import TokenDelta, UsageCounts
-from kvc.fast_json import FastJsonRoute
 
 __all__ = ["MESSAGES_PATH", "anthropic_error_body", "router"]
 
 MESSAGES_PATH = "/v1/messages"
-router = APIRouter(route_class=FastJsonRoute)
+router = APIRouter(route_class=GenerationRoute)
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _ERROR_TYPES = {

@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from conductor.api.admission import Admitted, ChoiceResult, admit
-from conductor.api.deps import StateDep, TenantDep, request_id
+from conductor.api.deps import GenerationRoute, StateDep, TenantDep, request_id
 from conductor.api.limits import request_slo
 from conductor.api.openapi_doc import GENERATION_ERRORS, errors, streamed
 from conductor.api.prompt_cache import read_marks, retention_ttl_s
@@ -81,13 +81,12 @@ from conductor.errors import (
 from conductor.generation import Breakpoint, TokenDelta, UsageCounts
 from conductor.state import AppState
 from conductor.tenants import Tenant
-from kvc.fast_json import FastJsonRoute
 from kvc.sampling import TokenLogprob
 from kvc.tokenization import ChatTemplateError, ChatTokenizer, TextTooLong
 
 log = logging.getLogger("conductor.api")
 
-router = APIRouter(route_class=FastJsonRoute)
+router = APIRouter(route_class=GenerationRoute)
 
 
 def _usage_model(u: UsageCounts) -> Usage:
