@@ -45,6 +45,18 @@ def test_scheduler_decision_bench_writes_table_json_and_plot(tmp_path: Path) -> 
     assert (tmp_path / "scheduler_decision.png").stat().st_size > 1000
 
 
+def test_fleet_view_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
+    from bench import fleet_view
+
+    code = fleet_view.main(["--out", str(tmp_path), "--repeats", "20", "--fleets", "2", "16"])
+    assert code == 0
+    data = json.loads((tmp_path / "fleet_view.json").read_text())
+    assert [r["nodes"] for r in data["rows"]] == [2, 16]
+    assert all(r["steady"]["p50_ms"] > 0 and r["all_reported"]["p50_ms"] > 0 for r in data["rows"])
+    assert "| agents |" in (tmp_path / "fleet_view.md").read_text()
+    assert (tmp_path / "fleet_view.png").stat().st_size > 1000
+
+
 def test_chat_tokenize_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     from bench import chat_tokenize
 
