@@ -4,6 +4,7 @@ answers as before."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +73,26 @@ async def test_valid_requests_skip_dependency_solving_and_invalid_ones_do_not(
         assert bad.json()["error"]["param"] == "temperature"
         not_an_object = await c.client.post("/v1/completions", json=["a"])
         assert not_an_object.status_code == 400
-        assert solved == ["/v1/chat/completions", "/v1/completions"]
+        # A JSON object under a media type FastAPI does not read as JSON: its answer.
+        odd_type = await c.client.post(
+            "/v1/chat/completions",
+            content=json.dumps(chat_body(max_tokens=2)),
+            headers={"content-type": "application/jsonx"},
+        )
+        assert odd_type.status_code == 400, odd_type.text
+        assert solved == ["/v1/chat/completions", "/v1/completions", "/v1/chat/completions"]
         # Refused by the endpoint itself (it validates, then the model is unknown).
         unknown = await c.client.post("/v1/chat/completions", json=chat_body(model="gpt-9"))
         assert unknown.status_code == 404
         assert unknown.json()["error"]["code"] == "model_not_found"
-        assert len(solved) == 2
+        assert len(solved) == 3
+        typed = await c.client.post(
+            "/v1/chat/completions",
+            content=json.dumps(chat_body(max_tokens=2)),
+            headers={"content-type": "application/vnd.example+json; charset=utf-8"},
+        )
+        assert typed.status_code == 200, typed.text
+        assert len(solved) == 3
         assert ok.headers["x-request-id"]
         assert unknown.headers["x-request-id"]
     assert_no_locks(agent)
