@@ -68,16 +68,17 @@ class GenerationRoute(FastJsonRoute):
 
     A request whose JSON body orjson decoded into an object that validates as the
     endpoint's body model is served by resolving the two dependencies here and calling
-    the endpoint: FastAPI's per-request dependency solving and its handler around the
-    endpoint cost ~0.2-0.3 ms per request on the 2-core reference machine, more than the
-    rest of the route's framework path (bench.hot_path). The same functions run in the
-    same order as FastAPI would run them (the state, then authentication, whose
+    the endpoint, without FastAPI's per-request dependency solving and its handler
+    around the endpoint: ~0.13 ms less CPU per request on the 2-core reference machine
+    (the median of seven interleaved pairs of whole ASGI calls; docs/benchmarks.md,
+    "The fleet view per request, and FastAPI's dependency solving"). The same functions
+    run in the order FastAPI runs them (the state, then authentication, whose
     ``AuthenticationFailed`` propagates as from FastAPI), with the body validated as
     FastAPI validates it (``model_validate`` of the decoded object). Anything else — a
-    body that is not JSON or does not validate, FastAPI's telemetry active for the
-    request — goes to FastAPI's handler unchanged, which reports errors exactly as
-    before. A route of any other shape (other parameters or dependencies) is FastAPI's
-    alone: nothing is skipped there.
+    body that is not a JSON object or does not validate, a media type FastAPI does not
+    read as JSON, FastAPI's telemetry active for the request — goes to FastAPI's handler
+    unchanged, which reports errors exactly as before. A route of any other shape (other
+    parameters or dependencies) is FastAPI's alone: nothing is skipped there.
     """
 
     def direct_handler(self) -> DirectHandler | None:
