@@ -25,11 +25,11 @@ Behaviour
 ``FastJsonRoute`` is a FastAPI route class whose request bodies are decoded this way;
 the route's validation, errors and OpenAPI document are unchanged. A subclass may serve a
 decoded JSON body itself (``direct_handler``), falling back to FastAPI's handler for
-anything it does not take. orjson refuses an
-escaped lone UTF-16 surrogate (``"\\ud800"``), which the standard library lets through
-into a ``str`` that no UTF-8 encoder takes: while a body that orjson decoded is being
-handled, ``body_text_is_unicode()`` is true, and a validator that looks for such strings
-may skip the walk.
+anything it does not take. orjson refuses an escaped lone UTF-16 surrogate
+(``"\\ud800"``), which the standard library lets through into a ``str`` that no UTF-8
+encoder takes: while a body that orjson decoded is being handled,
+``body_text_is_unicode()`` is true, and a validator that looks for such strings may skip
+the walk.
 """
 
 from __future__ import annotations
@@ -43,7 +43,14 @@ import orjson
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-__all__ = ["DirectHandler", "FastJsonRoute", "body_text_is_unicode", "dumps", "loads"]
+__all__ = [
+    "DirectHandler",
+    "FastJsonRoute",
+    "body_text_is_unicode",
+    "dumps",
+    "loads",
+    "read_as_json",
+]
 
 DirectHandler = Callable[[Request, Any], Awaitable[Response | None]]
 """Serves a request from its decoded JSON body, or returns None (nothing done) to leave
@@ -51,6 +58,15 @@ it to FastAPI's handler."""
 
 _JSON_TYPES: Final = ("application/json", "+json")
 _UNICODE_BODY: Final[ContextVar[bool]] = ContextVar("kvc_json_body_unicode", default=False)
+
+
+def read_as_json(content_type: str) -> bool:
+    """Whether FastAPI reads a body of this media type as JSON (``application/json`` or
+    ``application/*+json``, any case, parameters aside); it validates any other body as
+    bytes. (The route decodes a little more eagerly — FastAPI parses those bodies again.)"""
+    media = content_type.partition(";")[0].strip().lower()
+    main, _, sub = media.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
 
 
 def body_text_is_unicode() -> bool:
@@ -95,8 +111,9 @@ class FastJsonRoute(APIRoute):
     back), so malformed bodies get exactly the error they got before."""
 
     def direct_handler(self) -> DirectHandler | None:
-        """A handler for requests whose JSON body orjson decoded, tried before FastAPI's
-        (which gets the request when it returns None); none here."""
+        """A handler for requests whose JSON body orjson decoded, sent as a media type
+        FastAPI reads as JSON, tried before FastAPI's (which gets the request when it
+        returns None); none here."""
         return None
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -120,7 +137,7 @@ class FastJsonRoute(APIRoute):
                         unicode_body = True
             token = _UNICODE_BODY.set(unicode_body)
             try:
-                if direct is not None and unicode_body:
+                if direct is not None and unicode_body and read_as_json(content_type):
                     response = await direct(request, parsed)
                     if response is not None:
                         return response

@@ -120,11 +120,7 @@ def _direct_handler(dependant: Dependant, endpoint: Callable[..., Any]) -> Direc
     body_name, request_name = field.name, d.request_param_name
 
     async def direct(request: Request, parsed: Any) -> Response | None:
-        if (
-            not isinstance(parsed, dict)
-            or not _json_media_type(request.headers.get("content-type", ""))
-            or _telemetry_data() is not None
-        ):
+        if not isinstance(parsed, dict) or _telemetry_data() is not None:
             return None
         try:
             body = model.model_validate(parsed)
@@ -142,15 +138,6 @@ def _direct_handler(dependant: Dependant, endpoint: Callable[..., Any]) -> Direc
         return response
 
     return direct
-
-
-def _json_media_type(content_type: str) -> bool:
-    """Whether FastAPI reads a body of this type as JSON (``application/json`` or
-    ``application/*+json``, any case, parameters aside); it validates any other body as
-    bytes, which no generation model takes."""
-    media = content_type.partition(";")[0].strip().lower()
-    main, _, sub = media.partition("/")
-    return main == "application" and (sub == "json" or sub.endswith("+json"))
 
 
 def request_id(request: Request) -> str:
