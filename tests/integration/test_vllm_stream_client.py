@@ -25,7 +25,7 @@ from node_agent.engines.vllm.config import VllmConfig
 from node_agent.engines.vllm.http_parsing import sse_payload_batches, sse_payloads
 from node_agent.engines.vllm.stream_client import HttpStreamClient, StreamClientError
 from node_agent.settings import AgentSettings
-from tests.conftest import MODEL
+from tests.conftest import MODEL, wait_until
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 LOOPS = ["asyncio", "uvloop"]
@@ -227,6 +227,117 @@ def test_failures_raise_stream_client_error(loop: str) -> None:
                 pass
 
     run(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_get_reads_a_whole_answer_on_the_pooled_connections(loop: str) -> None:
+    """The adapter's metrics poll: GET and the streamed POSTs share one keep-alive
+    connection; the status comes back with the body (an error is the caller's to judge);
+    a server that never answers times out at the GET's own bound, not the client's."""
+    heads: list[bytes] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, _: int) -> None:
+        while True:
+            head = await r.readuntil(b"\r\n\r\n")
+            heads.append(head.split(b"\r\n")[0])
+            if head.startswith(b"POST"):
+                await r.readexactly(2)
+                w.write(chunked(b"data: 1\n\n", b"data: [DONE]\n\n"))
+            elif b"/broken" in head:
+                w.write(fixed(503, b"not now"))
+            elif b"/silent" in head:
+                await r.read()
+                return
+            else:
+                w.write(chunked(b"vllm:num_requests_running 3\n", b"# end\n"))
+            await w.drain()
+
+    async def main() -> None:
+        server = Server(handler)
+        async with server as url:
+            client = HttpStreamClient(url, read_timeout_s=600.0)
+            assert await client.get("/metrics", 5.0) == (
+                200,
+                b"vllm:num_requests_running 3\n# end\n",
+            )
+            async with client.post("/v1/completions", b"{}", {}) as resp:
+                assert [d async for d in sse_payloads(resp.aiter_bytes())] == ["1"]
+            assert await client.get("/broken", 5.0) == (503, b"not now")
+            assert await client.get("/metrics", 5.0) == (
+                200,
+                b"vllm:num_requests_running 3\n# end\n",
+            )
+            assert server.connections == 1
+            with pytest.raises(StreamClientError, match="timed out"):
+                await client.get("/silent", 0.2)
+            await client.aclose()
+        assert heads == [
+            b"GET /metrics HTTP/1.1",
+            b"POST /v1/completions HTTP/1.1",
+            b"GET /broken HTTP/1.1",
+            b"GET /metrics HTTP/1.1",
+            b"GET /silent HTTP/1.1",
+        ]
+
+    run(loop, main())
+
+
+async def test_the_metrics_poll_reads_vllm_load_through_the_lean_client() -> None:
+    """The adapter polls ``/metrics`` on the lean client's pooled connection (a real
+    socket: no stand-in transport); a failed poll (an error status, a malformed sample)
+    keeps the last values instead of reporting an idle engine."""
+    polls = {"metrics": 0}
+    state = {"answer": "ok"}
+    good = (
+        b'vllm:cache_config_info{block_size="32",num_gpu_blocks="17"} 1.0\n'
+        b"# TYPE vllm:num_requests_running gauge\n"
+        b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        b'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+        b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+    )
+    models = json.dumps({"data": [{"id": MODEL, "max_model_len": 2048}]}).encode()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, _: int) -> None:
+        while True:
+            head = await r.readuntil(b"\r\n\r\n")
+            path = head.split(b" ")[1]
+            if path == b"/metrics":
+                polls["metrics"] += 1
+                if state["answer"] == "error":
+                    w.write(fixed(500, b"oops"))
+                elif state["answer"] == "malformed":
+                    w.write(fixed(200, b"vllm:num_requests_running\n"))
+                else:
+                    w.write(fixed(200, good))
+            elif path == b"/v1/models":
+                w.write(fixed(200, models))
+            else:
+                w.write(fixed(200, b""))
+            await w.drain()
+
+    async with Server(handler) as url:
+        settings = AgentSettings(
+            port=0, engine="vllm", vllm_url=url, calibrate=False, load_interval_s=0.02
+        )
+        engine = VllmEngineAdapter(
+            VllmConfig.from_settings(settings), ChatTokenizer.from_dir(DEFAULT_MODEL_DIR)
+        )
+        await engine.start()
+        try:
+            await wait_until(lambda: engine.load().running_requests == 3)
+            load = engine.load()
+            assert (load.waiting_requests, load.kv_usage_ratio) == (2, 0.5)
+            for answer in ("error", "malformed"):
+                state["answer"] = answer
+                target = polls["metrics"] + 3
+
+                def polled(target: int = target) -> bool:
+                    return polls["metrics"] >= target
+
+                await wait_until(polled)
+                assert engine.load() == load
+        finally:
+            await engine.aclose()
 
 
 def test_only_plain_http_urls_are_taken() -> None:

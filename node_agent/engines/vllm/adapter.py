@@ -108,6 +108,8 @@ __all__ = ["VllmEngineAdapter"]
 # The prefill leg of a P/D request and nothing else: one greedy token, EOS ignored.
 _ONE_TOKEN: Final = Sampling(temperature=0.0, max_tokens=1, ignore_eos=True)
 # What the load poll reads of vLLM's /metrics (summed, or the max for the usage).
+# A poll that takes longer is abandoned (the next one starts after the interval).
+_METRICS_POLL_TIMEOUT_S: Final = 10.0
 _POLLED_METRICS: Final = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
@@ -317,15 +319,19 @@ class VllmEngineAdapter:
             await self._process.stop()
 
     async def _poll_metrics(self) -> None:
-        assert self._http is not None
+        """vLLM's running and waiting requests and KV usage, every ``metrics_interval_s``
+        (what the load reports carry). A failed poll keeps the last values."""
+        assert self._stream is not None
         while not self._stop.is_set():
             try:
-                text = (await self._http.get("/metrics")).text
-                metrics = sample_values(text, _POLLED_METRICS)
+                status, body = await self._stream.get("/metrics", _METRICS_POLL_TIMEOUT_S)
+                if status != 200:
+                    raise ValueError(f"/metrics answered {status}")
+                metrics = sample_values(body.decode("utf-8", "replace"), _POLLED_METRICS)
                 self._vllm_running = int(sum(metrics["vllm:num_requests_running"]))
                 self._vllm_waiting = int(sum(metrics["vllm:num_requests_waiting"]))
                 self._vllm_kv_usage = max(metrics["vllm:kv_cache_usage_perc"], default=0.0)
-            except (httpx.HTTPError, ValueError) as exc:
+            except (StreamClientError, ValueError) as exc:
                 log.debug("vLLM metrics: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=self._config.metrics_interval_s)
