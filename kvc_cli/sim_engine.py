@@ -12,7 +12,6 @@ offloading connector's ``num_cpu_blocks``). docs/fleet.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import uuid
@@ -25,6 +24,7 @@ from pydantic.config import JsonDict
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvc.models import DEFAULT_MODEL_DIR
+from kvc_cli.event_loop import run_event_loop
 from kvc_cli.settings_cli import SettingsCommand, settings_from_args
 
 __all__ = ["SimEngineSettings", "register_sim_engine"]
@@ -187,7 +187,7 @@ def _run(ns: argparse.Namespace, log_level: str) -> int:
             access_log=False,
         )
     )  # fmt: skip
-    asyncio.run(server.serve())
+    run_event_loop(server.serve())  # uvloop, as vLLM's server runs on (uvicorn's default)
     return 0
 
 

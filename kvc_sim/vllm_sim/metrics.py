@@ -10,94 +10,98 @@ Families (labels ``model_name`` = served name, ``engine="0"``, as vLLM's)
     ``vllm:num_preemptions_total``. The names are vLLM's (``vllm/v1/metrics/loggers.py``),
     colons included: they are not this project's own metrics.
 
-Values are read from the engine at scrape time (a custom collector on a private
-registry): O(1) per scrape.
+Rendering
+    The text exposition (format 0.0.4) is written here, byte for byte what
+    ``prometheus_client.generate_latest`` writes for the same families (a test compares
+    them): every agent polls its engine twice a second, and on a fleet of simulated
+    engines sharing a few cores prometheus_client's collect-and-render was a seventh of
+    an engine's CPU. The fixed lines are built once; a scrape formats eight numbers.
+
+Values are read from the engine at scrape time: O(1) per scrape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import Final, cast
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvc_sim.vllm_sim.runner import EngineRunner
 
-__all__ = ["EngineMetrics"]
+__all__ = ["METRICS_MEDIA_TYPE", "EngineMetrics"]
+
+# A sample's value as prometheus_client writes it (Go's float format).
+_go_float = cast(Callable[[float], str], floatToGoString)
+
+METRICS_MEDIA_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+_GAUGES: Final = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches."),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+)
+_COUNTERS: Final = (
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    ("vllm:prompt_tokens", "Number of prefill tokens processed."),
+    ("vllm:generation_tokens", "Number of generation tokens processed."),
+    ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+)
 
 
-class _EngineCollector(Collector):
-    def __init__(self, runner: Callable[[], EngineRunner], model: str) -> None:
-        self._runner = runner
-        self._model = model
+def _label_value(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
-    def collect(self) -> Iterator[Metric]:
-        runner = self._runner()
-        scheduler = runner.scheduler
-        pool = scheduler.pool
-        labels = ["model_name", "engine"]
-        values = [self._model, "0"]
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            labels=[
-                "block_size",
-                "enable_prefix_caching",
-                "num_gpu_blocks",
-                "prefix_caching_hash_algo",
-                "engine",
-            ],
-        )
-        info.add_metric(
-            [
-                str(pool.block_size),
-                str(pool.enable_caching),
-                str(pool.num_gpu_blocks),
-                "sha256",
-                "0",
-            ],
-            1.0,
-        )
-        yield info
-        gauges = (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.",
-             runner.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-             runner.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-             pool.usage),
-        )  # fmt: skip
-        for name, doc, value in gauges:
-            gauge = GaugeMetricFamily(name, doc, labels=labels)
-            gauge.add_metric(values, float(value))
-            yield gauge
-        counters = (
-            ("vllm:prefix_cache_queries",
-             "Prefix cache queries, in terms of number of queried tokens.",
-             scheduler.prefix_cache_queries),
-            ("vllm:prefix_cache_hits",
-             "Prefix cache hits, in terms of number of cached tokens.",
-             scheduler.prefix_cache_hits),
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.",
-             scheduler.prompt_tokens),
-            ("vllm:generation_tokens", "Number of generation tokens processed.",
-             scheduler.generation_tokens),
-            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-             scheduler.preemptions),
-        )  # fmt: skip
-        for name, doc, count in counters:
-            counter = CounterMetricFamily(name, doc, labels=labels)
-            counter.add_metric(values, float(count))
-            yield counter
+
+def _help(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n")
 
 
 class EngineMetrics:
-    """A private registry holding the engine's collector."""
+    """The engine's exposition, rendered from ``runner()`` at each scrape."""
 
     def __init__(self, runner: Callable[[], EngineRunner], model: str) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(runner, model))
+        self._runner = runner
+        labels = f'{{engine="0",model_name="{_label_value(model)}"}}'  # sorted, as it does
+        self._gauge_heads = [
+            f"# HELP {name} {_help(doc)}\n# TYPE {name} gauge\n{name}{labels} "
+            for name, doc in _GAUGES
+        ]
+        self._counter_heads = [
+            f"# HELP {name}_total {_help(doc)}\n# TYPE {name}_total counter\n{name}_total{labels} "
+            for name, doc in _COUNTERS
+        ]
+        self._info: str | None = None  # the cache config: fixed once the pool exists
+
+    def _info_lines(self, runner: EngineRunner) -> str:
+        if self._info is None:
+            pool = runner.scheduler.pool
+            name = "vllm:cache_config_info"
+            self._info = (
+                f"# HELP {name} Information of the LLMEngine CacheConfig\n"
+                f"# TYPE {name} gauge\n"
+                f'{name}{{block_size="{pool.block_size}",'
+                f'enable_prefix_caching="{pool.enable_caching}",engine="0",'
+                f'num_gpu_blocks="{pool.num_gpu_blocks}",'
+                f'prefix_caching_hash_algo="sha256"}} 1.0\n'
+            )
+        return self._info
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        runner = self._runner()
+        scheduler = runner.scheduler
+        gauges = (runner.num_running, runner.num_waiting, scheduler.pool.usage)
+        counters = (
+            scheduler.prefix_cache_queries,
+            scheduler.prefix_cache_hits,
+            scheduler.prompt_tokens,
+            scheduler.generation_tokens,
+            scheduler.preemptions,
+        )
+        parts = [self._info_lines(runner)]
+        for head, value in zip(self._gauge_heads, gauges, strict=True):
+            parts += (head, _go_float(float(value)), "\n")
+        for head, count in zip(self._counter_heads, counters, strict=True):
+            parts += (head, _go_float(float(count)), "\n")
+        return "".join(parts).encode("utf-8")

@@ -43,7 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvc import fast_json
 from kvc.fast_json import FastJsonRoute
@@ -51,7 +51,7 @@ from kvc.tokenization import ChatTemplateError, ChatTokenizer, IncrementalDetoke
 from kvc_sim.profile import Profile
 from kvc_sim.vllm_sim.cache import KvBlockPool
 from kvc_sim.vllm_sim.config import SimEngineConfig
-from kvc_sim.vllm_sim.metrics import EngineMetrics
+from kvc_sim.vllm_sim.metrics import METRICS_MEDIA_TYPE, EngineMetrics
 from kvc_sim.vllm_sim.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -210,9 +210,40 @@ def create_app(
 
     app = FastAPI(title="kvc sim-engine", lifespan=lifespan)
     app.router.route_class = FastJsonRoute  # request bodies decoded by orjson
+    app.add_middleware(_MetricsScrape, engine_app=app)
     _install_error_handlers(app)
     _install_routes(app)
     return app
+
+
+class _MetricsScrape:
+    """``GET /metrics`` answered ahead of FastAPI's routing and dependencies: each
+    agent polls its engine twice a second, and on a fleet of simulated engines sharing
+    a few cores the framework's cost per scrape was larger than the exposition's.
+    The only ``/metrics`` handler; anything else goes on to the app (a scrape before
+    the engine started: its 404)."""
+
+    def __init__(self, app: ASGIApp, engine_app: FastAPI) -> None:
+        self._app = app
+        self._engine_app = engine_app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state: SimEngineState | None = getattr(self._engine_app.state, "sim", None)
+        if (
+            state is None
+            or scope["type"] != "http"
+            or scope["path"] != "/metrics"
+            or scope["method"] != "GET"
+        ):
+            await self._app(scope, receive, send)
+            return
+        body = state.metrics.render()
+        headers = [
+            (b"content-type", METRICS_MEDIA_TYPE.encode("latin-1")),
+            (b"content-length", str(len(body)).encode("latin-1")),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -281,10 +312,6 @@ def _install_routes(app: FastAPI) -> None:
             "permission": [],
         }
         return {"object": "list", "data": [card]}
-
-    @app.get("/metrics")
-    async def metrics(state: State) -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
