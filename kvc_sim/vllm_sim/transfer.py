@@ -14,10 +14,13 @@ Decode leg (``do_remote_prefill: true`` with those parameters)
     Before the request enters the engine, ``KvPuller.pull`` asks the prefill engine's
     side channel (``POST http://remote_host:remote_port/kvc_sim/kv_pull`` with the
     remote request and engine ids), which releases the held blocks and answers their
-    token count ``n``; the pull then takes ``wire_s(n x kv_bytes_per_token) +
-    latency_s`` profile seconds (scaled). The request joins the engine with ``n`` prompt
-    tokens already computed (blocks allocated and cached locally as it is admitted);
-    its first token comes from the next step. A failed pull (unknown or expired
+    token count ``n``; the pull takes ``wire_s(n x kv_bytes_per_token) + latency_s``
+    profile seconds (scaled) from its start, the side channel's round trip included (as
+    an engine step lasts its profile time from the previous step's end: on a machine
+    shared by a whole fleet that exchange is not part of what is simulated). The
+    request joins the engine with ``n`` prompt tokens already computed (blocks
+    allocated and cached locally as it is admitted); its first token comes from the
+    next step. A failed pull (unknown or expired
     request, engine unreachable) is logged and the prompt is computed locally, as
     vLLM's default ``kv_load_failure_policy="recompute"`` does.
 
@@ -28,6 +31,7 @@ Complexity
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -110,11 +114,13 @@ class KvPuller:
         *,
         time_scale: float,
         sleep: Callable[[float], Awaitable[None]],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._http = http
         self._profile = profile
         self._time_scale = time_scale
         self._sleep = sleep
+        self._clock = clock
         self.pulls = 0
         self.failures = 0
 
@@ -125,6 +131,7 @@ class KvPuller:
 
     async def pull(self, remote: RemotePrefill) -> int:
         """Release the remote blocks, wait for the bytes; the token count pulled."""
+        started = self._clock()
         url = f"http://{remote.host}:{remote.port}{PULL_PATH}"
         body = {"remote_request_id": remote.request_id, "remote_engine_id": remote.engine_id}
         try:
@@ -136,6 +143,7 @@ class KvPuller:
             self.failures += 1
             raise KvPullError(f"prefill engine at {url} answered {response.status_code}")
         tokens = int(response.json()["num_tokens"])
-        await self._sleep(self.transfer_s(tokens) * self._time_scale)
+        exchange_s = self._clock() - started
+        await self._sleep(max(0.0, self.transfer_s(tokens) * self._time_scale - exchange_s))
         self.pulls += 1
         return tokens
