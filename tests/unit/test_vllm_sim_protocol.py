@@ -9,12 +9,14 @@ usage chunk): only their structure is compared, not the values.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -239,11 +241,12 @@ def _shape(value: Any) -> Any:
     return None
 
 
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
+@contextlib.asynccontextmanager
+async def serving(model: str = "tiny-llama") -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """A running simulated engine (no time passes in its steps) and a client of it."""
     config = SimEngineConfig(
         model_dir=DEFAULT_MODEL_DIR,
-        served_model_name="tiny-llama",
+        served_model_name=model,
         max_model_len=256,
         num_gpu_blocks=65,
         time_scale=0.0,
@@ -252,7 +255,13 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://sim") as http:
-            yield http
+            yield app, http
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with serving() as (_, http):
+        yield http
 
 
 def _events(text: str) -> list[dict[str, Any]]:
@@ -472,27 +481,17 @@ async def test_metrics_are_prometheus_clients_bytes(model: str) -> None:
     """The hand-written exposition is byte for byte prometheus_client's, before and
     after traffic (counters past 10^6 take Go's exponent form); scraped ahead of the
     framework, other methods on /metrics still get FastAPI's answer."""
-    config = SimEngineConfig(
-        model_dir=DEFAULT_MODEL_DIR,
-        served_model_name=model,
-        max_model_len=256,
-        num_gpu_blocks=65,
-        time_scale=0.0,
-    )
-    app = create_app(config, load_profile("llama3-70b-8xa800"))
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://sim") as http:
-            state = app.state.sim
-            first = await http.get("/metrics")
-            assert first.status_code == 200
-            assert first.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
-            assert first.content == _reference_exposition(state, model)
-            body = {"model": model, "prompt": "Hello there, how are you", "max_tokens": 5}
-            assert (await http.post("/v1/completions", json=body)).status_code == 200
-            state.runner.scheduler.prompt_tokens += 12_345_678
-            after = (await http.get("/metrics")).content
-            assert after == _reference_exposition(state, model)
-            assert b"e+07" in after
-            assert after != first.content
-            assert (await http.post("/metrics")).status_code in (404, 405)
+    async with serving(model) as (app, http):
+        state = app.state.sim
+        first = await http.get("/metrics")
+        assert first.status_code == 200
+        assert first.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert first.content == _reference_exposition(state, model)
+        body = {"model": model, "prompt": "Hello there, how are you", "max_tokens": 5}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+        state.runner.scheduler.prompt_tokens += 12_345_678
+        after = (await http.get("/metrics")).content
+        assert after == _reference_exposition(state, model)
+        assert b"e+07" in after
+        assert after != first.content
+        assert (await http.post("/metrics")).status_code in (404, 405)
