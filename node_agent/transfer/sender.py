@@ -19,7 +19,13 @@ from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.agent_state import AgentState
 from node_agent.auth import Caller, check_grantee
-from node_agent.blocks.types import BlockPoolError, InvalidArgument, TenantMismatch
+from node_agent.blocks.types import (
+    BlockPoolError,
+    InvalidArgument,
+    TenantMismatch,
+    TxClosed,
+    TxNotFound,
+)
 from node_agent.engines.base import PrefixJob, PrefixLendingEngine
 from node_agent.errors import ContentMissing, NotPermitted, NotStaged, PromptRejected
 from node_agent.kv import KvContent
@@ -65,10 +71,18 @@ class KvSender:
         async for msg in self._count_sent(stream, "handoff"):
             yield msg
 
-    def _check_grant(self, tx_id: str, read_token: str, caller: Caller) -> None:
+    async def _check_grant(self, tx_id: str, read_token: str, caller: Caller) -> None:
         """The caller holds the Tx's read grant, and the grant is for its node."""
         grantee = self._grants.grantee(tx_id, read_token)
         if grantee is None:
+            # A closed Tx's grant is forgotten at the next housekeeping: a read after
+            # the Tx closed gets the same answer (closed) before and after that.
+            try:
+                self._state.pool.get_tx(tx_id)
+            except (TxNotFound, TxClosed) as exc:
+                await self._state.events.after_mutation()  # the lookup may expire leases
+                if isinstance(exc, TxClosed):
+                    raise
             raise NotPermitted(f"no read grant for transaction {tx_id!r}")
         self._may_use(caller)(grantee)
 
@@ -77,7 +91,7 @@ class KvSender:
     ) -> AsyncIterator[pb.KvChunk]:
         """Stream the KV of the first blocks of an open Tx (any role may serve), to a
         caller holding the Tx's read grant, if the grant is for its node."""
-        self._check_grant(request.tx_id, request.read_token, caller)
+        await self._check_grant(request.tx_id, request.read_token, caller)
         try:
             kv = await self._read_tx_blocks(
                 request.tx_id, tuple(request.block_keys), request.tenant
@@ -98,7 +112,7 @@ class KvSender:
 
         The tokens are checked against the Tx's keys, so a caller cannot have this node
         lend anything but the blocks the conductor locked for it."""
-        self._check_grant(request.tx_id, request.read_token, caller)
+        await self._check_grant(request.tx_id, request.read_token, caller)
         state = self._state
         engine = state.engine
         if not isinstance(engine, PrefixLendingEngine) or not engine.lends_prefixes:

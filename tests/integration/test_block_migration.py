@@ -309,6 +309,8 @@ async def test_read_blocks_streams_checked_chunks_and_refuses_bad_requests(
     assert "hold no KV" in details
     await s.TxCommit(pb.TxCommitRequest(tx_id="bare-lock"))
     await expect_code(read("bare-lock", bare), precondition)  # closed tx
+    await src.service.housekeeping_once()  # forgets the closed tx's grant: same answer
+    await expect_code(read("bare-lock", bare), precondition)
     retried = await s.TxAllocate(alloc("lock", keys, lock_only=True))  # idempotent retry
     assert retried.read_token == grants["lock"]
 
