@@ -5,7 +5,9 @@ The body: ``prompt`` (text or token ids), ``max_tokens``, ``stream: true`` with
 ``prompt_tokens_details.cached_tokens`` where the server reports cache hits),
 ``ignore_eos: true`` (vLLM's extension: outputs run to ``max_tokens``) and
 ``temperature: 0``. The server's SSE chunks are read as they come; each chunk with text
-is stamped on the clock.
+is stamped on the clock. The body is encoded before the request's arrival
+(``CompletionTarget.encode``, by the dispatcher's ``prepare``), so the client's own work
+on a long prompt is not counted in the server's TTFT.
 
 Failures are recorded, never raised: an HTTP error status (its ``Retry-After``, the
 OpenAI error envelope's ``code``, the ``X-Kvc-Reject-Reason`` header), an error event
@@ -25,6 +27,7 @@ from typing import Any, Literal
 
 import httpx
 
+from kvc import fast_json
 from kvc_sim.live.records import LiveResult
 from kvc_sim.live.schedule import Clock
 from kvc_sim.trace import TraceRequest
@@ -57,6 +60,11 @@ class CompletionTarget:
     model: str
     timeout_s: float = 600.0
     headers: dict[str, str] = field(default_factory=dict)
+
+    def encode(self, prompt: str | list[int], max_tokens: int) -> bytes:
+        """The request's JSON body, encoded (orjson: ~0.2 ms for 16k token ids, where
+        httpx's ``json=`` spends ~2.5 ms)."""
+        return fast_json.dumps(self.body(prompt, max_tokens))
 
     def body(self, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
         return {
@@ -102,21 +110,22 @@ async def send_completion(
     client: httpx.AsyncClient,
     target: CompletionTarget,
     request: TraceRequest,
-    prompt: str | list[int],
+    body: bytes,
     max_tokens: int,
     *,
     clock: Clock,
     origin: float,
     arrival: float,
 ) -> LiveResult:
-    """Send one streamed completion now; ``origin`` is the replay's start on ``clock`` and
-    ``arrival`` the request's scheduled arrival on it (both turn into offsets)."""
+    """Send one streamed completion now (``body``: ``target.encode``'s for ``request``
+    and ``max_tokens``); ``origin`` is the replay's start on ``clock`` and ``arrival`` the
+    request's scheduled arrival on it (both turn into offsets)."""
     sent = clock.now()
     fields: dict[str, Any] = {}
     chunk_times: list[float] = []
     try:
         async with asyncio.timeout(target.timeout_s):
-            await _exchange(client, target, prompt, max_tokens, clock, origin, fields, chunk_times)
+            await _exchange(client, target, body, clock, origin, fields, chunk_times)
     except TimeoutError:
         fields["client_error"] = "timeout"
         fields["error_message"] = f"no complete answer within {target.timeout_s:g} s"
@@ -140,16 +149,16 @@ async def send_completion(
 async def _exchange(
     client: httpx.AsyncClient,
     target: CompletionTarget,
-    prompt: str | list[int],
-    max_tokens: int,
+    body: bytes,
     clock: Clock,
     origin: float,
     fields: dict[str, Any],
     chunk_times: list[float],
 ) -> None:
     """Fill ``fields`` (LiveResult's) and ``chunk_times`` from one exchange."""
-    body = target.body(prompt, max_tokens)
-    async with client.stream("POST", target.url, json=body, headers=target.headers) as response:
+    headers = httpx.Headers(target.headers)
+    headers["Content-Type"] = "application/json"
+    async with client.stream("POST", target.url, content=body, headers=headers) as response:
         fields["status"] = response.status_code
         fields["prefill_node"] = response.headers.get("x-kvc-prefill-node")
         fields["decode_node"] = response.headers.get("x-kvc-decode-node")
@@ -177,7 +186,7 @@ async def _exchange(
             if data == "[DONE]":
                 break
             try:
-                chunk = json.loads(data)
+                chunk = fast_json.loads(data)
             except ValueError:
                 fields["client_error"] = "bad_stream"
                 fields["error_message"] = f"not JSON: {data[:200]!r}"

@@ -184,17 +184,21 @@ async def replay_live(
         )
         origin = clock.now()
 
-        async def send(arrival: Arrival, at: float) -> None:
+        def prepare(arrival: Arrival) -> bytes:
             request = arrival.request
             prompt: str | list[int] = (
                 synth.text(request) if options.prompt_format == "text"
                 else synth.token_ids(request)
             )  # fmt: skip
+            return target.encode(prompt, _max_tokens(request, options.max_tokens))
+
+        async def send(arrival: Arrival, at: float, body: bytes) -> None:
+            request = arrival.request
             result = await send_completion(
                 client,
                 target,
                 request,
-                prompt,
+                body,
                 _max_tokens(request, options.max_tokens),
                 clock=clock,
                 origin=origin,
@@ -204,7 +208,9 @@ async def replay_live(
             if show is not None:
                 show(len(results), len(plan), (clock.now() - origin) / options.time_scale)
 
-        await dispatch(plan, send, clock=clock, start=origin, max_in_flight=options.max_in_flight)
+        await dispatch(
+            plan, prepare, send, clock=clock, start=origin, max_in_flight=options.max_in_flight
+        )
     wall_s = time.perf_counter() - started
     results.sort(key=lambda r: (r.arrival_s, r.request.request_id))
     return _write_outputs(requests, results, out_dir, options, model, wall_s)

@@ -7,7 +7,9 @@ Timing
     engine's meaning; ``speed``: ``kvc bench replay --speed``). Arrivals never wait for
     answers (open loop). At most ``max_in_flight`` requests are outstanding; an arrival
     beyond that waits in a FIFO client queue, and that wait is part of its latency (its
-    TTFT is measured from its arrival, not from when it was sent).
+    TTFT is measured from its arrival, not from when it was sent). What a request needs
+    before it can leave (its prompt, its encoded body: ``prepare``) is made before its
+    arrival, while the dispatcher waits for it, so that work is not counted in its TTFT.
 
 The clock is a parameter (``Clock``), so tests drive the dispatcher in virtual time.
 
@@ -21,7 +23,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvc_sim.trace import TraceRequest
 
@@ -68,31 +70,38 @@ def arrivals(requests: Sequence[TraceRequest], *, time_scale: float, speed: floa
     return [Arrival(r, (r.arrival_s - origin) / speed * time_scale) for r in ordered]
 
 
-Send = Callable[[Arrival, float], Awaitable[None]]
-"""Sends one request; gets its arrival and its arrival time on the clock."""
+P = TypeVar("P")
 
 
 async def dispatch(
-    plan: Sequence[Arrival], send: Send, *, clock: Clock, start: float, max_in_flight: int
+    plan: Sequence[Arrival],
+    prepare: Callable[[Arrival], P],
+    send: Callable[[Arrival, float, P], Awaitable[None]],
+    *,
+    clock: Clock,
+    start: float,
+    max_in_flight: int,
 ) -> None:
-    """Run ``send`` for every arrival at ``start + offset`` on ``clock``, at most
-    ``max_in_flight`` at once; return when every send has finished (if cancelled, the
-    sends in flight are cancelled). ``send`` records its own failures: one that raises
-    cancels the others.
+    """Run ``send(arrival, at, prepare(arrival))`` for every arrival at ``at = start +
+    offset`` on ``clock``, at most ``max_in_flight`` at once; ``prepare`` runs before the
+    wait for ``at`` (one arrival ahead). Return when every send has finished (if
+    cancelled, the sends in flight are cancelled). ``send`` records its own failures: one
+    that raises (or a ``prepare`` that raises) cancels the others.
     """
     if max_in_flight < 1:
         raise ValueError("max_in_flight must be >= 1")
     slots = asyncio.Semaphore(max_in_flight)
 
-    async def run(arrival: Arrival, at: float) -> None:
+    async def run(arrival: Arrival, at: float, prepared: P) -> None:
         try:
-            await send(arrival, at)
+            await send(arrival, at, prepared)
         finally:
             slots.release()
 
     async with asyncio.TaskGroup() as group:
         for arrival in plan:
             at = start + arrival.offset_s
+            prepared = prepare(arrival)
             await clock.sleep_until(at)
             await slots.acquire()  # the client queue: FIFO, later arrivals wait behind
-            group.create_task(run(arrival, at))
+            group.create_task(run(arrival, at, prepared))

@@ -80,8 +80,9 @@ async def send(clock: FakeClock, transport: httpx.MockTransport) -> LiveResult:
         url="http://server/v1/completions", model="m", headers={"X-Kvc-Slo-Ttft-Ms": "500"}
     )
     async with httpx.AsyncClient(transport=transport) as client:
+        body = target.encode("prompt", 4)
         return await send_completion(
-            client, target, REQ, "prompt", 4, clock=clock, origin=90.0, arrival=100.0
+            client, target, REQ, body, 4, clock=clock, origin=90.0, arrival=100.0
         )
 
 
@@ -200,11 +201,17 @@ async def test_dispatch_sends_at_arrival_times_and_queues_beyond_the_bound() -> 
     plan = arrivals(reqs, time_scale=1.0, speed=1.0)
     release = {r.request_id: asyncio.Event() for r in reqs}
     started: list[tuple[str, float, float]] = []  # (id, scheduled arrival, sent at)
+    prepared: list[tuple[str, float]] = []  # (id, clock when its body was made)
     in_flight = 0
     peak = 0
 
-    async def send_one(arrival: Arrival, at: float) -> None:
+    def prepare(arrival: Arrival) -> str:
+        prepared.append((arrival.request.request_id, clock.now()))
+        return "body of " + arrival.request.request_id
+
+    async def send_one(arrival: Arrival, at: float, body: str) -> None:
         nonlocal in_flight, peak
+        assert body == "body of " + arrival.request.request_id
         in_flight += 1
         peak = max(peak, in_flight)
         started.append((arrival.request.request_id, at, clock.now()))
@@ -212,12 +219,14 @@ async def test_dispatch_sends_at_arrival_times_and_queues_beyond_the_bound() -> 
         in_flight -= 1
 
     task = asyncio.create_task(
-        dispatch(plan, send_one, clock=clock, start=clock.now(), max_in_flight=2)
+        dispatch(plan, prepare, send_one, clock=clock, start=clock.now(), max_in_flight=2)
     )
     for _ in range(10):
         await asyncio.sleep(0)
     # r0 and r1 were sent at their arrivals; r2 arrived at 102 and waits for a slot
     assert started == [("r0", 100.0, 100.0), ("r1", 101.0, 101.0)]
+    # Each body was made before its arrival: r1's and r2's while the previous waited.
+    assert prepared == [("r0", 100.0), ("r1", 100.0), ("r2", 101.0)]
     assert clock.sleeps == [100.0, 101.0, 102.0]
     clock.t = 102.5
     release["r0"].set()
