@@ -15,7 +15,7 @@ from node_agent.blocks.types import BlockPoolError, BlockState
 from node_agent.engines.base import EngineAdapter
 from node_agent.errors import Draining, PromptRejected
 from node_agent.event_stream import EventPublisher
-from node_agent.kv import KvCodec, KvContent
+from node_agent.kv import KvCodec, KvContent, is_kv_content
 from node_agent.metrics import AgentMetrics
 from node_agent.settings import AgentSettings
 
@@ -53,7 +53,7 @@ class AgentState:
     def content(self, handle: int) -> KvContent | None:
         """The KV a pool block holds (None: not computed here, or a mirrored block)."""
         payload = self.pool.get_payload(handle)
-        return payload if isinstance(payload, KvContent) else None
+        return payload if is_kv_content(payload) else None
 
     def needs_content(self, handle: int) -> bool:
         """ALLOCATED without KV yet (a CACHED block's content is never replaced)."""

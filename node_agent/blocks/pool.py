@@ -206,7 +206,7 @@ from node_agent.blocks.types import (
     TxMode,
     TxNotFound,
 )
-from node_agent.kv import KvContent
+from node_agent.kv import KvContent, is_kv_content
 
 __all__ = ["BlockPool", "Donation"]
 
@@ -1128,7 +1128,7 @@ class BlockPool:
         offer = self._offer(block, payload)
         key = self._drop_cached(block)
         moves = [TierMove(key, None)]
-        if demote and self.lower is not None and isinstance(payload, KvContent):
+        if demote and self.lower is not None and is_kv_content(payload):
             moves = self.lower.put(key, tenant, payload)
         if offer is not None and moves[0].medium is None and self._donate is not None:
             self.donated_blocks += self._donate(offer)
@@ -1141,7 +1141,7 @@ class BlockPool:
             self._donate is None
             or block.hits < self._donate_min_hits
             or block.hops >= self._donate_max_hops
-            or not isinstance(payload, KvContent)
+            or not is_kv_content(payload)
         ):
             return None
         assert block.key is not None

@@ -31,7 +31,7 @@ from node_agent.blocks.types import (
     TxMode,
 )
 from node_agent.engines.embedded.kv_tensors import KvCache, TensorKvCodec
-from node_agent.kv import KvContent
+from node_agent.kv import KvContent, is_kv_content
 from node_agent.tier_runner import ThreadRunner
 
 T = TypeVar("T")
@@ -646,3 +646,13 @@ def test_a_late_failed_write_never_removes_a_newer_file_of_its_key(tmp_path: Pat
     assert lower.load(BlockKey(1)) is not None
     assert not list((tmp_path / "l3").glob("*.tmp"))
     pool.check_invariants()
+
+
+def test_is_kv_content_answers_as_isinstance_does() -> None:
+    class NotKv:
+        num_tokens = 1  # one member of the protocol is not enough
+
+    samples: list[object] = [None, content_of(1), content_of(2), NotKv(), b"kv", 7]
+    for obj in samples * 2:  # the second time from what it remembered per type
+        assert is_kv_content(obj) is isinstance(obj, KvContent)
+    assert is_kv_content(content_of(3))
