@@ -178,6 +178,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 from kvc.block_keys import KEY_BITS, BlockKey
 from node_agent.blocks.tiers import LowerTiers, TierMove
@@ -288,6 +289,20 @@ class _Finished:
 
 def _is_uint64(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _KEY_LIMIT
+
+
+def _check_keys(keys: Sequence[object]) -> None:
+    """Raise ``InvalidArgument`` naming the first key that is not a uint64. The common
+    case (plain ints in range, as protobuf hands them over) is checked in three C-level
+    passes; only otherwise is each key looked at in Python (a prompt has up to thousands
+    of keys, and this runs in every allocation and mirrored event)."""
+    if keys and set(map(type, keys)) == {int}:
+        ints = cast("Sequence[int]", keys)
+        if min(ints) >= 0 and max(ints) < _KEY_LIMIT:
+            return
+    for key in keys:
+        if not _is_uint64(key):
+            raise InvalidArgument(f"key {key!r} is not a uint64")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -541,9 +556,7 @@ class BlockPool:
         the keys it added as contiguous runs. Returns the number of keys added.
         """
         self._expire_due()
-        for key in keys:
-            if not _is_uint64(key):
-                raise InvalidArgument(f"key {key!r} is not a uint64")
+        _check_keys(keys)
         added: set[BlockKey] = set()
         evicted: list[BlockKey] = []
         runs: list[BlockStored] = []
@@ -1546,9 +1559,7 @@ class BlockPool:
         keys = tuple(params.keys)
         if not keys:
             raise InvalidArgument("keys must not be empty")
-        for key in keys:
-            if not _is_uint64(key):
-                raise InvalidArgument(f"key {key!r} is not a uint64")
+        _check_keys(keys)
         if len(set(keys)) != len(keys):
             raise InvalidArgument("keys must not repeat within one tx")
         if params.retain:
