@@ -182,3 +182,23 @@ def test_tier_ttft_bench_serves_each_step_from_its_tier(tmp_path: Path) -> None:
     assert (steps["L2"]["promoted_host"], steps["L3"]["promoted_disk"]) == (2, 2)
     assert all(s["ttft_ms"] > 0 and s["same_as_cold"] for s in result["samples"])  # float32
     assert (tmp_path / "tier_ttft-tiny-copy-cpu.png").stat().st_size > 0
+
+
+def test_pd_path_bench_measures_both_paths_on_a_live_fleet(tmp_path: Path) -> None:
+    from bench import pd_path
+    from kvc.processes import free_port, free_ports
+
+    code = pd_path.main(
+        ["--out", str(tmp_path), "--tokens", "1024", "--block-sizes", "512", "--repeats", "2",
+         "--warmup", "1", "--idle-s", "0.5", "--gap-s", "0", "--port", str(free_port()),
+         "--base-port", str(free_ports(8, consecutive=True)[0])]
+    )  # fmt: skip
+    assert code == 0
+    (run,) = json.loads((tmp_path / "pd_path.json").read_text())["results"]
+    (cell,) = run["lengths"]
+    assert len(cell["conductor_ttft_ms"]) == len(cell["engines_ttft_ms"]) == 2
+    assert all(ms > 0 for ms in cell["conductor_ttft_ms"] + cell["engines_ttft_ms"])
+    assert set(cell["cpu_ms_per_request"]) == {
+        "conductor", "agent prefill", "agent decode", "engine prefill", "engine decode"
+    }  # fmt: skip
+    assert (tmp_path / "pd_path.png").stat().st_size > 1000
