@@ -50,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +72,7 @@ __all__ = [
     "parse_shapes",
     "proc_memory_kib",
     "requests_answered",
+    "started_fleet",
 ]
 
 _DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/synthetic_trace.jsonl"
@@ -242,41 +243,76 @@ def _offered_rate(trace: Path, limit: int, speed: float) -> float | None:
     return (len(stamps) - 1) / span if span > 0 else None
 
 
+class FleetStartError(RuntimeError):
+    """A planned fleet could not start (ports in use, a process exited, not ready)."""
+
+
+@contextlib.contextmanager
+def started_fleet(
+    fleet: FleetOptions, log_dir: Path, startup_timeout_s: float, ipc_prefix: str
+) -> Iterator[tuple[FleetPlan, Supervisor]]:
+    """The processes ``plan_fleet`` gives for ``fleet``, started and waited for until the
+    conductor sees every agent usable; all stopped (and the ``ipc://`` folder removed)
+    on exit. Raises ``FleetStartError``."""
+    ipc_dir = tempfile.mkdtemp(prefix=ipc_prefix)
+    sup = Supervisor(15.0, log_dir)
+    try:
+        plan = plan_fleet(fleet, ipc_dir)
+        busy = [p for p in plan.ports if not port_free(fleet.host, p)]
+        if busy:
+            raise FleetStartError(f"ports in use: {busy[:8]}")
+        for spec in plan.processes:
+            sup.spawn(spec.name, spec.args)
+        url = plan.conductor_urls[0]
+        failure = sup.wait_ready(
+            [lambda: all_agents_usable(url, len(plan.agents))],
+            threading.Event(),
+            startup_timeout_s,
+        )
+        if failure is not None:
+            raise FleetStartError(f"{failure} (logs in {log_dir})")
+        yield plan, sup
+    finally:
+        sup.stop_all()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
 def run_shape(opts: ScaleOptions, prefill: int, decode: int) -> ShapeResult:
     result = ShapeResult(prefill, decode)
     out = opts.out / f"{prefill}p{decode}d"
     out.mkdir(parents=True, exist_ok=True)
-    ipc_dir = tempfile.mkdtemp(prefix="kvc-scale-")
     fleet = FleetOptions(
         prefill=prefill, decode=decode, port=opts.port, base_port=opts.base_port,
         profile=opts.profile, time_scale=opts.time_scale, num_gpu_blocks=opts.num_gpu_blocks,
         policy=opts.policy, max_running=opts.max_running,
         conductor_args=opts.conductor_args, log_dir=str(out / "logs"),
     )  # fmt: skip
-    plan: FleetPlan = plan_fleet(fleet, ipc_dir)
-    busy = [p for p in plan.ports if not port_free(fleet.host, p)]
-    if busy:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
-        result.status = f"failed: ports in use: {busy[:8]}"
-        return result
-    sup = Supervisor(15.0, out / "logs")
+    started = time.perf_counter()
+    try:
+        with started_fleet(fleet, out / "logs", opts.startup_timeout_s, "kvc-scale-") as (
+            plan,
+            sup,
+        ):
+            _measure_shape(opts, result, out, plan, sup, time.perf_counter() - started)
+    except FleetStartError as exc:
+        result.status = f"failed: {exc}"
+    return result
+
+
+def _measure_shape(
+    opts: ScaleOptions,
+    result: ShapeResult,
+    out: Path,
+    plan: FleetPlan,
+    sup: Supervisor,
+    startup_s: float,
+) -> None:
+    result.commands["engine-0"] = shlex.join(["kvc", *plan.engines[0].args])
+    result.commands["agent-0"] = shlex.join(["kvc", *plan.agents[0].args])
+    result.commands["conductor"] = shlex.join(["kvc", *plan.conductors[0].args])
     url = plan.conductor_urls[0]
     try:
-        started = time.perf_counter()
-        for spec in plan.processes:
-            sup.spawn(spec.name, spec.args)
-        result.commands["engine-0"] = shlex.join(["kvc", *plan.engines[0].args])
-        result.commands["agent-0"] = shlex.join(["kvc", *plan.agents[0].args])
-        result.commands["conductor"] = shlex.join(["kvc", *plan.conductors[0].args])
-        failure = sup.wait_ready(
-            [lambda: all_agents_usable(url, len(plan.agents))],
-            threading.Event(),
-            opts.startup_timeout_s,
-        )
-        if failure is not None:
-            result.status = f"failed: {failure} (logs in {out / 'logs'})"
-            return result
-        result.startup_s = time.perf_counter() - started
+        result.startup_s = startup_s
         groups = _groups(sup)
         idle_before = _cpu(groups)
         time.sleep(opts.idle_s)  # the measurement window itself, not a wait for a state
@@ -324,10 +360,6 @@ def run_shape(opts: ScaleOptions, prefill: int, decode: int) -> ShapeResult:
             result.ttft_s = {"p50": summary.get("ttft_p50_s"), "p90": summary.get("ttft_p90_s")}
     except (RuntimeError, ValueError, OSError, KeyError, httpx.HTTPError) as exc:
         result.status = f"failed: {exc}"
-    finally:
-        sup.stop_all()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
-    return result
 
 
 # ---------------------------------------------------------------- report

@@ -40,11 +40,8 @@ import argparse
 import asyncio
 import random
 import shlex
-import shutil
 import statistics
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,12 +51,12 @@ from typing import Any
 import httpx
 
 from bench.field_fleet import cpu_seconds
+from bench.fleet_scale import started_fleet
 from bench.report import bar_panels, markdown_table, run_then_report, write_run_report
 from kvc import fast_json
 from kvc.models import DEFAULT_MODEL_DIR
-from kvc.processes import port_free
 from kvc.tokenization import ChatTokenizer
-from kvc_cli.fleet import FleetOptions, all_agents_usable, plan_fleet
+from kvc_cli.fleet import FleetOptions, FleetPlan
 from kvc_cli.supervisor import Supervisor
 
 __all__ = ["HEADERS", "LengthResult", "PathOptions", "RunResult", "main", "table_rows"]
@@ -231,7 +228,6 @@ def run_block_size(opts: PathOptions, block_size: int) -> RunResult:
     result = RunResult(block_size)
     out = opts.out / f"block{block_size}"
     out.mkdir(parents=True, exist_ok=True)
-    ipc_dir = tempfile.mkdtemp(prefix="kvc-pd-path-")
     longest = max(opts.tokens) + opts.max_tokens
     blocks = max(4096, 4 * (opts.warmup + 2 * opts.repeats) * -(-longest // block_size))
     fleet = FleetOptions(
@@ -240,42 +236,33 @@ def run_block_size(opts: PathOptions, block_size: int) -> RunResult:
         max_model_len=max(262_144, 2 * longest), policy="kv_adaptive",
         conductor_args=("--admission=none",), log_dir=str(out / "logs"),
     )  # fmt: skip
-    plan = plan_fleet(fleet, ipc_dir)
-    busy = [p for p in plan.ports if not port_free(fleet.host, p)]
-    if busy:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
-        result.status = f"failed: ports in use: {busy[:8]}"
-        return result
-    sup = Supervisor(15.0, out / "logs")
-    base = plan.conductor_urls[0]
     try:
-        for spec in plan.processes:
-            sup.spawn(spec.name, spec.args)
-            result.commands[spec.name] = shlex.join(["kvc", *spec.args])
-        failure = sup.wait_ready(
-            [lambda: all_agents_usable(base, len(plan.agents))],
-            threading.Event(),
-            opts.startup_timeout_s,
-        )
-        if failure is not None:
-            result.status = f"failed: {failure} (logs in {out / 'logs'})"
-            return result
-        groups: dict[str, list[int]] = {}
-        for child in sup.children:  # engine-prefill-0, agent-decode-0, conductor-0, ...
-            kind, _, rest = child.name.partition("-")
-            name = kind if kind == "conductor" else f"{kind} {rest.split('-')[0]}"
-            groups.setdefault(name, []).append(child.proc.pid)
-        engines = tuple(f"http://{fleet.host}:{spec.ports[0]}" for spec in plan.engines)
-        assert len(engines) == 2
-        asyncio.run(_measure(opts, result, base, (engines[0], engines[1]), groups))
-        if (dead := sup.exited()) is not None:
-            result.status = f"failed: {dead.name} exited (code {dead.proc.returncode})"
+        with started_fleet(fleet, out / "logs", opts.startup_timeout_s, "kvc-pd-path-") as (
+            plan,
+            sup,
+        ):
+            _measure_fleet(opts, result, plan, sup, fleet.host)
     except (RuntimeError, ValueError, KeyError, OSError, httpx.HTTPError) as exc:
         result.status = f"failed: {type(exc).__name__}: {exc}"
-    finally:
-        sup.stop_all()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
     return result
+
+
+def _measure_fleet(
+    opts: PathOptions, result: RunResult, plan: FleetPlan, sup: Supervisor, host: str
+) -> None:
+    for spec in plan.processes:
+        result.commands[spec.name] = shlex.join(["kvc", *spec.args])
+    base = plan.conductor_urls[0]
+    groups: dict[str, list[int]] = {}
+    for child in sup.children:  # engine-prefill-0, agent-decode-0, conductor-0, ...
+        kind, _, rest = child.name.partition("-")
+        name = kind if kind == "conductor" else f"{kind} {rest.split('-')[0]}"
+        groups.setdefault(name, []).append(child.proc.pid)
+    engines = tuple(f"http://{host}:{spec.ports[0]}" for spec in plan.engines)
+    assert len(engines) == 2
+    asyncio.run(_measure(opts, result, base, (engines[0], engines[1]), groups))
+    if (dead := sup.exited()) is not None:
+        result.status = f"failed: {dead.name} exited (code {dead.proc.returncode})"
 
 
 # ---------------------------------------------------------------- report
