@@ -96,6 +96,7 @@ def uvicorn_config(settings: ConductorSettings, app: Any, log_level: str) -> uvi
         host=settings.host,
         port=settings.port,
         log_level=log_level.lower(),
+        access_log=settings.access_log,
         http=protocol,
         timeout_keep_alive=settings.keepalive_timeout_s,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s + SHUTDOWN_FLUSH_S),

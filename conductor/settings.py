@@ -149,6 +149,14 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
         description="Open HTTP connections at once; a connection beyond it gets 503",
         json_schema_extra=_HTTP,
     )
+    access_log: bool = Field(
+        False,
+        description="One log line per HTTP request (uvicorn's access log) at INFO; off by "
+        "default, as in the field's routers: each request is counted in /metrics and "
+        "answers with its X-Request-Id, and at hundreds of requests a second the line costs "
+        "a few percent of the conductor's CPU",
+        json_schema_extra=_HTTP,
+    )
     placement_headers: bool = Field(
         False,
         description="Answer each generation with X-Kvc-Prefill-Node and X-Kvc-Decode-Node "

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
 import uvicorn
 
 from conductor.app import create_app
@@ -72,3 +73,19 @@ async def test_connections_beyond_the_cap_get_503() -> None:
         writer.close()
         for _, w in held:
             w.close()
+
+
+async def test_the_access_log_is_one_line_per_request_only_when_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for access_log in (False, True):
+        settings = ConductorSettings(port=free_port(), access_log=access_log)
+        config = uvicorn_config(settings, create_app(settings), "info")
+        async with served(config):
+            reader, writer = await asyncio.open_connection("127.0.0.1", settings.port)
+            writer.write(GET_HEALTH)
+            status = await asyncio.wait_for(reader.readline(), 5)
+            assert status.startswith(b"HTTP/1.1 200"), status
+            writer.close()
+        logged = [line for line in capsys.readouterr().out.splitlines() if "/health" in line]
+        assert len(logged) == (1 if access_log else 0), (access_log, logged)
