@@ -13,7 +13,6 @@ then published like any other mutation.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 import uuid
@@ -66,7 +65,9 @@ class EventPublisher:
         self._metrics = metrics
         self.epoch = uuid.uuid4().hex
         self._log: EventLog[pb.Event] = EventLog(epoch=self.epoch, max_buffered=max_buffered)
-        self._new_events = asyncio.Condition()
+        # One future per waiting ``WatchEvents`` stream, woken by ``notify`` (no task
+        # per wait, as ``wait_for`` on a condition would make: two per request).
+        self._waiters: set[asyncio.Future[None]] = set()
         self._last_load: pb.LoadUpdate | None = None
         self._closed = False
         self.last_prefill = LastPrefill()
@@ -117,8 +118,9 @@ class EventPublisher:
 
     async def notify(self) -> None:
         """Wake every ``WatchEvents`` stream."""
-        async with self._new_events:
-            self._new_events.notify_all()
+        waiters, self._waiters = self._waiters, set()
+        for waiter in waiters:
+            _wake(waiter)
 
     async def after_mutation(self) -> None:
         """Publish the pool's events and wake the subscribers: after every pool change."""
@@ -258,11 +260,24 @@ class EventPublisher:
                     next_seq = batch[-1][0] + 1
                     yield pb.EventBatch(epoch=self.epoch, events=[ev for _, ev in batch])
                     continue
-                async with self._new_events:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._new_events.wait(), timeout=_WATCH_POLL_S)
+                # Nothing new: wait for ``notify`` (registered before any await, so
+                # no publication can slip between the check above and the wait).
+                loop = asyncio.get_running_loop()
+                waiter = loop.create_future()
+                self._waiters.add(waiter)
+                timer = loop.call_later(_WATCH_POLL_S, _wake, waiter)
+                try:
+                    await waiter
+                finally:
+                    timer.cancel()
+                    self._waiters.discard(waiter)
         finally:
             self._metrics.watch_subscribers.dec()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 @dataclass(frozen=True, slots=True)

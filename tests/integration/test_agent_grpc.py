@@ -236,6 +236,29 @@ async def test_snapshot_and_event_stream(
     assert sorted(snap2.cached_keys) == sorted(keys)
 
 
+async def test_waiting_streams_wake_on_new_events_and_one_leaving_spares_the_rest(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    snap = await stub.Snapshot(pb.SnapshotRequest())
+    request = pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
+    leaving, staying = stub.WatchEvents(request), stub.WatchEvents(request)
+    # Both caught up and waiting on the agent before anything is published.
+    await wait_until(lambda: len(agent.service.events._waiters) == 2)
+    leaving.cancel()
+    await wait_until(lambda: len(agent.service.events._waiters) == 1)
+    keys = keys_for(3, offset=7)
+    await stub.TxAllocate(alloc("tx-w", keys))
+    await stub.TxCommit(pb.TxCommitRequest(tx_id="tx-w"))
+    stored: list[int] = []
+    async with asyncio.timeout(10):
+        async for batch in staying:
+            stored.extend(k for ev in batch.events for k in ev.stored.block_keys)
+            if stored:
+                break
+    staying.cancel()
+    assert stored == keys
+
+
 async def test_watch_with_another_epoch_must_resync(stub: pb_grpc.NodeAgentAsyncStub) -> None:
     batches = [b async for b in stub.WatchEvents(pb.WatchEventsRequest(epoch="old", from_seq=1))]
     assert len(batches) == 1

@@ -8,6 +8,7 @@ both event loops the agent may use: asyncio's and uvloop's (the agent's default)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
@@ -360,6 +361,24 @@ async def test_sse_batches_group_what_arrived_together() -> None:
     ]
     assert await _batches(b"data: 1\n\ndata: [DONE]\n\ndata: 9\n\n") == [["1"]]
     assert await _batches(b"data: 1\n\ndata: 2") == [["1"], ["2"]]  # no final newline
+
+
+async def test_sse_batches_close_their_input_when_closed_or_done() -> None:
+    closed: list[str] = []
+
+    async def chunks(name: str) -> AsyncIterator[bytes]:
+        try:
+            yield b"data: 1\n\ndata: [DONE]\n\n"
+            yield b"data: never read\n\n"
+        finally:
+            closed.append(name)
+
+    early = sse_payload_batches(chunks("early"))
+    async with contextlib.aclosing(early):
+        assert await anext(early) == ["1"]
+    assert closed == ["early"]  # at once, not when the loop's finalizer gets to it
+    assert [b async for b in sse_payload_batches(chunks("done"))] == [["1"]]
+    assert closed == ["early", "done"]
 
 
 METRICS = (

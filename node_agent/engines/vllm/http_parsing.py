@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,29 +24,40 @@ async def sse_payloads(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
             yield data
 
 
-async def sse_payload_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[str]]:
+async def sse_payload_batches(
+    chunks: AsyncIterator[bytes],
+) -> AsyncGenerator[list[str], None]:
     """``sse_payloads`` grouped by the piece of body that completed them: a reader that
-    lags behind the server gets every event that has arrived in one batch."""
+    lags behind the server gets every event that has arrived in one batch.
+
+    Closes ``chunks`` (when it can be closed) as it ends or is closed, so a reader that
+    stops early and closes this generator (``contextlib.aclosing``) leaves neither to
+    the event loop's finalizer, which would close each with a task of its own."""
     pending = b""
-    async for chunk in chunks:
-        pending += chunk
-        if b"\n" not in chunk:
-            continue
-        *lines, pending = pending.split(b"\n")
-        batch: list[str] = []
-        for line in lines:
-            if not line.startswith(b"data:"):
+    try:
+        async for chunk in chunks:
+            pending += chunk
+            if b"\n" not in chunk:
                 continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                if batch:
-                    yield batch
-                return
-            batch.append(data.decode("utf-8"))
-        if batch:
-            yield batch
-    if pending.startswith(b"data:") and (data := pending[5:].strip()) != b"[DONE]" and data:
-        yield [data.decode("utf-8")]
+            *lines, pending = pending.split(b"\n")
+            batch: list[str] = []
+            for line in lines:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    if batch:
+                        yield batch
+                    return
+                batch.append(data.decode("utf-8"))
+            if batch:
+                yield batch
+        if pending.startswith(b"data:") and (data := pending[5:].strip()) != b"[DONE]" and data:
+            yield [data.decode("utf-8")]
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def sample_values(text: str, names: Sequence[str]) -> dict[str, list[float]]:
