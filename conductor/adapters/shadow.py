@@ -137,15 +137,19 @@ class ShadowSync:
         call = agent.stub.WatchEvents(
             pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
         )
+        # ``stop`` cancels the call, which ends the read below: no task per batch
+        # (racing each read against ``stop`` made one for every batch).
         stopper = asyncio.create_task(stop.wait())
+        stopper.add_done_callback(lambda _: call.cancel())
+        this = asyncio.current_task()
         try:
             while True:
-                read = asyncio.ensure_future(call.read())
-                done, _ = await asyncio.wait({read, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                if stopper in done:
-                    read.cancel()
-                    return
-                batch = read.result()
+                try:
+                    batch = await call.read()
+                except (asyncio.CancelledError, grpc.aio.AioRpcError):
+                    if stop.is_set() and not (this is not None and this.cancelling()):
+                        return  # stopped: the call was cancelled for it
+                    raise
                 if batch is grpc.aio.EOF:
                     return
                 assert isinstance(batch, pb.EventBatch)
