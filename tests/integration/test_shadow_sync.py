@@ -34,6 +34,7 @@ async def test_a_session_follows_new_blocks_and_ends_when_stopped(
         assert not session.done()  # waiting on the stream for the next batch
         stop.set()
         await asyncio.wait_for(session, 5.0)  # ended: neither cancelled nor failed
-        assert not session.cancelled() and session.exception() is None
+        assert not session.cancelled()
+        assert session.exception() is None
     finally:
         await fleet.aclose()
