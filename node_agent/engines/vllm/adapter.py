@@ -562,51 +562,53 @@ class VllmEngineAdapter:
         final: GenerationStep | None = None
         assert self._stream is not None
         try:
-            async with self._stream.post(
+            # The SSE reader is closed where the stream ends, not by the loop's finalizer.
+            post = self._stream.post(
                 "/v1/completions", fast_json.dumps(body), {"X-Request-Id": job.request_id}
-            ) as response:
+            )
+            async with (
+                post as response,
+                contextlib.aclosing(sse_payload_batches(response.aiter_bytes())) as batches,
+            ):
                 if response.status != 200:
                     raise _status_error(response.status, await response.aread())
                 # Events that arrived together leave as one step (one gRPC message):
                 # under load the relay does per-message work once per batch.
                 done = False
-                batches = sse_payload_batches(response.aiter_bytes())
-                async with contextlib.aclosing(batches):  # closed here, not by the GC
-                    async for batch in batches:
-                        ids: list[int] = []
-                        lps: list[TokenLogprob] = []
-                        text = ""
-                        for data in batch:
-                            chunk = _json_object(data, "a stream chunk")
-                            if "error" in chunk:
-                                raise EngineError(f"vLLM failed the request: {chunk['error']}")
-                            ended_here = False
-                            for choice in _choices(chunk):
-                                step = self._step(choice, detok, stops, sampling.logprobs)
-                                if step is None:
-                                    continue
-                                first_token()
-                                if step.finish_reason is None:
-                                    ids += step.token_ids
-                                    lps += step.logprobs
-                                    text += step.text
-                                    continue
-                                final = step
-                                # A stop string matched here before vLLM finished: end now.
-                                ended_here = choice.get("finish_reason") is None
-                            usage = chunk.get("usage")
-                            if final is not None and usage:
-                                final = replace(final, cached_tokens=_cached_tokens(usage))
-                                done = True
-                                break
-                            if ended_here:
-                                done = True
-                                break
-                        if ids:
-                            step_lps = tuple(lps)
-                            yield GenerationStep(token_ids=tuple(ids), text=text, logprobs=step_lps)
-                        if done:
+                async for batch in batches:
+                    ids: list[int] = []
+                    lps: list[TokenLogprob] = []
+                    text = ""
+                    for data in batch:
+                        chunk = _json_object(data, "a stream chunk")
+                        if "error" in chunk:
+                            raise EngineError(f"vLLM failed the request: {chunk['error']}")
+                        ended_here = False
+                        for choice in _choices(chunk):
+                            step = self._step(choice, detok, stops, sampling.logprobs)
+                            if step is None:
+                                continue
+                            first_token()
+                            if step.finish_reason is None:
+                                ids += step.token_ids
+                                lps += step.logprobs
+                                text += step.text
+                                continue
+                            final = step
+                            # A stop string matched here before vLLM finished: end now.
+                            ended_here = choice.get("finish_reason") is None
+                        usage = chunk.get("usage")
+                        if final is not None and usage:
+                            final = replace(final, cached_tokens=_cached_tokens(usage))
+                            done = True
                             break
+                        if ended_here:
+                            done = True
+                            break
+                    if ids:
+                        yield GenerationStep(token_ids=tuple(ids), text=text, logprobs=tuple(lps))
+                    if done:
+                        break
         except StreamClientError as exc:
             raise EngineError(f"vLLM stream failed: {exc}") from exc
         finally:
