@@ -12,12 +12,18 @@ admission). Between decisions, untimed, the placed request reports what a live o
 does — allocated, prefill done (the predicted time x a factor in [0.7, 1.4]), decode
 started, finished after 64 tokens at the predicted TBT x the same kind of factor — so
 every timed decision finds the cost models freshly observed (their lazy refresh is in
-the time) and the in-flight prefix book in use. Tokenization of an equally long text
-is reported separately. After the timed decisions, ``PROFILED`` more run under
-``cProfile`` (untimed) to count the Python calls (functions and built-ins) one placement
-makes: a measure of work that a shared, noisy machine cannot move, for comparing code
-versions. Writes ``scheduler_decision.md``/``.json`` and a PNG (p99 by prompt length,
-one line per fleet size).
+the time) and the in-flight prefix book in use. With ``--decodes-in-flight A`` (one row
+per value) every decode node also runs ``A`` of this scheduler's decodes while it
+decides, as a busy live fleet does: each placed request stays decoding and the oldest
+open one finishes (64 tokens) for it, so the forecasts of every decode node walk ``A``
+decodes; the fleet starts with ``A`` decodes per node booked at the decode-time
+prior, 8k-token prompts, started up to 5 s before, and the clock moves 5 ms per
+decision. Tokenization of an equally long text is reported separately. After the
+timed decisions, ``PROFILED`` more run under ``cProfile`` (untimed) to count the
+Python calls (functions and built-ins) one placement makes: a measure of work that a
+shared, noisy machine cannot move, for comparing code versions. Writes
+``scheduler_decision.md``/``.json`` and a PNG (p99 by prompt length, one line per fleet
+size and decodes in flight).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import cProfile
 import pstats
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,7 +93,7 @@ class Fleet:
     seq: int = 0
 
 
-def measure(prompt_tokens: int, fleet: Fleet, repeats: int) -> dict[str, Any]:
+def measure(prompt_tokens: int, fleet: Fleet, repeats: int, in_flight: int = 0) -> dict[str, Any]:
     rng = random.Random(prompt_tokens * 1000 + len(fleet.nodes))
     tokens = [rng.randrange(0, 150_000) for _ in range(prompt_tokens)]
     prompt_keys = compute_block_keys(tokens[:-1], tenant="t", model=MODEL, block_size=32)
@@ -102,6 +109,8 @@ def measure(prompt_tokens: int, fleet: Fleet, repeats: int) -> dict[str, Any]:
     placing: list[float] = []  # the placement loop alone (no keys, no match)
     now_s = 1000.0
     profiler = cProfile.Profile()
+    busy = _Busy(loop.scheduler, fleet.nodes, in_flight, now_s, rng) if in_flight else None
+    placed = 0
     for r in range(repeats + PROFILED):
         profiled = r >= repeats
         started = time.perf_counter()
@@ -111,7 +120,7 @@ def measure(prompt_tokens: int, fleet: Fleet, repeats: int) -> dict[str, Any]:
             prompt_tokens=prompt_tokens,
             prefix_blocks=fleet.index.match(keys),
             max_new_tokens=256,
-            slo=Slo(ttft_s=30.0, tbt_s=0.1),
+            slo=Slo(ttft_s=30.0, tbt_s=0.1 if busy is None else 1.0),
             length_key=(MODEL, "t"),
         )
         matched = time.perf_counter()
@@ -125,10 +134,16 @@ def measure(prompt_tokens: int, fleet: Fleet, repeats: int) -> dict[str, Any]:
         else:
             samples.append(ended - started)
             placing.append(ended - matched)
-        now_s = _report_like_live(placement, step, prompt_tokens, now_s, rng)
+        placed += isinstance(step, Placement)
+        if busy is None:
+            now_s = _report_like_live(placement, step, prompt_tokens, now_s, rng)
+        else:
+            now_s = busy.keep_decoding(placement, step, prompt_tokens, now_s, rng)
     return {
         "prompt_tokens": prompt_tokens,
         "nodes": len(fleet.nodes),
+        "decodes_in_flight": in_flight,
+        "placed_share": placed / (repeats + PROFILED),
         **summarize_ms(samples),
         "placement_p50_ms": summarize_ms(placing)["p50_ms"],
         "placement_calls": pstats.Stats(profiler).total_calls / PROFILED,  # type: ignore[attr-defined]
@@ -159,6 +174,76 @@ def _report_like_live(
     return now_s
 
 
+class _Busy:
+    """Keeps ``in_flight`` of the scheduler's decodes running on every decode node."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        nodes: list[NodeState],
+        in_flight: int,
+        now_s: float,
+        rng: random.Random,
+    ) -> None:
+        self.scheduler = scheduler
+        self.open: deque[tuple[float, RequestPlacement | tuple[str, NodeId, NodeId]]] = deque()
+        self.limit = in_flight * sum(1 for n in nodes if n.can_decode)
+        prefill = next(n.node_id for n in nodes if n.can_prefill)
+        prior = scheduler.config.decode_prior
+        step_s = prior.fixed_s + prior.per_request_s * in_flight
+        step_s += prior.per_context_token_s * in_flight * 8192
+        for node in (n for n in nodes if n.can_decode):
+            for i in range(in_flight):
+                rid = f"warm-{node.node_id}-{i}"
+                started = now_s - rng.uniform(0.0, 5.0)
+                req = ScheduleRequest(
+                    request_id=rid, prompt_tokens=8192, prefix_blocks={}, max_new_tokens=256,
+                    slo=Slo(ttft_s=30.0, tbt_s=1.0), length_key=(MODEL, "t"),
+                )  # fmt: skip
+                placement = Placement(
+                    prefill=prefill, decode=node.node_id, prefix_blocks=0, migration=None,
+                    queue_s=0.0, prefill_s=0.0, handoff_s=0.0, ttft_s=0.0, tbt_s=step_s,
+                )  # fmt: skip
+                scheduler.on_assigned(req, placement, started)
+                scheduler.on_decode_started(rid, node.node_id, started)
+                scheduler.on_prefill_done(rid, prefill, 8192, 0, None)
+                self.open.append((started, (rid, prefill, node.node_id)))
+        rng.shuffle(self.open)
+
+    def keep_decoding(
+        self,
+        placement: RequestPlacement,
+        step: Placement | Wait | Refusal,
+        prompt_tokens: int,
+        now_s: float,
+        rng: random.Random,
+    ) -> float:
+        """Report the new request allocated, prefilled and decoding; finish the oldest
+        open decode past the limit; returns the clock after it."""
+        if not isinstance(step, Placement):
+            placement.finished()
+            return now_s + 0.005
+        placement.allocated()
+        prefill_s = step.prefill_s * rng.uniform(0.7, 1.4)
+        placement.prefill_done(prompt_tokens, step.cached_tokens, prefill_s)
+        placement.committed()
+        placement.decode_started(now_s)
+        self.open.append((now_s, placement))
+        now_s += 0.005
+        while len(self.open) > self.limit:
+            started, done = self.open.popleft()
+            gap_s = max(1e-6, (now_s - started) / 64)
+            if isinstance(done, RequestPlacement):
+                done.finished(64, stopped=True, now_s=now_s, mean_gap_s=gap_s)
+            else:
+                rid, prefill, decode = done
+                self.scheduler.observe_decode(rid, decode, gap_s, now_s)
+                self.scheduler.on_finished(
+                    rid, prefill, decode, output_tokens=64, stopped=True, now_s=now_s
+                )
+        return now_s
+
+
 def tokenization_ms(prompt_tokens: int, repeats: int) -> dict[str, float]:
     tokenizer = ChatTokenizer.from_dir(DEFAULT_MODEL_DIR)
     words = (DEFAULT_MODEL_DIR.parent / "corpus.txt").read_text().split()
@@ -182,9 +267,14 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for n in sorted({r["nodes"] for r in rows}):
-        series = sorted((r["prompt_tokens"], r["p99_ms"]) for r in rows if r["nodes"] == n)
-        ax.plot([x for x, _ in series], [y for _, y in series], marker="o", label=f"{n} nodes")
+    for n, busy in sorted({(r["nodes"], r["decodes_in_flight"]) for r in rows}):
+        series = sorted(
+            (r["prompt_tokens"], r["p99_ms"])
+            for r in rows
+            if r["nodes"] == n and r["decodes_in_flight"] == busy
+        )
+        label = f"{n} nodes" + (f", {busy} decodes per decode node" if busy else "")
+        ax.plot([x for x, _ in series], [y for _, y in series], marker="o", label=label)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="1 ms target (8k × 64)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -212,18 +302,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prompts", type=int, nargs="*", default=list(PROMPTS))
     parser.add_argument("--fleets", type=int, nargs="*", default=list(FLEETS))
+    parser.add_argument(
+        "--decodes-in-flight",
+        type=int,
+        nargs="*",
+        default=[0],
+        help="this scheduler's decodes running on every decode node while it decides "
+        "(one row per value; 0: every placed request finishes before the next decision)",
+    )
     ns = parser.parse_args(argv)
     rows = []
     for n in ns.fleets:
         per_node = min(ns.keys_per_node, ns.max_total_keys // n)
         fleet = build_fleet(n, per_node, random.Random(n))
-        rows += [{**measure(p, fleet, ns.repeats), "keys_per_node": per_node} for p in ns.prompts]
+        for busy in ns.decodes_in_flight:
+            if busy < 0:
+                parser.error("--decodes-in-flight must be >= 0")
+            for p in ns.prompts:
+                rows.append({**measure(p, fleet, ns.repeats, busy), "keys_per_node": per_node})
         del fleet
     tok = {p: tokenization_ms(p, ns.repeats) for p in ns.prompts}
     table = markdown_table(
         [
             "prompt tokens",
             "nodes",
+            "decodes in flight per decode node",
             "shadow keys per node",
             "decision p50 ms",
             "decision p99 ms",
@@ -235,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             [
                 r["prompt_tokens"],
                 r["nodes"],
+                r["decodes_in_flight"],
                 r["keys_per_node"],
                 r["p50_ms"],
                 r["p99_ms"],

@@ -70,7 +70,6 @@ from conductor.core.decode_load import (
     DecodeForecast,
     NodeBook,
     PlacedDecode,
-    forecast_decode_load,
     mean_context,
 )
 from conductor.core.output_length import LengthDistribution, OutputLengthModel
@@ -358,8 +357,8 @@ class Scheduler:
         """
         book = self._book(node.node_id)
         model = self.decode_model(node.node_id)
-        return forecast_decode_load(
-            book.decodes.values(), node.running_requests, at_s, now_s, lengths, model,
+        return book.forecast(
+            node.running_requests, at_s, now_s, lengths, model,
             self._reported_step_s(node, book, model),
         )  # fmt: skip
 
@@ -574,7 +573,7 @@ class Scheduler:
             source = self._book(migration.source)
             source.pending_lends[req.request_id] = migration.lend_s
             source.queue_memo = None
-        self._book(placement.decode).decodes[req.request_id] = PlacedDecode(
+        decode = PlacedDecode(
             start_s=now_s + placement.ttft_s,
             step_s=placement.tbt_s,
             prompt_tokens=req.prompt_tokens,
@@ -582,6 +581,7 @@ class Scheduler:
             lengths=self.lengths_for(req),
             length_key=req.length_key,
         )
+        self._book(placement.decode).add_decode(req.request_id, decode)
 
     def on_prefill_done(
         self, request_id: str, node: NodeId, total_tokens: int, cached_tokens: int,
@@ -608,9 +608,7 @@ class Scheduler:
             book.queue_memo = None
 
     def on_decode_started(self, request_id: str, node: NodeId, now_s: float) -> None:
-        d = self._book(node).decodes.get(request_id)
-        if d is not None:
-            d.start_s, d.started = now_s, True
+        self._book(node).start_decode(request_id, now_s)
 
     def on_finished(
         self,
@@ -634,8 +632,9 @@ class Scheduler:
         book.pending_prefill_tokens.pop(request_id, None)
         book.pending_cached_tokens.pop(request_id, None)
         book.pending_since_s.pop(request_id, None)
-        decodes = self._book(decode).decodes
-        d = decodes.pop(request_id, None)
+        decode_book = self._book(decode)
+        d = decode_book.pop_decode(request_id)
+        decodes = decode_book.decodes
         if d is not None and d.started and now_s is not None and now_s > d.start_s:
             # Hand its share of the batch to the decodes that ran beside it.
             for o in decodes.values():

@@ -45,6 +45,21 @@ def test_scheduler_decision_bench_writes_table_json_and_plot(tmp_path: Path) -> 
     assert (tmp_path / "scheduler_decision.png").stat().st_size > 1000
 
 
+def test_scheduler_decision_bench_decides_beside_decodes_in_flight(tmp_path: Path) -> None:
+    """A row per in-flight count; 40 per decode node runs the column forecasts."""
+    from bench import scheduler_decision
+
+    code = scheduler_decision.main(
+        ["--out", str(tmp_path), "--repeats", "5", "--keys-per-node", "100",
+         "--prompts", "8192", "--fleets", "8", "--decodes-in-flight", "0", "40"]
+    )  # fmt: skip
+    assert code == 0
+    rows = json.loads((tmp_path / "scheduler_decision.json").read_text())["rows"]
+    assert sorted(r["decodes_in_flight"] for r in rows) == [0, 40]
+    assert all(r["placed_share"] == 1.0 for r in rows)
+    assert all(r["p99_ms"] > 0 for r in rows)
+
+
 def test_fleet_view_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     from bench import fleet_view
 

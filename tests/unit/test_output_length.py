@@ -9,6 +9,7 @@ from collections.abc import Callable
 from itertools import pairwise
 from statistics import NormalDist
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from conductor.core.output_length import (
     TAIL_SURVIVAL,
     LengthDistribution,
     OutputLengthModel,
+    SurvivalTable,
 )
 
 Sampler = Callable[[random.Random], int]
@@ -489,3 +491,41 @@ def test_the_rebuilds_equal_their_per_bin_definitions_bit_for_bit(
     pmf = [max(0.0, expected[k] - expected[k + 1]) for k in range(bins)]
     pmf[-1] += max(0.0, expected[-1])
     assert ol._pmf(snap).tolist() == pmf
+
+
+# ------------------------------------------------------------------ many at once
+
+special_points = st.one_of(
+    points,
+    st.sampled_from([-1.0, 0.0, 0.5, 1.0, 7.0, 8.0, 19.0, 20.0, 22.5, float(MAX_TOKENS)]),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(knobs, observations), min_size=1, max_size=4),
+    st.lists(st.tuples(st.integers(0, 3), special_points, special_points), max_size=40),
+)
+def test_a_survival_table_equals_the_scalar_methods_bit_for_bit(
+    models: list[tuple[dict[str, float], list[tuple[str, int, bool]]]],
+    entries: list[tuple[int, float, float]],
+) -> None:
+    dists = [build(kw, obs) for kw, obs in models]
+    rows = [row % len(dists) for row, _, _ in entries]
+    a = np.array([x for _, x, _ in entries], dtype=np.float64)
+    b = np.array([y for _, _, y in entries], dtype=np.float64)
+    # Points exactly at each entry's tail start, where the formula changes.
+    starts = np.array([dists[r].tail_start_tokens for r in rows], dtype=np.float64)
+    table = SurvivalTable(dists, np.array(rows, dtype=np.intp))
+    for tokens in (a, b, starts):
+        got = table.survival(tokens).tolist()
+        want = [dists[r].survival(t) for r, t in zip(rows, tokens.tolist(), strict=True)]
+        assert [v.hex() for v in got] == [v.hex() for v in want]
+    done, target = np.minimum(a, b), np.maximum(a, b)
+    for d, t in ((done, target), (a, b), (starts, target)):
+        got = table.conditional_survival(d, t).tolist()
+        want = [
+            dists[r].conditional_survival(x, y)
+            for r, x, y in zip(rows, d.tolist(), t.tolist(), strict=True)
+        ]
+        assert [v.hex() for v in got] == [v.hex() for v in want]
