@@ -14,17 +14,19 @@ later, with the survival of the arriving request's distribution, their step time
 from the node's decode-time model at the reported batch. O(decodes on the node).
 
 Every decision forecasts every decode node, and a busy decode node runs hundreds of
-decodes: from ``VECTOR_MIN_DECODES`` on, ``NodeBook.forecast`` evaluates the node's
-decodes as NumPy columns (``DecodeColumns``, rebuilt after the book changes) instead of
-one by one. Both paths perform the same IEEE operations in the same order per decode and
-sum in the same order, so the forecast is bit-for-bit the same (a hypothesis test
-compares them): decisions do not depend on which path ran.
+decodes: the nodes with ``VECTOR_MIN_DECODES`` or more of ours are evaluated together,
+in one NumPy pass over all their decodes (``own_loads`` over each book's
+``DecodeColumns``, rebuilt only after the book changes; the distributions sit in one
+shared ``SurvivalTable``), the others decode by decode. Both paths perform the same
+IEEE operations in the same order per decode and sum each node's terms in the same
+order, so the forecast is bit-for-bit the same (hypothesis tests compare them):
+decisions do not depend on which path ran.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
@@ -32,22 +34,24 @@ import numpy as np
 import numpy.typing as npt
 
 from conductor.core.cost_model import DecodeTimeModel
-from conductor.core.output_length import LengthDistribution, SurvivalTable
+from conductor.core.output_length import LengthDistribution, SurvivalEntries, SurvivalTable
 
 __all__ = [
     "VECTOR_MIN_DECODES",
     "DecodeColumns",
     "DecodeForecast",
     "NodeBook",
+    "OwnLoad",
     "PlacedDecode",
-    "forecast_columns",
     "forecast_decode_load",
     "mean_context",
+    "own_loads",
+    "with_foreign",
 ]
 
-# Decodes on a node from which its forecast runs over NumPy columns (below this the
-# per-call overhead of NumPy costs more than the loop; docs/benchmarks.md).
-VECTOR_MIN_DECODES: Final = 32
+# Decodes on a node from which its forecast joins the one pass over NumPy columns
+# (below this the loop costs less than the node's columns; docs/benchmarks.md).
+VECTOR_MIN_DECODES: Final = 8
 
 
 @dataclass(slots=True)
@@ -130,69 +134,70 @@ class NodeBook:
             d.start_s, d.started = now_s, True
             self.columns = None
 
-    def forecast(
-        self,
-        reported_running: int,
-        at_s: float,
-        now_s: float,
-        lengths: LengthDistribution,
-        model: DecodeTimeModel,
-        reported_step_s: float | None = None,
-    ) -> DecodeForecast:
-        """``forecast_decode_load`` of this node's decodes (over columns when there
-        are ``VECTOR_MIN_DECODES`` or more; the same result either way)."""
-        if len(self.decodes) < VECTOR_MIN_DECODES:
-            return forecast_decode_load(
-                self.decodes.values(), reported_running, at_s, now_s, lengths, model,
-                reported_step_s,
-            )  # fmt: skip
+    def columns_in(self, table: SurvivalTable) -> DecodeColumns:
+        """``decodes`` as columns, distributions in ``table`` (kept until they change)."""
         columns = self.columns
-        if columns is None:
-            columns = self.columns = DecodeColumns(self.decodes.values())
-        return forecast_columns(
-            columns, reported_running, at_s, now_s, lengths, model, reported_step_s
+        if columns is None or columns.epoch != table.epoch:
+            columns = self.columns = DecodeColumns.build(self.decodes.values(), table)
+        return columns
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeColumns:
+    """Placed decodes as arrays, in their book's order (``PlacedDecode``'s fields, and
+    their distributions as ``SurvivalTable`` entries of table epoch ``epoch``)."""
+
+    count: int
+    start_s: npt.NDArray[np.float64]
+    step_s: npt.NDArray[np.float64]
+    prompt: npt.NDArray[np.float64]
+    cap: npt.NDArray[np.float64]
+    entries: SurvivalEntries
+    epoch: int
+
+    @staticmethod
+    def build(decodes: Collection[PlacedDecode], table: SurvivalTable) -> DecodeColumns:
+        rows = np.fromiter((table.row(d.lengths) for d in decodes), np.intp, len(decodes))
+        return DecodeColumns(
+            count=len(decodes),
+            start_s=np.array([d.start_s for d in decodes], dtype=np.float64),
+            step_s=np.array([d.step_s for d in decodes], dtype=np.float64),
+            prompt=np.array([float(d.prompt_tokens) for d in decodes], dtype=np.float64),
+            cap=np.array([float(d.cap_tokens) for d in decodes], dtype=np.float64),
+            entries=table.entries(rows),
+            epoch=table.epoch,
         )
 
-
-class DecodeColumns:
-    """A node's placed decodes as arrays, in the book's order (``PlacedDecode``'s
-    fields; distributions shared by several decodes stacked once)."""
-
-    __slots__ = ("cap", "cap_done", "count", "prompt", "start_s", "step_s", "stepping", "table")
-
-    def __init__(self, decodes: Collection[PlacedDecode]) -> None:
-        rows: dict[int, int] = {}
-        dists: list[LengthDistribution] = []
-        row_of: list[int] = []
-        for d in decodes:
-            row = rows.get(id(d.lengths))
-            if row is None:
-                row = rows[id(d.lengths)] = len(dists)
-                dists.append(d.lengths)
-            row_of.append(row)
-        self.count = len(row_of)
-        self.start_s = np.array([d.start_s for d in decodes], dtype=np.float64)
-        self.step_s = np.array([d.step_s for d in decodes], dtype=np.float64)
-        self.stepping = self.step_s > 0
-        self.prompt = np.array([float(d.prompt_tokens) for d in decodes], dtype=np.float64)
-        self.cap = np.array([float(d.cap_tokens) for d in decodes], dtype=np.float64)
-        self.cap_done = np.maximum(0.0, self.cap - 1.0)  # the most tokens "done" can say
-        self.table = SurvivalTable(dists, np.array(row_of, dtype=np.intp))
+    @staticmethod
+    def join(parts: Sequence[DecodeColumns]) -> DecodeColumns:
+        """The decodes of ``parts`` one after another (of one table epoch)."""
+        if len(parts) == 1:
+            return parts[0]
+        return DecodeColumns(
+            count=sum(p.count for p in parts),
+            start_s=np.concatenate([p.start_s for p in parts]),
+            step_s=np.concatenate([p.step_s for p in parts]),
+            prompt=np.concatenate([p.prompt for p in parts]),
+            cap=np.concatenate([p.cap for p in parts]),
+            entries=SurvivalEntries.join([p.entries for p in parts]),
+            epoch=parts[0].epoch,
+        )
 
     def tokens_at(self, t_s: float) -> npt.NDArray[np.float64]:
         """``PlacedDecode.tokens_at`` of every decode."""
-        ticking = (t_s > self.start_s) & self.stepping
+        ticking = (t_s > self.start_s) & (self.step_s > 0)
         return np.divide(t_s - self.start_s, self.step_s, out=np.zeros(self.count), where=ticking)
 
     def active_probability(
-        self, at_s: float, now_s: float, target: npt.NDArray[np.float64]
+        self, table: SurvivalTable, at_s: float, now_s: float, target: npt.NDArray[np.float64]
     ) -> npt.NDArray[np.float64]:
         """``PlacedDecode.active_probability`` of every decode (``target``: their
         ``tokens_at(at_s)``)."""
         if at_s <= now_s:
             return np.where(at_s < self.start_s, 0.0, 1.0)
-        done = np.minimum(self.tokens_at(now_s), self.cap_done)
-        alive = self.table.conditional_survival(done, np.maximum(done, target))
+        done = np.minimum(self.tokens_at(now_s), np.maximum(0.0, self.cap - 1.0))
+        ahead = np.maximum(done, target)
+        alive = table.conditional_survival(done, ahead, self.entries.twice())
         return np.where((at_s < self.start_s) | (target >= self.cap), 0.0, alive)
 
 
@@ -226,41 +231,49 @@ def forecast_decode_load(
         if p > 0:
             requests += p
             context += p * (d.prompt_tokens + d.tokens_at(at_s))
-    return _with_foreign(
+    return with_foreign(
         requests, context, running_now, reported_running, at_s, now_s, lengths, model,
         reported_step_s,
     )  # fmt: skip
 
 
-def forecast_columns(
-    columns: DecodeColumns,
-    reported_running: int,
-    at_s: float,
-    now_s: float,
-    lengths: LengthDistribution,
-    model: DecodeTimeModel,
-    reported_step_s: float | None = None,
-) -> DecodeForecast:
-    """``forecast_decode_load`` over ``columns``: the same result, bit for bit (the
-    per-decode terms are the same operations; ``add.accumulate`` sums them in order,
-    the skipped ones as exact zeros)."""
-    requests = 0.0
-    context = 0.0
-    if columns.count:
-        target = columns.tokens_at(at_s)
-        p = columns.active_probability(at_s, now_s, target)
-        live = p > 0
-        requests = float(np.add.accumulate(np.where(live, p, 0.0))[-1])
-        terms = np.where(live, p * (columns.prompt + target), 0.0)
-        context = float(np.add.accumulate(terms)[-1])
-    running_now = int(np.count_nonzero(columns.start_s <= now_s))
-    return _with_foreign(
-        requests, context, running_now, reported_running, at_s, now_s, lengths, model,
-        reported_step_s,
-    )  # fmt: skip
+class OwnLoad(NamedTuple):
+    """This scheduler's decodes on a node at a moment: expected requests, expected
+    context tokens, and how many run now (the parts of ``forecast_decode_load`` before
+    the node's other decodes are reconciled in by ``with_foreign``)."""
+
+    requests: float
+    context_tokens: float
+    running_now: int
 
 
-def _with_foreign(
+def own_loads(
+    parts: Sequence[DecodeColumns], table: SurvivalTable, at_s: float, now_s: float
+) -> list[OwnLoad]:
+    """Each part's own load at ``at_s``, evaluated in one pass over all their decodes:
+    bit for bit what ``forecast_decode_load``'s loop sums (the per-decode terms are the
+    same operations; each part's terms are summed in order by ``add.accumulate`` along
+    a row padded with exact zeros). Every part must hold at least one decode."""
+    joined = DecodeColumns.join(parts)
+    target = joined.tokens_at(at_s)
+    p = joined.active_probability(table, at_s, now_s, target)
+    live = p > 0
+    terms = np.concatenate(
+        (np.where(live, p, 0.0), np.where(live, p * (joined.prompt + target), 0.0))
+    )
+    counts = np.fromiter((part.count for part in parts), np.intp, len(parts))
+    firsts = np.cumsum(counts) - counts
+    width = int(counts.max())
+    # Entry i of part r goes to column i - firsts[r] of row r (requests rows, then context).
+    slot = np.arange(joined.count) + np.repeat(np.arange(len(parts)) * width - firsts, counts)
+    rows = np.zeros(2 * len(parts) * width)
+    rows[np.concatenate((slot, slot + len(parts) * width))] = terms
+    sums = np.add.accumulate(rows.reshape(2 * len(parts), width), axis=1)[:, -1].tolist()
+    running = np.add.reduceat((joined.start_s <= now_s).astype(np.intp), firsts).tolist()
+    return [OwnLoad(sums[r], sums[len(parts) + r], running[r]) for r in range(len(parts))]
+
+
+def with_foreign(
     requests: float,
     context: float,
     running_now: int,
@@ -271,7 +284,8 @@ def _with_foreign(
     model: DecodeTimeModel,
     reported_step_s: float | None,
 ) -> DecodeForecast:
-    """Our decodes' expected load plus the reported decodes beyond ours."""
+    """Our decodes' expected load plus the node's decodes beyond ours (the end of
+    ``forecast_decode_load``)."""
     foreign = max(0, reported_running - running_now)
     if foreign:
         per_decode_context = context / requests if requests > 0 else 0.0

@@ -96,7 +96,7 @@ import math
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
@@ -108,6 +108,8 @@ __all__ = [
     "TAIL_SURVIVAL",
     "LengthDistribution",
     "OutputLengthModel",
+    "SurvivalEntries",
+    "SurvivalTable",
 ]
 
 MAX_TOKENS: Final = 2**20  # lengths are binned up to here; longer ones land in the last bin
@@ -252,74 +254,142 @@ _KNOT_SPANS: Final = np.diff(_KNOTS_ARRAY)  # x_{k+1} - x_k, exact (small intege
 
 class SurvivalTable:
     """``LengthDistribution.survival`` and ``conditional_survival`` of many decodes at
-    once, each under its own distribution: entry ``i`` of every array argument is
-    evaluated under ``dists[rows[i]]``.
+    once, each under its own distribution.
+
+    The table holds distributions as rows (``row`` adds one the first time it is seen);
+    ``entries`` turns the rows of a set of decodes into what the evaluations read, and
+    entries of different sets concatenate (``SurvivalEntries.join``), so one pass can
+    evaluate the decodes of many nodes. ``reset`` keeps only the given distributions
+    (renumbering rows, and moving ``epoch`` so callers know their entries are stale).
 
     The same IEEE operations in the same order as the scalar methods, element by
     element, so every result is bit-for-bit the scalar one (checked by a hypothesis
-    test). O(n log bins) in NumPy for ``n`` entries; building is O(distributions + n).
+    test). Evaluations O(n log bins) in NumPy for ``n`` entries; ``row`` O(bins) for a
+    new distribution (amortised: the arrays double when full).
     """
 
-    __slots__ = ("_double", "_rise", "_single", "_stack")
+    __slots__ = (
+        "_dists",
+        "_index",
+        "_j_max",
+        "_rise",
+        "_stack",
+        "_tail_scale",
+        "_tail_start",
+        "epoch",
+    )
 
-    def __init__(self, dists: Sequence[LengthDistribution], rows: npt.NDArray[np.intp]) -> None:
-        width = len(_KNOTS)
-        stack = np.concatenate([d.knot_array for d in dists]) if dists else np.zeros(1)
-        self._stack = stack
-        # S(x_{k+1}) - S(x_k) as the scalar method computes it (the last of a row: unused)
-        self._rise = np.append(stack[1:] - stack[:-1], 0.0)
-        tail_index = np.array([d.tail_index for d in dists], dtype=np.intp)[rows]
-        single = _Rows(
-            start=rows * width,  # each entry's first knot in the stack
-            # bisect's ``hi``; never past the last knot (only entries in the tail reach it).
-            j_max=np.minimum(tail_index + 1, width - 1),
-            tail_start=np.array([d.tail_start_tokens for d in dists])[rows],
-            tail_scale=np.array([d.tail_survival * d.tail_start_tokens for d in dists])[rows],
+    def __init__(self) -> None:
+        self.epoch = 0
+        self._allocate(64)
+
+    def _allocate(self, capacity: int) -> None:
+        self._index: dict[int, int] = {}  # id of a held distribution -> its row
+        self._dists: list[LengthDistribution] = []  # held: their ids stay theirs
+        self._stack = np.zeros((capacity, len(_KNOTS)))  # S at the knots, per row
+        # S(x_{k+1}) - S(x_k) as the scalar method computes it (the last column: unused)
+        self._rise = np.zeros((capacity, len(_KNOTS)))
+        self._j_max = np.zeros(capacity, dtype=np.intp)
+        self._tail_start = np.zeros(capacity)
+        self._tail_scale = np.zeros(capacity)
+
+    def __len__(self) -> int:
+        return len(self._dists)
+
+    def row(self, dist: LengthDistribution) -> int:
+        """``dist``'s row (added if new)."""
+        row = self._index.get(id(dist))
+        if row is not None:
+            return row
+        row = len(self._dists)
+        if row == len(self._j_max):
+            self._grow()
+        self._index[id(dist)] = row
+        self._dists.append(dist)
+        knots = dist.knot_array
+        self._stack[row] = knots
+        self._rise[row, :-1] = knots[1:] - knots[:-1]
+        # bisect's ``hi``; never past the last knot (only entries in the tail reach it).
+        self._j_max[row] = min(dist.tail_index + 1, len(_KNOTS) - 1)
+        self._tail_start[row] = dist.tail_start_tokens
+        self._tail_scale[row] = dist.tail_survival * dist.tail_start_tokens
+        return row
+
+    def _grow(self) -> None:
+        old = (self._stack, self._rise, self._j_max, self._tail_start, self._tail_scale)
+        index, dists = self._index, self._dists
+        self._allocate(2 * len(self._j_max))
+        self._index, self._dists = index, dists
+        for new, held in zip(
+            (self._stack, self._rise, self._j_max, self._tail_start, self._tail_scale),
+            old,
+            strict=True,
+        ):
+            new[: len(held)] = held
+
+    def reset(self, keep: Iterable[LengthDistribution]) -> None:
+        """Hold only ``keep`` (rows renumbered; ``epoch`` moves on)."""
+        self.epoch += 1
+        self._allocate(64)
+        for dist in keep:
+            self.row(dist)
+
+    def entries(self, rows: npt.NDArray[np.intp]) -> SurvivalEntries:
+        """What the evaluations read for decodes under ``rows`` (valid for this epoch)."""
+        return SurvivalEntries(
+            start=rows * len(_KNOTS),
+            j_max=self._j_max.take(rows),
+            tail_start=self._tail_start.take(rows),
+            tail_scale=self._tail_scale.take(rows),
         )
-        self._single = single
-        # Each entry twice: ``conditional_survival`` evaluates done and target in one pass.
-        self._double = _Rows(
-            start=np.concatenate((single.start, single.start)),
-            j_max=np.concatenate((single.j_max, single.j_max)),
-            tail_start=np.concatenate((single.tail_start, single.tail_start)),
-            tail_scale=np.concatenate((single.tail_scale, single.tail_scale)),
-        )
 
-    def survival(self, tokens: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-        """``survival(tokens[i])`` of entry ``i``'s distribution."""
-        return self._survival(tokens, self._single)
-
-    def conditional_survival(
-        self, done: npt.NDArray[np.float64], target: npt.NDArray[np.float64]
+    def survival(
+        self, tokens: npt.NDArray[np.float64], entries: SurvivalEntries
     ) -> npt.NDArray[np.float64]:
-        """``conditional_survival(done[i], target[i])`` of entry ``i``'s distribution."""
-        both = self._survival(np.concatenate((done, target)), self._double)
-        alive, ahead = both[: len(done)], both[len(done) :]
-        ratio = np.divide(ahead, alive, out=np.zeros(len(done)), where=alive > 0.0)
-        return np.where(target <= done, 1.0, np.minimum(1.0, ratio))
-
-    def _survival(self, tokens: npt.NDArray[np.float64], rows: _Rows) -> npt.NDArray[np.float64]:
+        """``survival(tokens[i])`` under entry ``i``'s distribution."""
         # S = 1 at t <= 0; at t = 0 the first segment's formula gives exactly 1.0.
         t = np.maximum(tokens, 0.0)
         # bisect_right(_KNOTS, t, 1, tail_index + 1) (>= 1: x_0 = 0 <= t), clipped.
         j = np.searchsorted(_KNOTS_ARRAY, t, side="right")
-        np.minimum(j, rows.j_max, out=j)
+        np.minimum(j, entries.j_max, out=j)
         j -= 1  # x_j <= t < x_{j+1}: the segment's first knot
-        first = rows.start + j
-        rise = self._rise.take(first) * (t - _KNOTS_ARRAY.take(j))
-        inner = self._stack.take(first) + rise / _KNOT_SPANS.take(j)
-        beyond = t >= rows.tail_start
-        tail = rows.tail_scale / np.maximum(t, rows.tail_start)  # t where it is used
+        first = entries.start + j
+        rise = self._rise.reshape(-1).take(first) * (t - _KNOTS_ARRAY.take(j))
+        inner = self._stack.reshape(-1).take(first) + rise / _KNOT_SPANS.take(j)
+        beyond = t >= entries.tail_start
+        tail = entries.tail_scale / np.maximum(t, entries.tail_start)  # t where it is used
         return np.where(beyond, tail, inner)
 
+    def conditional_survival(
+        self,
+        done: npt.NDArray[np.float64],
+        target: npt.NDArray[np.float64],
+        twice: SurvivalEntries,
+    ) -> npt.NDArray[np.float64]:
+        """``conditional_survival(done[i], target[i])`` under entry ``i``'s
+        distribution; ``twice``: the entries, twice over (``SurvivalEntries.twice``)."""
+        both = self.survival(np.concatenate((done, target)), twice)
+        alive, ahead = both[: len(done)], both[len(done) :]
+        ratio = np.divide(ahead, alive, out=np.zeros(len(done)), where=alive > 0.0)
+        return np.where(target <= done, 1.0, np.minimum(1.0, ratio))
 
-class _Rows(NamedTuple):
-    """Per entry of a ``SurvivalTable``: its distribution's parameters."""
+
+class SurvivalEntries(NamedTuple):
+    """Per decode: its distribution's row start in a ``SurvivalTable`` and parameters."""
 
     start: npt.NDArray[np.intp]
     j_max: npt.NDArray[np.intp]
     tail_start: npt.NDArray[np.float64]
     tail_scale: npt.NDArray[np.float64]
+
+    @staticmethod
+    def join(parts: Sequence[SurvivalEntries]) -> SurvivalEntries:
+        """The entries of ``parts`` one after another."""
+        return SurvivalEntries(*(np.concatenate(field) for field in zip(*parts, strict=True)))
+
+    def twice(self) -> SurvivalEntries:
+        """Each entry twice over (``conditional_survival`` evaluates two points each)."""
+        return SurvivalEntries.join((self, self))
 
 
 # The rebuilds below run once per decision that follows an observation (every finished

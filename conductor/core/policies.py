@@ -179,6 +179,10 @@ class Estimates(Protocol):
 
     def tbt_at(self, node: NodeState, at_s: float, now_s: float, req: ScheduleRequest) -> float: ...
 
+    def tbt_all(
+        self, nodes: Sequence[NodeState], at_s: float, now_s: float, req: ScheduleRequest
+    ) -> list[float]: ...
+
 
 # ---------------------------------------------------------------------------- prefill stage
 class PrefixPlanner(Protocol):
@@ -518,7 +522,8 @@ class SchedulingPolicy:
         for decode_filter in self.decode_filters:
             nodes = decode_filter.keep(nodes, choice, est)
         req = choice.request
-        options = [DecodeCandidate(n, est.tbt_at(n, choice.at_s, choice.now_s, req)) for n in nodes]
+        tbts = est.tbt_all(nodes, choice.at_s, choice.now_s, req)
+        options = [DecodeCandidate(n, tbt) for n, tbt in zip(nodes, tbts, strict=True)]
         return self.decode_ranker.rank(options)
 
 

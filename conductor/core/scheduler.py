@@ -67,12 +67,17 @@ from typing import Literal
 
 from conductor.core.cost_model import DecodeTimeModel, PrefillTimeModel
 from conductor.core.decode_load import (
+    VECTOR_MIN_DECODES,
     DecodeForecast,
     NodeBook,
+    OwnLoad,
     PlacedDecode,
+    forecast_decode_load,
     mean_context,
+    own_loads,
+    with_foreign,
 )
-from conductor.core.output_length import LengthDistribution, OutputLengthModel
+from conductor.core.output_length import LengthDistribution, OutputLengthModel, SurvivalTable
 from conductor.core.policies import (
     BUILTIN_POLICIES,
     DecodeChoice,
@@ -220,6 +225,8 @@ class Rejection:
 
 
 # Delays (s) at which a TBT-refused request is re-forecast for ``Retry-After``.
+# Distributions the forecasts' table holds before it is first reset to the placed ones.
+_LENGTH_TABLE_MIN_RESET = 4096
 _RETRY_PROBES_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 120.0)
 
 
@@ -257,6 +264,12 @@ class Scheduler:
         self._prefill_models: dict[NodeId, PrefillTimeModel] = {}
         self._decode_models: dict[NodeId, DecodeTimeModel] = {}
         self._books: dict[NodeId, NodeBook] = {}
+        # The output-length distributions of busy nodes' decodes, for the forecasts
+        # over columns; reset (to those still placed) once it has doubled since.
+        self._length_table = SurvivalTable()
+        self._length_table_limit = _LENGTH_TABLE_MIN_RESET
+        # Decodes per node from which forecasts run over columns (decode_load).
+        self.vector_min_decodes = VECTOR_MIN_DECODES
         # One decision asks for the request's output-length distribution once per decode
         # node: (length key, the model's sample count, the distribution) of the last ask.
         self._lengths_memo: tuple[tuple[str, str], int, LengthDistribution] | None = None
@@ -355,12 +368,45 @@ class Scheduler:
 
         See ``decode_load.forecast_decode_load``. O(decodes on the node).
         """
-        book = self._book(node.node_id)
-        model = self.decode_model(node.node_id)
-        return book.forecast(
-            node.running_requests, at_s, now_s, lengths, model,
-            self._reported_step_s(node, book, model),
-        )  # fmt: skip
+        return self.forecasts([node], at_s, now_s, lengths)[0]
+
+    def forecasts(
+        self, nodes: Sequence[NodeState], at_s: float, now_s: float, lengths: LengthDistribution
+    ) -> list[DecodeForecast]:
+        """``forecast`` of each of ``nodes``: the nodes running ``vector_min_decodes``
+        or more of ours in one pass over their decodes' columns (``own_loads``), the
+        others decode by decode — the same numbers either way. O(decodes on them)."""
+        books = [self._book(n.node_id) for n in nodes]
+        vector_min = self.vector_min_decodes
+        busy = [b for b in books if len(b.decodes) >= vector_min]
+        own = iter(self._own_loads(busy, at_s, now_s) if busy else ())
+        out = []
+        for node, book in zip(nodes, books, strict=True):
+            model = self.decode_model(node.node_id)
+            step_s = self._reported_step_s(node, book, model)
+            if len(book.decodes) >= vector_min:
+                load = next(own)
+                forecast = with_foreign(
+                    load.requests, load.context_tokens, load.running_now,
+                    node.running_requests, at_s, now_s, lengths, model, step_s,
+                )  # fmt: skip
+            else:
+                forecast = forecast_decode_load(
+                    book.decodes.values(), node.running_requests, at_s, now_s, lengths,
+                    model, step_s,
+                )  # fmt: skip
+            out.append(forecast)
+        return out
+
+    def _own_loads(self, books: list[NodeBook], at_s: float, now_s: float) -> list[OwnLoad]:
+        table = self._length_table
+        parts = [book.columns_in(table) for book in books]
+        if len(table) > self._length_table_limit:
+            # Distributions of decodes that left: keep only those still placed.
+            table.reset(d.lengths for b in self._books.values() for d in b.decodes.values())
+            self._length_table_limit = max(_LENGTH_TABLE_MIN_RESET, 2 * len(table))
+            parts = [book.columns_in(table) for book in books]
+        return own_loads(parts, table, at_s, now_s)
 
     @staticmethod
     def _reported_step_s(node: NodeState, book: NodeBook, model: DecodeTimeModel) -> float:
@@ -376,10 +422,19 @@ class Scheduler:
 
     def tbt_at(self, node: NodeState, at_s: float, now_s: float, req: ScheduleRequest) -> float:
         """Predicted TBT on ``node`` at ``at_s`` with ``req`` joining."""
-        load = self.forecast(node, at_s, now_s, self.lengths_for(req))
-        return self.decode_model(node.node_id).estimate(
-            load.requests + 1, load.context_tokens + req.prompt_tokens
-        )
+        return self.tbt_all([node], at_s, now_s, req)[0]
+
+    def tbt_all(
+        self, nodes: Sequence[NodeState], at_s: float, now_s: float, req: ScheduleRequest
+    ) -> list[float]:
+        """``tbt_at`` of each of ``nodes`` (their forecasts in one pass)."""
+        loads = self.forecasts(nodes, at_s, now_s, self.lengths_for(req))
+        return [
+            self.decode_model(node.node_id).estimate(
+                load.requests + 1, load.context_tokens + req.prompt_tokens
+            )
+            for node, load in zip(nodes, loads, strict=True)
+        ]
 
     def load_s(self, node: NodeState, req: ScheduleRequest) -> float:
         """Time to load the node's lower-tier blocks of this prompt back onto its device."""

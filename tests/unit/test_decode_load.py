@@ -1,21 +1,27 @@
-"""The decode-load forecast over NumPy columns equals the per-decode loop bit for bit."""
+"""The decode-load forecast over NumPy columns (one pass over many nodes) equals the
+per-decode loop bit for bit."""
 
 from __future__ import annotations
+
+import dataclasses
+import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conductor.core.cost_model import DecodeTimeModel
 from conductor.core.decode_load import (
-    VECTOR_MIN_DECODES,
     DecodeColumns,
     DecodeForecast,
     NodeBook,
     PlacedDecode,
-    forecast_columns,
     forecast_decode_load,
+    own_loads,
+    with_foreign,
 )
-from conductor.core.output_length import LengthDistribution, OutputLengthModel
+from conductor.core.output_length import LengthDistribution, OutputLengthModel, SurvivalTable
+from conductor.core.prefix_index import NodeId
+from conductor.core.scheduler import NodeState, Scheduler, SchedulerConfig
 from kvc.priors import DecodePrior
 
 NOW = 100.0
@@ -59,60 +65,108 @@ def _same(a: DecodeForecast, b: DecodeForecast) -> bool:
     return a.requests.hex() == b.requests.hex() and a.context_tokens.hex() == b.context_tokens.hex()
 
 
+def _columns_forecasts(
+    groups: list[list[PlacedDecode]],
+    table: SurvivalTable,
+    reported: int,
+    at_s: float,
+    lengths: LengthDistribution,
+    step_s: float | None,
+) -> list[DecodeForecast]:
+    parts = [DecodeColumns.build(g, table) for g in groups]
+    return [
+        with_foreign(o.requests, o.context_tokens, o.running_now, reported, at_s, NOW, lengths,
+                     MODEL, step_s)
+        for o in own_loads(parts, table, at_s, NOW)
+    ]  # fmt: skip
+
+
 @settings(max_examples=150, deadline=None)
 @given(
-    st.lists(decodes, max_size=80),
+    st.lists(st.lists(decodes, min_size=1, max_size=40), min_size=1, max_size=5),
     st.one_of(times, st.just(NOW)),
     st.integers(0, 300),
     st.sampled_from(DISTS),
     st.one_of(st.none(), st.floats(0.0, 0.2)),
 )
-def test_columns_forecast_the_loop_bit_for_bit(
-    placed: list[PlacedDecode],
+def test_one_pass_over_many_nodes_forecasts_each_as_the_loop_bit_for_bit(
+    groups: list[list[PlacedDecode]],
     at_s: float,
     reported: int,
     lengths: LengthDistribution,
     step_s: float | None,
 ) -> None:
-    loop = forecast_decode_load(placed, reported, at_s, NOW, lengths, MODEL, step_s)
-    columns = forecast_columns(DecodeColumns(placed), reported, at_s, NOW, lengths, MODEL, step_s)
-    assert _same(loop, columns), (loop, columns)
+    table = SurvivalTable()
+    got = _columns_forecasts(groups, table, reported, at_s, lengths, step_s)
+    for group, columns in zip(groups, got, strict=True):
+        loop = forecast_decode_load(group, reported, at_s, NOW, lengths, MODEL, step_s)
+        assert _same(loop, columns), (loop, columns)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(["add", "pop", "start", "forecast"]), decodes, times),
-        max_size=120,
-    )
-)
-def test_a_book_forecasts_as_the_loop_after_every_change(
-    ops: list[tuple[str, PlacedDecode, float]],
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(decodes, min_size=1, max_size=30), min_size=1, max_size=4), times)
+def test_a_reset_table_still_forecasts_the_same(
+    groups: list[list[PlacedDecode]], at_s: float
 ) -> None:
-    """Adds, removals and starts invalidate the columns; crossing the threshold both
-    ways changes nothing."""
+    """Rows are renumbered by a reset (and the table grows past its first size)."""
+    table = SurvivalTable()
+    for dist in DISTS * 10:  # rows the groups will not use
+        table.row(dataclasses.replace(dist))
+    before = _columns_forecasts(groups, table, 7, at_s, DISTS[3], 0.02)
+    table.reset(d.lengths for g in groups for d in g)
+    after = _columns_forecasts(groups, table, 7, at_s, DISTS[3], 0.02)
+    assert all(_same(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_book_columns_are_kept_until_the_decodes_or_the_table_change() -> None:
+    table = SurvivalTable()
     book = NodeBook()
-    ids: list[str] = []
-    for i, (op, decode, t) in enumerate(ops):
-        if op == "add" or len(ids) < VECTOR_MIN_DECODES // 2:
-            ids.append(f"r{i}")
-            book.add_decode(ids[-1], decode)
-        elif op == "pop":
-            assert book.pop_decode(ids.pop(i % len(ids))) is not None
-        elif op == "start":
-            book.start_decode(ids[i % len(ids)], t)
-        want = forecast_decode_load(book.decodes.values(), 40, t, NOW, DISTS[1], MODEL)
-        assert _same(book.forecast(40, t, NOW, DISTS[1], MODEL), want)
+    book.add_decode("r0", PlacedDecode(NOW - 1, 0.02, 1_000, 256, DISTS[2], ("m", "a")))
+    columns = book.columns_in(table)
+    assert book.columns_in(table) is columns
+    book.start_decode("r0", NOW)
+    assert book.columns_in(table) is not columns
+    assert book.columns_in(table).start_s.tolist() == [NOW]
+    columns = book.columns_in(table)
+    table.reset([])
+    assert book.columns_in(table) is not columns
+    book.add_decode("r1", PlacedDecode(NOW, 0.02, 1_000, 256, DISTS[3], ("m", "a")))
+    assert book.columns_in(table).count == 2
+    assert book.pop_decode("r0") is not None
+    assert book.columns_in(table).count == 1
     assert book.pop_decode("unknown") is None
 
 
-def test_the_book_forecasts_over_columns_from_the_threshold_on() -> None:
-    book = NodeBook()
-    for i in range(VECTOR_MIN_DECODES):
-        assert book.columns is None
-        book.add_decode(f"r{i}", PlacedDecode(NOW - 1, 0.02, 1_000, 256, DISTS[2], ("m", "a")))
-        book.forecast(0, NOW + 0.5, NOW, DISTS[2], MODEL)
-    assert book.columns is not None
-    assert book.columns.count == VECTOR_MIN_DECODES
-    book.start_decode("r0", NOW)
-    assert book.columns is None
+nodes = st.lists(st.lists(decodes, max_size=12), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(nodes, st.one_of(times, st.just(NOW)), st.lists(st.integers(0, 40), min_size=6, max_size=6))
+def test_the_scheduler_forecasts_the_same_whichever_nodes_run_over_columns(
+    placed: list[list[PlacedDecode]], at_s: float, reported: list[int]
+) -> None:
+    """Every node over columns, none, or those with 6 or more: identical forecasts."""
+    fleet = [
+        NodeState(
+            node_id=NodeId(f"d{i}"),
+            role="decode",
+            healthy=True,
+            block_size=16,
+            capacity_blocks=10_000,
+            free_blocks=10_000,
+            kv_bytes_per_token=1_000,
+            running_requests=reported[i],
+        )
+        for i in range(len(placed))
+    ]
+    results = []
+    for vector_min in (1, 6, 10**9):
+        scheduler = Scheduler(SchedulerConfig())
+        scheduler.vector_min_decodes = vector_min
+        for node, group in zip(fleet, placed, strict=True):
+            book = scheduler._book(node.node_id)  # what on_assigned books, as given
+            for j, decode in enumerate(group):
+                book.add_decode(f"{node.node_id}-{j}", dataclasses.replace(decode))
+        results.append(scheduler.forecasts(fleet, at_s, NOW, DISTS[1]))
+    for a, b in itertools.pairwise(results):
+        assert all(_same(x, y) for x, y in zip(a, b, strict=True))
