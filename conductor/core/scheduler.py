@@ -226,7 +226,7 @@ class Rejection:
 
 # Delays (s) at which a TBT-refused request is re-forecast for ``Retry-After``.
 # Distributions the forecasts' table holds before it is first reset to the placed ones.
-_LENGTH_TABLE_MIN_RESET = 4096
+_LENGTH_TABLE_MIN_RESET = 1024
 _RETRY_PROBES_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 120.0)
 
 

@@ -145,7 +145,8 @@ nodes = st.lists(st.lists(decodes, max_size=12), min_size=1, max_size=6)
 def test_the_scheduler_forecasts_the_same_whichever_nodes_run_over_columns(
     placed: list[list[PlacedDecode]], at_s: float, reported: list[int]
 ) -> None:
-    """Every node over columns, none, or those with 6 or more: identical forecasts."""
+    """Every node over columns (with the table reset before each pass, or not), none,
+    or those with 6 or more: identical forecasts."""
     fleet = [
         NodeState(
             node_id=NodeId(f"d{i}"),
@@ -160,13 +161,15 @@ def test_the_scheduler_forecasts_the_same_whichever_nodes_run_over_columns(
         for i in range(len(placed))
     ]
     results = []
-    for vector_min in (1, 6, 10**9):
+    for vector_min, reset_above in ((1, 0), (1, 10**9), (6, 10**9), (10**9, 10**9)):
         scheduler = Scheduler(SchedulerConfig())
         scheduler.vector_min_decodes = vector_min
+        scheduler._length_table_limit = reset_above
         for node, group in zip(fleet, placed, strict=True):
             book = scheduler._book(node.node_id)  # what on_assigned books, as given
             for j, decode in enumerate(group):
                 book.add_decode(f"{node.node_id}-{j}", dataclasses.replace(decode))
+        scheduler.forecasts(fleet, at_s, NOW, DISTS[1])  # columns built, maybe reset
         results.append(scheduler.forecasts(fleet, at_s, NOW, DISTS[1]))
     for a, b in itertools.pairwise(results):
         assert all(_same(x, y) for x, y in zip(a, b, strict=True))
