@@ -162,16 +162,24 @@ def _report_like_live(
     if not isinstance(step, Placement):
         placement.finished()
         return now_s + 0.01
-    placement.allocated()
-    prefill_s = step.prefill_s * rng.uniform(0.7, 1.4)
-    placement.prefill_done(prompt_tokens, step.cached_tokens, prefill_s)
-    placement.committed()
-    now_s += step.queue_s + prefill_s
+    now_s += step.queue_s + _prefill_like_live(placement, step, prompt_tokens, rng)
     placement.decode_started(now_s)
     gap_s = step.tbt_s * rng.uniform(0.7, 1.4)
     now_s += 64 * gap_s
     placement.finished(64, stopped=True, now_s=now_s, mean_gap_s=gap_s)
     return now_s
+
+
+def _prefill_like_live(
+    placement: RequestPlacement, step: Placement, prompt_tokens: int, rng: random.Random
+) -> float:
+    """Report the placed request allocated, prefilled (in the predicted time x a factor
+    in [0.7, 1.4], returned) and its blocks committed."""
+    placement.allocated()
+    prefill_s = step.prefill_s * rng.uniform(0.7, 1.4)
+    placement.prefill_done(prompt_tokens, step.cached_tokens, prefill_s)
+    placement.committed()
+    return prefill_s
 
 
 class _Busy:
@@ -186,7 +194,7 @@ class _Busy:
         rng: random.Random,
     ) -> None:
         self.scheduler = scheduler
-        self.open: deque[tuple[float, RequestPlacement | tuple[str, NodeId, NodeId]]] = deque()
+        warm: list[tuple[float, RequestPlacement | tuple[str, NodeId, NodeId]]] = []
         self.limit = in_flight * sum(1 for n in nodes if n.can_decode)
         prefill = next(n.node_id for n in nodes if n.can_prefill)
         prior = scheduler.config.decode_prior
@@ -207,8 +215,9 @@ class _Busy:
                 scheduler.on_assigned(req, placement, started)
                 scheduler.on_decode_started(rid, node.node_id, started)
                 scheduler.on_prefill_done(rid, prefill, 8192, 0, None)
-                self.open.append((started, (rid, prefill, node.node_id)))
-        rng.shuffle(self.open)
+                warm.append((started, (rid, prefill, node.node_id)))
+        rng.shuffle(warm)  # not node by node
+        self.open = deque(warm)
 
     def keep_decoding(
         self,
@@ -223,10 +232,7 @@ class _Busy:
         if not isinstance(step, Placement):
             placement.finished()
             return now_s + 0.005
-        placement.allocated()
-        prefill_s = step.prefill_s * rng.uniform(0.7, 1.4)
-        placement.prefill_done(prompt_tokens, step.cached_tokens, prefill_s)
-        placement.committed()
+        _prefill_like_live(placement, step, prompt_tokens, rng)
         placement.decode_started(now_s)
         self.open.append((now_s, placement))
         now_s += 0.005
