@@ -107,6 +107,7 @@ class NodeBook:
     # Lend requests of our prefix pulls from this node (its engine lends with a request
     # of its own, ahead of waiting prefills): predicted seconds per pulling request.
     pending_lends: dict[str, float] = field(default_factory=dict)
+    # Changed only through add_decode, pop_decode and start_decode (they drop ``columns``).
     decodes: dict[str, PlacedDecode] = field(default_factory=dict)
     # The last queue estimate: (prefill model version, agent-reported queued tokens,
     # seconds); None once the pending prefills or lends above change.

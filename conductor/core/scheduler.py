@@ -377,7 +377,7 @@ class Scheduler:
         or more of ours in one pass over their decodes' columns (``own_loads``), the
         others decode by decode — the same numbers either way. O(decodes on them)."""
         books = [self._book(n.node_id) for n in nodes]
-        vector_min = self.vector_min_decodes
+        vector_min = max(1, self.vector_min_decodes)  # own_loads takes no empty book
         busy = [b for b in books if len(b.decodes) >= vector_min]
         own = iter(self._own_loads(busy, at_s, now_s) if busy else ())
         out = []
