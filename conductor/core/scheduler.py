@@ -53,8 +53,9 @@ admitted: the queue drain needed for TTFT, the earliest probe time at which the 
 forecast meets the SLO, or the median remaining decode time when no decode slot is free.
 
 Complexity per decision: O(P + D·A) for P prefill nodes, D decode nodes and A active
-decodes per decode node (x10 probes for a TBT ``Retry-After``); prefix matching happens
-before, in the index.
+decodes per decode node (x10 probes for a TBT ``Retry-After``); the D·A part of nodes
+with ``VECTOR_MIN_DECODES`` or more runs in one NumPy pass (``forecasts``), bit for bit
+the per-decode loop's result; prefix matching happens before, in the index.
 """
 
 from __future__ import annotations
