@@ -166,7 +166,12 @@ CloseHook = Callable[[list[float], int, str | None], None]  # (gaps, tokens, fin
 
 
 class GenerationStream:
-    """The running generation: iterate ``TokenDelta``s; ``aclose()`` cancels it."""
+    """The running generation: iterate ``TokenDelta``s; ``aclose()`` cancels it.
+
+    The close hook (the scheduler's books, the TBT observation) runs at ``aclose()`` or
+    when the reader reads past the last delta, not when the last delta arrives: a reader
+    can send the last tokens to its client first (``finished`` says it has them all).
+    """
 
     def __init__(
         self,
@@ -191,12 +196,18 @@ class GenerationStream:
         return self
 
     @property
+    def finished(self) -> bool:
+        """The last delta (the one with a finish reason) has been read."""
+        return self._finished
+
+    @property
     def mean_gap_s(self) -> float | None:
         """Mean time between streamed tokens so far (None before the second token)."""
         return sum(self._gaps_s) / len(self._gaps_s) if self._gaps_s else None
 
     async def __anext__(self) -> TokenDelta:
         if self._finished:
+            await self.aclose()
             raise StopAsyncIteration
         if self._pending is not None:
             msg, self._pending = self._pending, None
@@ -231,7 +242,6 @@ class GenerationStream:
         if delta.finish_reason is not None:
             self._finished = True
             self._finish_reason = delta.finish_reason
-            await self.aclose()
         return delta
 
     def interrupt(self, error: ConductorError) -> None:
@@ -254,6 +264,9 @@ class TokenStream(Protocol):
     """What the HTTP layer reads: one generation, or the choices of an ``n > 1``."""
 
     placed: Placed
+
+    @property
+    def finished(self) -> bool: ...
 
     def __aiter__(self) -> TokenStream: ...
 
@@ -283,6 +296,10 @@ class ChoiceStreams:
         return self
 
     @property
+    def finished(self) -> bool:
+        return len(self._done) == len(self._streams)
+
+    @property
     def mean_gap_s(self) -> float | None:
         gaps = [g for s in self._streams if (g := s.mean_gap_s) is not None]
         return sum(gaps) / len(gaps) if gaps else None
@@ -307,6 +324,7 @@ class ChoiceStreams:
             if delta.finish_reason is None:
                 return replace(delta, index=i)
             self._done.add(i)
+            await self._streams[i].aclose()  # its books close with the choice
             if delta.usage is not None:
                 self._usages[i] = delta.usage
             last = len(self._done) == len(self._streams)

@@ -2,6 +2,10 @@
 
 After the first byte the status is 200: a failure ends the stream with an
 ``{"error": …}`` event and ``[DONE]``, as OpenAI does.
+
+The last events (the usage chunk and ``[DONE]``, or the error) leave as the body's end
+in one write, and the generation's books (the scheduler's, the request's metrics) are
+closed after it: the client's response is complete before the conductor's bookkeeping.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ ChunkMaker = Callable[[TokenDelta | None, UsageCounts | None], str | None]
 ErrorEvent = Callable[[ConductorError], str]
 
 
+class FinalEvent(str):
+    """The stream's last bytes: ``GenerationResponse`` sends them as the body's end."""
+
+    __slots__ = ()
+
+
 def openai_error_event(exc: ConductorError) -> str:
     """OpenAI's convention: an ``{"error": …}`` data event, then ``[DONE]``."""
     return sse_data(json.dumps(exc.to_response_body())) + SSE_DONE
@@ -39,27 +49,29 @@ async def sse_events(
     done: str = SSE_DONE,
 ) -> AsyncGenerator[str, None]:
     """Stream chunks, then ``done``; on error send ``on_error``'s events; always close
-    the generation."""
+    the generation. The last item is a ``FinalEvent`` (the tail and ``done``, or the
+    error's events); the generation is closed when the reader closes this generator
+    or reads past it."""
     outcome = "cancelled"
     usage: UsageCounts | None = None
     try:
         if first_event is not None:
             yield first_event
-        async for delta in adm.stream:
+        stream = adm.stream
+        async for delta in stream:
             if delta.usage is not None:
                 usage = delta.usage
             event = make_chunk(delta, None)
             if event is not None:
                 yield event
+            if stream.finished:
+                break
         tail = make_chunk(None, usage)
-        if tail is not None:
-            yield tail
-        if done:
-            yield done
-        outcome = "success"
+        outcome = "success"  # every token is out; only the tail and ``done`` are left
+        yield FinalEvent((tail or "") + done)
     except ConductorError as exc:
         outcome = "upstream_error"
-        yield on_error(exc)
+        yield FinalEvent(on_error(exc))
     finally:
         await adm.stream.aclose()
         adm.finish(outcome, usage)
@@ -90,6 +102,21 @@ class GenerationResponse(StreamingResponse):
         super().__init__(
             self._events, media_type="text/event-stream", headers={**headers, **adm.headers}
         )
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, except that a ``FinalEvent`` ends the body in the same write and
+        the events are not read on: the generation is closed after (``__call__``)."""
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        async for chunk in self._events:
+            last = chunk.__class__ is FinalEvent
+            await send(
+                {"type": "http.response.body", "body": chunk.encode(), "more_body": not last}
+            )
+            if last:
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
