@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import logging
 import re
-import uuid
 from collections.abc import AsyncIterator
+from secrets import token_hex
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -98,7 +98,7 @@ class RequestContextMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         incoming = headers.get("x-request-id", "")
-        request_id = incoming if _REQUEST_ID_OK.match(incoming) else f"req-{uuid.uuid4().hex}"
+        request_id = incoming if _REQUEST_ID_OK.match(incoming) else f"req-{token_hex(16)}"
         scope.setdefault("state", {})["request_id"] = request_id
         started = False
 

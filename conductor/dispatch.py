@@ -28,8 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
@@ -469,8 +469,9 @@ class Dispatcher:
         decode = self._fleet.get(placement.decode)
         assert prefill.info is not None
         block_size = prefill.info.block_size
-        # Unguessable (122 random bits): a tx id is what a peer's ReadBlocks names.
-        tx_id = f"{req.request_id}:{uuid.uuid4().hex}"
+        # Unguessable (128 random bits): a tx id is what a peer's ReadBlocks names.
+        # (``secrets.token_hex``: a fifth of ``uuid4().hex``'s cost, same width of hex.)
+        tx_id = f"{req.request_id}:{secrets.token_hex(16)}"
         if req.cache_key:
             self._remember_affinity((req.tenant, req.cache_key), placement.prefill)
         disaggregated = decode is not prefill
