@@ -431,6 +431,22 @@ async def test_a_silent_replay_endpoint_does_not_block_live_events(short_dir: Pa
         engine.close()
 
 
+async def test_cancelling_the_subscriber_is_not_taken_for_a_stop(with_replay: Rig) -> None:
+    """A cancellation from outside ends the receive loop as a cancellation (the stop
+    and reconnect events are what end it quietly)."""
+    _, sub, _ = with_replay
+    socket = sub._ctx.socket(zmq.SUB)
+    try:
+        receiving = asyncio.create_task(sub._receive(socket, asyncio.Event()))
+        await asyncio.sleep(0.05)  # waiting for a message
+        receiving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await receiving
+        assert receiving.cancelled()
+    finally:
+        socket.close(linger=0)
+
+
 def offloaded(hashes: Sequence[int | bytes], *, removed: bool = False) -> dict[str, Any]:
     """What vLLM's OffloadingConnector publishes for its CPU copies: hashes only."""
     if removed:
