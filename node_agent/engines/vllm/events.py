@@ -400,8 +400,8 @@ class KvEventSubscriber:
 
     async def _receive(self, sub: zmq.asyncio.Socket, stop: asyncio.Event) -> None:
         """Live batches until ``stop`` or ``resubscribe``: either cancels the one
-        pending receive (a wait over three futures per message cost ~10% of a busy
-        agent's CPU)."""
+        pending receive (a wait over three futures per message cost ~7 µs more CPU per
+        message, 23-24 against 16-17 µs for this loop alone)."""
         stopping = asyncio.ensure_future(stop.wait())
         reconnect = asyncio.ensure_future(self._reconnect.wait())
         pending: list[asyncio.Future[list[bytes]]] = []
