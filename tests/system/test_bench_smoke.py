@@ -72,6 +72,18 @@ def test_fleet_view_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert (tmp_path / "fleet_view.png").stat().st_size > 1000
 
 
+def test_stream_cost_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
+    from bench import stream_cost
+
+    code = stream_cost.main(["--out", str(tmp_path), "--messages", "200", "--calls", "50"])
+    assert code == 0
+    data = json.loads((tmp_path / "stream_cost.json").read_text())
+    assert set(data["results"]) == {"grpc.aio", "framed"}
+    assert all(r["stream_us"] > 0 and r["request_us"] > 0 for r in data["results"].values())
+    assert "| transport |" in (tmp_path / "stream_cost.md").read_text()
+    assert (tmp_path / "stream_cost.png").stat().st_size > 1000
+
+
 def test_chat_tokenize_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     from bench import chat_tokenize
 
