@@ -148,7 +148,7 @@ class _FramedServer(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         for _, payload in self._reader.feed(data):
             if payload == b"stream":
-                asyncio.get_running_loop().create_task(self._stream())
+                self._send_batch(1)
             else:
                 pb.GetInfoRequest.FromString(payload)
                 self._write(frame(MESSAGE, self._info.SerializeToString()))
@@ -157,11 +157,14 @@ class _FramedServer(asyncio.Protocol):
         assert self._transport is not None
         self._transport.write(data)
 
-    async def _stream(self) -> None:
-        for seq in range(self._messages):
-            self._write(frame(MESSAGE, _batch(seq + 1).SerializeToString()))
-            await asyncio.sleep(0)  # one message per loop turn
-        self._write(frame(END))
+    def _send_batch(self, seq: int) -> None:
+        """Batch ``seq``, and the next one on the loop's next turn (one write per turn,
+        as messages come one by one live); END after the last."""
+        if seq > self._messages:
+            self._write(frame(END))
+            return
+        self._write(frame(MESSAGE, _batch(seq).SerializeToString()))
+        asyncio.get_running_loop().call_soon(self._send_batch, seq + 1)
 
 
 class _FramedClient(asyncio.Protocol):

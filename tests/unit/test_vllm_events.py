@@ -10,7 +10,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import pytest
@@ -436,9 +436,16 @@ async def test_cancelling_the_subscriber_is_not_taken_for_a_stop(with_replay: Ri
     and reconnect events are what end it quietly)."""
     _, sub, _ = with_replay
     socket = sub._ctx.socket(zmq.SUB)
+    asked = asyncio.Event()
+
+    class _Watched:  # the real socket; says when the loop waits on a receive
+        def recv_multipart(self) -> Any:
+            asked.set()
+            return socket.recv_multipart()
+
     try:
-        receiving = asyncio.create_task(sub._receive(socket, asyncio.Event()))
-        await asyncio.sleep(0.05)  # waiting for a message
+        receiving = asyncio.create_task(sub._receive(cast(Any, _Watched()), asyncio.Event()))
+        await asyncio.wait_for(asked.wait(), 5)  # the loop waits for a message
         receiving.cancel()
         with pytest.raises(asyncio.CancelledError):
             await receiving
