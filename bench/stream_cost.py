@@ -2,19 +2,19 @@
 
   python -m bench.stream_cost [--messages 10000] [--calls 2000] [--out bench/results]
 
-The conductor talks to its agents two ways: gRPC (``grpc.aio``: ``WatchEvents``, the
-``GetInfo`` poll, ``Prefill``, the Tx calls) and the agent's framed token stream
-(``kvc/stream_frames.py``: length-prefixed frames on an asyncio protocol, which carries
-``Generate``). Both sides run here in one process on loopback, on uvloop, and the
-figure is the process's CPU (user + system) per message or per call, both sides
-together:
+The conductor talks to its agents two ways: gRPC (``grpc.aio``: ``Prefill``, the Tx
+calls, and everything with agents that have no token stream) and the agent's framed
+token stream (``kvc/stream_frames.py``: length-prefixed frames on an asyncio protocol,
+which carries ``Generate``, ``GetInfo``, ``Snapshot`` and ``WatchEvents``). Both sides
+run here in one process on loopback, on uvloop, and the figure is the process's CPU
+(user + system) per message or per call, both sides together. The framed side is the
+agent's listener and the conductor's client themselves:
 
 - **streamed message**: an ``EventBatch`` holding one load update (what an agent's
-  ``WatchEvents`` sends twice a second), ``--messages`` of them, one write per event
-  loop turn on the framed side (as messages come one by one live);
+  ``WatchEvents`` sends twice a second), ``--messages`` of them, each on its own event
+  loop turn on both transports (as messages come one by one live);
 - **request/response**: ``GetInfo`` answering a calibrated ``NodeInfo`` (the poll every
-  agent gets every ``agent_poll_interval_s``), ``--calls`` of them one after the other;
-  on the framed side the same two messages as one frame each way.
+  agent gets every ``agent_poll_interval_s``), ``--calls`` of them one after the other.
 
 Writes ``stream_cost.md`` / ``.json`` / ``.png`` under ``--out``.
 """
@@ -27,16 +27,17 @@ import resource
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import grpc
 import uvloop
 
 from bench.report import bar_panels, markdown_table, write_results
-from kvc.stream_frames import END, MESSAGE, FrameReader, frame
+from conductor.adapters.token_stream import TokenStreamClient
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
-from kvc.wire import MAX_MESSAGE_BYTES, SERVICE_NAME
+from kvc.wire import SERVICE_NAME
+from node_agent.token_stream import StreamMethod, TokenStreamServer
 
 
 def _batch(seq: int) -> pb.EventBatch:
@@ -60,6 +61,17 @@ def _info() -> pb.NodeInfo:
     return info
 
 
+async def _batches(messages: int) -> AsyncIterator[pb.EventBatch]:
+    """``messages`` batches, each on its own event loop turn (as they come live, one
+    load update or block event at a time), on either transport."""
+    loop = asyncio.get_running_loop()
+    for seq in range(messages):
+        turn = loop.create_future()
+        loop.call_soon(turn.set_result, None)
+        await turn
+        yield _batch(seq + 1)
+
+
 def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -81,8 +93,8 @@ def _handlers(messages: int) -> grpc.GenericRpcHandler:
     info = _info()
 
     async def watch_events(request: pb.WatchEventsRequest, context: Any) -> AsyncIterator[Any]:
-        for seq in range(messages):
-            yield _batch(seq + 1)
+        async for batch in _batches(messages):
+            yield batch
 
     async def get_info(request: pb.GetInfoRequest, context: Any) -> pb.NodeInfo:
         return info
@@ -132,88 +144,51 @@ async def grpc_costs(messages: int, calls: int) -> tuple[float, float]:
         await server.stop(0)
 
 
-class _FramedServer(asyncio.Protocol):
-    """Streams ``messages`` batches (one write per loop turn) on a GENERATE frame with
-    payload b"stream"; answers any other frame with a NodeInfo frame."""
-
-    def __init__(self, messages: int) -> None:
-        self._messages = messages
-        self._reader = FrameReader(MAX_MESSAGE_BYTES)
-        self._info = _info()
-        self._transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-
-    def data_received(self, data: bytes) -> None:
-        for _, payload in self._reader.feed(data):
-            if payload == b"stream":
-                self._send_batch(1)
-            else:
-                pb.GetInfoRequest.FromString(payload)
-                self._write(frame(MESSAGE, self._info.SerializeToString()))
-
-    def _write(self, data: bytes) -> None:
-        assert self._transport is not None
-        self._transport.write(data)
-
-    def _send_batch(self, seq: int) -> None:
-        """Batch ``seq``, and the next one on the loop's next turn (one write per turn,
-        as messages come one by one live); END after the last."""
-        if seq > self._messages:
-            self._write(frame(END))
-            return
-        self._write(frame(MESSAGE, _batch(seq).SerializeToString()))
-        asyncio.get_running_loop().call_soon(self._send_batch, seq + 1)
-
-
-class _FramedClient(asyncio.Protocol):
-    def __init__(self) -> None:
-        self._reader = FrameReader(MAX_MESSAGE_BYTES)
-        self.streamed = 0
-        self.stream_end: asyncio.Future[None] | None = None  # set while streaming
-        self.reply: asyncio.Future[None] | None = None  # set while a request waits
-
-    def data_received(self, data: bytes) -> None:
-        for kind, payload in self._reader.feed(data):
-            if self.stream_end is not None:
-                if kind == END:
-                    self.stream_end.set_result(None)
-                    self.stream_end = None
-                else:
-                    self.streamed += len(pb.EventBatch.FromString(payload).events)
-            elif self.reply is not None:
-                pb.NodeInfo.FromString(payload)
-                self.reply.set_result(None)
-                self.reply = None
-
-
 async def framed_costs(messages: int, calls: int) -> tuple[float, float]:
-    """(CPU s per streamed message, per request/response) over the framed stream."""
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _FramedServer(messages), "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    transport, client = await loop.create_connection(_FramedClient, "127.0.0.1", port)
-    request = frame(MESSAGE, pb.GetInfoRequest().SerializeToString())
+    """(CPU s per streamed message, per request/response) over the framed stream: the
+    agent's own listener (``node_agent/token_stream.py``) and the conductor's client
+    (``conductor/adapters/token_stream.py``), serving the same two methods."""
+    info = _info()
+
+    async def get_info(request: pb.GetInfoRequest, context: Any) -> pb.NodeInfo:
+        return info
+
+    async def watch_events(request: pb.WatchEventsRequest, context: Any) -> AsyncIterator[Any]:
+        async for batch in _batches(messages):
+            yield batch
+
+    def generate(request: pb.GenerateRequest, context: Any) -> AsyncIterator[Any]:
+        raise NotImplementedError("Generate is not measured here")
+
+    server = TokenStreamServer(
+        generate,
+        (
+            StreamMethod("GetInfo", pb.GetInfoRequest.FromString, unary=get_info),
+            StreamMethod("WatchEvents", pb.WatchEventsRequest.FromString, streaming=watch_events),
+        ),
+    )
+    port = await server.start("127.0.0.1", 0, None)
+    client = TokenStreamClient(f"127.0.0.1:{port}", None, "loopback")
+    request = pb.GetInfoRequest()
     try:
+        await client.unary("GetInfo", request, pb.NodeInfo.FromString, deadline_s=10)  # warm
 
         async def stream() -> int:
-            end = client.stream_end = loop.create_future()
-            transport.write(frame(MESSAGE, b"stream"))
-            await end
-            return client.streamed
+            count = 0
+            call = client.stream("WatchEvents", pb.WatchEventsRequest(), pb.EventBatch.FromString)
+            while (batch := await call.read()) is not grpc.aio.EOF:
+                count += len(batch.events)
+            return count
 
         async def exchange() -> int:
             for _ in range(calls):
-                reply = client.reply = loop.create_future()
-                transport.write(request)
-                await reply
+                await client.unary("GetInfo", request, pb.NodeInfo.FromString, deadline_s=10)
             return calls
 
         return await _per_item(stream, messages), await _per_item(exchange, calls)
     finally:
-        transport.close()
-        server.close()
+        client.close()
+        await server.stop(0)
 
 
 async def _measure(messages: int, calls: int) -> dict[str, dict[str, float]]:

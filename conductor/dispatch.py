@@ -554,7 +554,9 @@ class Dispatcher:
                 prefill_request.prompt_token_ids.extend(gen.prompt_token_ids)
                 if fused:
                     prefill_request.tx.CopyFrom(allocate)
-                pre = await prefill.stub.Prefill(prefill_request, timeout=self._request_timeout_s)
+                pre = await self._fleet.prefill(
+                    prefill, prefill_request, deadline_s=self._request_timeout_s
+                )
                 if fused:  # allocated and committed by the agent
                     loop_state.committed()
                     if retain:

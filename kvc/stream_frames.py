@@ -1,4 +1,5 @@
-"""The token stream's wire format: ``Generate`` without gRPC's per-message cost.
+"""The token stream's wire format: ``Generate``, ``Prefill``, and the agent info and
+events a conductor follows, without gRPC's per-call and per-message cost.
 
 A conductor's ``Generate`` call carries one request and then one message per token
 batch for the whole generation: over gRPC (``grpc.aio``) each streamed message costs
@@ -7,7 +8,11 @@ conductor and its agents spend on a request (docs/benchmarks.md, "The request ho
 path"). An agent started with ``--stream-port`` also serves ``Generate`` on a plain TCP
 listener (TLS with the same mTLS files when those are set) speaking these frames; the
 messages are the same protobufs, the errors the same gRPC status codes and
-``ErrorInfo``.
+``ErrorInfo``. The same listener serves the calls a conductor makes of every agent all
+the time — the ``GetInfo`` poll, ``Snapshot`` and the ``WatchEvents`` stream — and a
+disaggregated request's ``Prefill``, as ``CALL`` frames, when the agent lists them in
+``NodeInfo.stream_methods``: over gRPC a unary call costs ~20–30× and a streamed message
+~6–8× what a frame does (``bench/stream_cost.py``).
 
 A frame is a 5-byte header — payload length (uint32, little-endian) and a kind (one
 byte) — and the payload:
@@ -16,15 +21,18 @@ byte) — and the payload:
 kind       direction   payload
 =========  ==========  ============================================================
 GENERATE   → agent     a ``GenerateRequest``
-MESSAGE    ← agent     a ``GenerateResponse``
+CALL       → agent     the method (one byte: ``CALL_METHODS``), then its request
+MESSAGE    ← agent     a ``GenerateResponse`` (or the called method's response)
 END        ← agent     nothing: the generation ended OK
 ERROR      ← agent     status code (uint16 LE), details length (uint32 LE), details
                        (UTF-8), then an ``ErrorInfo`` (may be empty)
 =========  ==========  ============================================================
 
-One call at a time per connection; a connection is reused after END or ERROR. The
-caller cancels a call by closing its connection (the agent then cancels the generation,
-as gRPC cancellation does).
+One call at a time per connection; a connection is reused after END or ERROR. A unary
+call's answer is one MESSAGE, then END; a streaming call's, MESSAGE frames until END or
+ERROR. A method the agent does not serve there ends with ERROR ``UNIMPLEMENTED``. The
+caller cancels a call by closing its connection (the agent then cancels the generation
+or the stream, as gRPC cancellation does).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ import struct
 from typing import Final
 
 __all__ = [
+    "CALL",
+    "CALL_METHODS",
     "END",
     "ERROR",
     "GENERATE",
@@ -40,6 +50,7 @@ __all__ = [
     "MESSAGE",
     "FrameError",
     "FrameReader",
+    "call_frame",
     "error_frame",
     "frame",
     "parse_error",
@@ -52,6 +63,10 @@ GENERATE: Final = 1
 MESSAGE: Final = 2
 END: Final = 3
 ERROR: Final = 4
+CALL: Final = 5
+
+# A CALL frame's first byte, by gRPC method name (a name's code never changes).
+CALL_METHODS: Final = {"GetInfo": 1, "Snapshot": 2, "WatchEvents": 3, "Prefill": 4}
 
 
 class FrameError(Exception):
@@ -60,6 +75,11 @@ class FrameError(Exception):
 
 def frame(kind: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(len(payload), kind) + payload
+
+
+def call_frame(method: str, request: bytes) -> bytes:
+    """A CALL frame of ``method`` (a key of ``CALL_METHODS``) with ``request``."""
+    return frame(CALL, bytes((CALL_METHODS[method],)) + request)
 
 
 def error_frame(code: int, details: str, info: bytes) -> bytes:

@@ -74,7 +74,7 @@ from node_agent.replica_hints import ReplicaHintSet
 from node_agent.rpc_errors import AGENT_ERRORS, Context, maps_errors
 from node_agent.settings import AgentSettings
 from node_agent.tier_runner import ThreadRunner, prefetch
-from node_agent.token_stream import TokenStreamServer
+from node_agent.token_stream import StreamMethod, TokenStreamServer
 from node_agent.transfer.receiver import KvReceiver
 from node_agent.transfer.sender import KvSender
 from node_agent.transfer.shm import remove_orphans
@@ -689,10 +689,20 @@ class AgentServer:
         if files is None:
             check_plaintext(f"{host}:{port}", self.settings.grpc_plaintext, "served")
         context = files.server_ssl_context() if files is not None else None
-        self.token_stream = TokenStreamServer(self.service.Generate)
+        service = self.service
+        methods = (
+            StreamMethod("GetInfo", pb.GetInfoRequest.FromString, unary=service.GetInfo),
+            StreamMethod("Snapshot", pb.SnapshotRequest.FromString, unary=service.Snapshot),
+            StreamMethod(
+                "WatchEvents", pb.WatchEventsRequest.FromString, streaming=service.WatchEvents
+            ),
+            StreamMethod("Prefill", pb.PrefillRequest.FromString, unary=service.Prefill),
+        )
+        self.token_stream = TokenStreamServer(service.Generate, methods)
         bound = await self.token_stream.start(host, port, context)
-        advertised_host = self.service.node_info.advertise_address.rsplit(":", 1)[0]
-        self.service.node_info.stream_address = f"{advertised_host}:{bound}"
+        advertised_host = service.node_info.advertise_address.rsplit(":", 1)[0]
+        service.node_info.stream_address = f"{advertised_host}:{bound}"
+        service.node_info.stream_methods[:] = self.token_stream.method_names
 
     def _check_own_certificate(self, named: str | None) -> None:
         """An agent whose certificate names a node is that node: pulls bound to it are

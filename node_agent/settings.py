@@ -58,8 +58,9 @@ class AgentSettings(GrpcTlsSettings, BaseSettings):
         ge=0,
         le=65535,
         description=(
-            "Also serve Generate on this TCP port as a lean framed stream (mTLS with the "
-            "gRPC files); conductors prefer it (0 = pick a free one; unset = off)"
+            "Also serve Generate, Prefill, GetInfo, Snapshot and WatchEvents on this TCP "
+            "port as a lean framed stream (mTLS with the gRPC files); conductors prefer "
+            "it (0 = pick a free one; unset = off)"
         ),
         json_schema_extra=_NODE,
     )

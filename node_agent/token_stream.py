@@ -1,11 +1,14 @@
 """The agent's token stream listener: ``Generate`` over length-prefixed frames
-(``kvc/stream_frames.py``) instead of gRPC, for the per-message cost of a long answer.
+(``kvc/stream_frames.py``) instead of gRPC, for the per-message cost of a long answer;
+and, as ``CALL`` frames, the calls every conductor makes all the time (``GetInfo``,
+``Snapshot``, ``WatchEvents``) and a disaggregated request's ``Prefill``, for their
+per-call cost.
 
-Each connection serves one call at a time through the servicer's own ``Generate`` —
-the same authorization by certificate, the same fused transaction, the same errors —
-with a small stand-in for the gRPC servicer context (the verified peer's names, the
-error trailer, abort). A closed connection cancels its generation, as a cancelled gRPC
-call does. Writes wait while the peer's socket is full (backpressure).
+Each connection serves one call at a time through the servicer's own methods — the
+same authorization by certificate, the same fused transaction, the same errors — with a
+small stand-in for the gRPC servicer context (the verified peer's names, the error
+trailer, abort). A closed connection cancels its generation or stream, as a cancelled
+gRPC call does. Writes wait while the peer's socket is full (backpressure).
 
 TLS: with the agent's mTLS files, the listener requires a client certificate of the CA
 and reloads the files on the next handshake after they change, as the gRPC port does;
@@ -17,13 +20,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from kvc.stream_frames import (
+    CALL,
+    CALL_METHODS,
     END,
     GENERATE,
     MESSAGE,
@@ -36,11 +42,22 @@ from kvc.tls import auth_of_certificate
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.wire import ERROR_INFO_KEY, MAX_MESSAGE_BYTES
 
-__all__ = ["TokenStreamServer"]
+__all__ = ["StreamMethod", "TokenStreamServer"]
 
 log = logging.getLogger("node_agent.token_stream")
 
 GenerateHandler = Callable[[pb.GenerateRequest, Any], AsyncIterator[pb.GenerateResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamMethod:
+    """A servicer method served as ``CALL`` frames: how its request parses, and the
+    method — a coroutine (unary: one MESSAGE) or an async generator (MESSAGE each)."""
+
+    name: str  # the gRPC method name, a key of ``CALL_METHODS``
+    parse: Callable[[bytes], Message]
+    unary: Callable[[Any, Any], Awaitable[Message]] | None = None
+    streaming: Callable[[Any, Any], AsyncIterator[Message]] | None = None
 
 
 class _Aborted(Exception):
@@ -70,8 +87,14 @@ class _FrameContext:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, handler: GenerateHandler, forget: Callable[[_Connection], None]) -> None:
+    def __init__(
+        self,
+        handler: GenerateHandler,
+        methods: Mapping[int, StreamMethod],
+        forget: Callable[[_Connection], None],
+    ) -> None:
         self._handler = handler
+        self._methods = methods
         self._forget = forget
         self._reader = FrameReader(MAX_MESSAGE_BYTES)
         self._transport: asyncio.Transport | None = None
@@ -93,11 +116,12 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         for kind, payload in frames:
-            if kind != GENERATE or self.task is not None:
+            if kind not in (GENERATE, CALL) or self.task is not None:
                 log.warning("token stream: closing a connection: unexpected frame %d", kind)
                 self.close()
                 return
-            self.task = asyncio.get_running_loop().create_task(self._serve(payload))
+            serve = self._serve(payload) if kind == GENERATE else self._call(payload)
+            self.task = asyncio.get_running_loop().create_task(serve)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.task is not None:
@@ -130,30 +154,78 @@ class _Connection(asyncio.Protocol):
                 request = pb.GenerateRequest.FromString(payload)
             except DecodeError:
                 raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, "not a GenerateRequest") from None
-            async for message in self._handler(request, context):
-                self._write(frame(MESSAGE, message.SerializeToString()))
-                if self._writable is not None and not self._writable.done():
-                    await self._writable
-                if self._transport is None:
-                    return
-            self._write(frame(END))
+            await self._stream(self._handler(request, context))
         except _Aborted as exc:
             self._write(error_frame(exc.code.value[0], exc.details, context.error_info))
         except Exception as exc:  # the servicer maps agent errors; anything else is a bug
-            log.exception("token stream: Generate failed")
-            detail = f"internal error: {type(exc).__name__}: {exc}"
-            self._write(error_frame(grpc.StatusCode.INTERNAL.value[0], detail, b""))
+            self._internal_error("Generate", exc)
         finally:
             self.task = None
 
+    async def _call(self, payload: bytes) -> None:
+        """A ``CALL`` frame: the method its first byte names, on the request after it."""
+        context = _FrameContext(self._auth)
+        method = self._methods.get(payload[0]) if payload else None
+        name = method.name if method is not None else "CALL"
+        try:
+            if method is None:
+                code = payload[0] if payload else None
+                raise _Aborted(
+                    grpc.StatusCode.UNIMPLEMENTED, f"no method {code} on this token stream"
+                )
+            try:
+                request = method.parse(payload[1:])
+            except DecodeError:
+                raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"not a {name} request") from None
+            if method.streaming is not None:
+                await self._stream(method.streaming(request, context))
+            else:
+                assert method.unary is not None
+                reply = await method.unary(request, context)
+                self._write(frame(MESSAGE, reply.SerializeToString()) + frame(END))
+        except _Aborted as exc:
+            self._write(error_frame(exc.code.value[0], exc.details, context.error_info))
+        except Exception as exc:  # the servicer maps agent errors; anything else is a bug
+            self._internal_error(name, exc)
+        finally:
+            self.task = None
+
+    async def _stream(self, messages: AsyncIterator[Message]) -> None:
+        """Each message as a MESSAGE frame (waiting while the peer's socket is full),
+        then END; nothing more once the connection is gone."""
+        async for message in messages:
+            self._write(frame(MESSAGE, message.SerializeToString()))
+            if self._writable is not None and not self._writable.done():
+                await self._writable
+            if self._transport is None:
+                return
+        self._write(frame(END))
+
+    def _internal_error(self, name: str, exc: Exception) -> None:
+        log.exception("token stream: %s failed", name)
+        detail = f"internal error: {type(exc).__name__}: {exc}"
+        self._write(error_frame(grpc.StatusCode.INTERNAL.value[0], detail, b""))
+
 
 class TokenStreamServer:
-    """Serves ``handler`` (the servicer's ``Generate``) on a TCP port."""
+    """Serves ``handler`` (the servicer's ``Generate``), and ``methods`` as ``CALL``
+    frames, on a TCP port."""
 
-    def __init__(self, handler: GenerateHandler) -> None:
+    def __init__(self, handler: GenerateHandler, methods: Iterable[StreamMethod] = ()) -> None:
         self._handler = handler
+        self._methods = {CALL_METHODS[m.name]: m for m in methods}
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
+
+    @property
+    def method_names(self) -> list[str]:
+        """The methods served besides ``Generate`` (``NodeInfo.stream_methods``)."""
+        return sorted(m.name for m in self._methods.values())
+
+    @property
+    def calls(self) -> int:
+        """Calls running now (a conductor's ``WatchEvents`` runs as long as it follows)."""
+        return sum(1 for c in self._connections if c.task is not None)
 
     @property
     def connections(self) -> int:
@@ -161,7 +233,7 @@ class TokenStreamServer:
         return len(self._connections)
 
     def _connection(self) -> _Connection:
-        connection = _Connection(self._handler, self._connections.discard)
+        connection = _Connection(self._handler, self._methods, self._connections.discard)
         self._connections.add(connection)
         return connection
 

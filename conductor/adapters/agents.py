@@ -3,7 +3,11 @@
 Each configured address gets one ``grpc.aio`` channel for the conductor's life.
 A poll loop calls ``GetInfo`` on every agent; an agent is *usable* when it
 answered the latest poll and serves the model this conductor serves. gRPC errors
-become ``AgentCallError`` here, and the dispatcher maps those to HTTP once.
+become ``AgentCallError`` here, and the dispatcher maps those to HTTP once. An agent
+whose token stream serves ``GetInfo`` (``NodeInfo.stream_methods``) is polled there, a
+frame each way instead of a gRPC call (~20–30× less CPU: ``bench/stream_cost.py``);
+when that listener is gone (``UNAVAILABLE``) the same poll asks over gRPC, whose answer
+says where the stream is now. ``Prefill`` goes the same way (without the second try).
 
 Two client interceptors sit on every channel: the outer one retries ``TxCommit`` and
 ``TxAbort`` (idempotent by ``tx_id``) that ended UNAVAILABLE or DEADLINE_EXCEEDED, at
@@ -47,6 +51,7 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
+_GET_INFO = pb.GetInfoRequest()
 _RETRIED_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in ("TxCommit", "TxAbort"))
 _TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _RETRY_ATTEMPTS = 3
@@ -89,7 +94,8 @@ def translate_rpc_error(address: str, exc: grpc.aio.AioRpcError) -> AgentCallErr
 
 
 class GenerateCall(Protocol):
-    """A running ``Generate``: a gRPC call or a token stream call (``StreamCall``)."""
+    """A running server-streaming call (``Generate``, ``WatchEvents``): a gRPC call or
+    a token stream call (``StreamCall``)."""
 
     async def read(self) -> Any: ...  # a GenerateResponse, or grpc.aio.EOF
     def cancel(self) -> bool: ...
@@ -142,6 +148,13 @@ class AgentHandle:
             and self.info is not None
             and not self.info.draining
         )
+
+    def stream_for(self, method: str) -> TokenStreamClient | None:
+        """The agent's token stream when it serves ``method`` there, else None."""
+        stream = self.stream
+        if stream is None or self.info is None or method not in self.info.stream_methods:
+            return None
+        return stream
 
     def generate(self, request: pb.GenerateRequest, *, timeout: float | None) -> GenerateCall:
         """``Generate`` over the agent's token stream when it offers one, else gRPC."""
@@ -259,6 +272,7 @@ class AgentFleet:
         self._tls = tls
         self._plaintext = plaintext
         self.rpc_timeout_s = rpc_timeout_s
+        self._observe_call = observe_call
         self._observer = _ObserveUnaryCalls(observe_call) if observe_call else None
         self._agents: dict[str, AgentHandle] = {}
         self._closing: list[grpc.aio.Channel] = []
@@ -316,9 +330,54 @@ class AgentFleet:
         has_decode = any(a.role in ("decode", "both") for a in usable)
         return has_prefill and has_decode
 
+    def observe_call(self, method: str, code: grpc.StatusCode) -> None:
+        """Count a unary call made over a token stream, as the gRPC interceptor counts
+        the others (``conductor_agent_calls_total``)."""
+        if self._observe_call is not None:
+            self._observe_call(method, code.name)
+
+    async def prefill(
+        self, agent: AgentHandle, request: pb.PrefillRequest, *, deadline_s: float
+    ) -> pb.PrefillResponse:
+        """``Prefill`` over the agent's token stream when it serves it there, else gRPC.
+
+        No second try over gRPC when the stream fails: the prefill (and its fused Tx)
+        may have run; the failure goes to the caller as a gRPC call's would."""
+        stream = agent.stream_for("Prefill")
+        if stream is None:
+            return await agent.stub.Prefill(request, timeout=deadline_s)
+        try:
+            answer = await stream.unary(
+                "Prefill", request, pb.PrefillResponse.FromString, deadline_s=deadline_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            self.observe_call("Prefill", exc.code())
+            raise
+        self.observe_call("Prefill", grpc.StatusCode.OK)
+        return answer
+
+    async def get_info(self, agent: AgentHandle) -> pb.NodeInfo:
+        """``GetInfo`` over the agent's token stream when it serves it there, else (or
+        when that listener is gone) over gRPC; ``grpc.aio.AioRpcError`` on failure."""
+        stream = agent.stream_for("GetInfo")
+        if stream is not None:
+            try:
+                info = await stream.unary(
+                    "GetInfo", _GET_INFO, pb.NodeInfo.FromString, deadline_s=self.rpc_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                self.observe_call("GetInfo", exc.code())
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                log.debug("agent %s: token stream: %s", agent.address, exc.details())
+            else:
+                self.observe_call("GetInfo", grpc.StatusCode.OK)
+                return info
+        return await agent.stub.GetInfo(_GET_INFO, timeout=self.rpc_timeout_s)
+
     async def refresh_one(self, agent: AgentHandle) -> None:
         try:
-            info = await agent.stub.GetInfo(pb.GetInfoRequest(), timeout=self.rpc_timeout_s)
+            info = await self.get_info(agent)
         except grpc.aio.AioRpcError as exc:
             if agent.reachable:
                 log.warning("agent %s unreachable: %s", agent.address, exc.details())

@@ -7,6 +7,10 @@ snapshot; when the agent is unreachable, after a backoff (tenacity) of 0.1, 0.2,
 up to 5 s, equal jitter (half of each wait fixed, half random). The shadow may
 be stale, never authoritative: agents re-check keys on every Tx, so staleness costs a
 recompute, not a wrong answer. Load updates in the stream refresh the agent's load.
+``Snapshot`` and ``WatchEvents`` go over the agent's token stream when it serves them
+there (``NodeInfo.stream_methods``: a frame per batch instead of a gRPC message, ~6×
+less CPU), else over gRPC; both fail the same way, so the session's retries hold. A
+session whose snapshot finds the listener gone (``UNAVAILABLE``) runs over gRPC.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from conductor.adapters.agents import AgentFleet, AgentHandle
+from conductor.adapters.agents import AgentFleet, AgentHandle, GenerateCall
 from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
 from conductor.core.tier_index import (
     LowerTierIndex,
@@ -124,8 +128,30 @@ class ShadowSync:
         self._index.remove_node(node)
         self._lower.remove_node(node)
 
+    async def _snapshot(self, agent: AgentHandle) -> tuple[pb.SnapshotResponse, bool]:
+        """The agent's snapshot, and whether it came over the token stream."""
+        timeout = self._fleet.rpc_timeout_s
+        stream = agent.stream_for("Snapshot")
+        if stream is not None:
+            try:
+                snap = await stream.unary(
+                    "Snapshot",
+                    pb.SnapshotRequest(),
+                    pb.SnapshotResponse.FromString,
+                    deadline_s=timeout,
+                )
+            except grpc.aio.AioRpcError as exc:
+                self._fleet.observe_call("Snapshot", exc.code())
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                log.debug("shadow of %s: token stream: %s", agent.address, exc.details())
+            else:
+                self._fleet.observe_call("Snapshot", grpc.StatusCode.OK)
+                return snap, True
+        return await agent.stub.Snapshot(pb.SnapshotRequest(), timeout=timeout), False
+
     async def _sync_once(self, agent: AgentHandle, node: NodeId, stop: asyncio.Event) -> None:
-        snap = await agent.stub.Snapshot(pb.SnapshotRequest(), timeout=self._fleet.rpc_timeout_s)
+        snap, framed = await self._snapshot(agent)
         # The repeated fixed64 fields go straight in (the index copies them into arrays).
         reset_node_view(
             self._index, self._lower, node, snap.epoch, snap.seq,
@@ -134,8 +160,12 @@ class ShadowSync:
         )  # fmt: skip
         agent.set_load(snap.load)
         agent.retained = set(snap.retained_keys)
-        call = agent.stub.WatchEvents(
-            pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
+        request = pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
+        stream = agent.stream_for("WatchEvents") if framed else None
+        call: GenerateCall = (
+            agent.stub.WatchEvents(request)
+            if stream is None
+            else stream.stream("WatchEvents", request, pb.EventBatch.FromString)
         )
         # ``stop`` cancels the call, which ends the read below: no task per batch
         # (racing each read against ``stop`` made one for every batch).

@@ -1,8 +1,11 @@
 """Client of an agent's token stream (``kvc/stream_frames.py``): ``Generate`` without
-gRPC's per-message cost, used when the agent advertises ``NodeInfo.stream_address``.
+gRPC's per-message cost, used when the agent advertises ``NodeInfo.stream_address``; and
+the calls it lists in ``NodeInfo.stream_methods`` (``GetInfo``, ``Snapshot``,
+``WatchEvents``) without gRPC's per-call cost (``unary``, ``stream``).
 
 A ``StreamCall`` behaves as the dispatcher uses a gRPC ``UnaryStreamCall``: ``read()``
-answers the next ``GenerateResponse`` or ``grpc.aio.EOF``; a failure is the same
+answers the next ``GenerateResponse`` (or the called method's message) or
+``grpc.aio.EOF``; a failure is the same
 ``grpc.aio.AioRpcError`` (status code, details, ``ErrorInfo`` trailer) a gRPC call
 raises, so error translation, retries and metrics do not change; ``cancel()`` closes the
 connection, which makes the agent cancel the generation (and abort its fused Tx). One
@@ -15,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
 import grpc
+from google.protobuf.message import Message
 
 from kvc.stream_frames import (
     END,
@@ -26,6 +30,7 @@ from kvc.stream_frames import (
     MESSAGE,
     FrameError,
     FrameReader,
+    call_frame,
     frame,
     parse_error,
 )
@@ -38,6 +43,13 @@ __all__ = ["StreamCall", "TokenStreamClient"]
 _MAX_IDLE: Final = 256  # idle connections kept per agent
 _CODES: Final = {code.value[0]: code for code in grpc.StatusCode}
 _Frame = tuple[int, bytes]
+M = TypeVar("M", bound=Message)
+
+# What a StreamCall's messages are: a generation's (batched, the last one carries its
+# finish reason), a unary call's one answer, or a stream's messages until END.
+_GENERATE: Final = 0
+_UNARY: Final = 1
+_STREAM: Final = 2
 
 
 def _rpc_error(
@@ -114,7 +126,32 @@ class TokenStreamClient:
         self._idle: list[_Connection] = []
 
     def generate(self, request: pb.GenerateRequest, *, timeout: float | None) -> StreamCall:
-        return StreamCall(self, request, timeout)
+        payload = frame(GENERATE, request.SerializeToString())
+        return StreamCall(self, payload, pb.GenerateResponse.FromString, timeout, _GENERATE)
+
+    def stream(
+        self, method: str, request: Message, parse: Callable[[bytes], Message]
+    ) -> StreamCall:
+        """A server-streaming ``method`` (``WatchEvents``): read to ``grpc.aio.EOF``."""
+        payload = call_frame(method, request.SerializeToString())
+        return StreamCall(self, payload, parse, None, _STREAM)
+
+    async def unary(
+        self, method: str, request: Message, parse: Callable[[bytes], M], *, deadline_s: float
+    ) -> M:
+        """A unary ``method``'s answer within ``deadline_s``; failures raise as the gRPC
+        call's do (``DEADLINE_EXCEEDED`` past it)."""
+        call = StreamCall(
+            self, call_frame(method, request.SerializeToString()), parse, deadline_s, _UNARY
+        )
+        try:
+            reply = await call.read()
+        except BaseException:
+            call.cancel()
+            raise
+        if reply is grpc.aio.EOF:
+            raise _rpc_error(grpc.StatusCode.INTERNAL, f"token stream: {method} answered nothing")
+        return cast(M, reply)
 
     async def _connection(self) -> _Connection:
         while self._idle:
@@ -143,13 +180,20 @@ class TokenStreamClient:
 
 
 class StreamCall:
-    """One ``Generate`` over the token stream (see the module's docstring)."""
+    """One call over the token stream (see the module's docstring)."""
 
     def __init__(
-        self, client: TokenStreamClient, request: pb.GenerateRequest, timeout: float | None
+        self,
+        client: TokenStreamClient,
+        request: bytes,
+        parse: Callable[[bytes], Message],
+        timeout: float | None,
+        mode: int,
     ) -> None:
         self._client = client
-        self._request = request
+        self._request = request  # the call's whole first frame
+        self._parse = parse
+        self._mode = mode
         self._timeout = timeout
         self._connection: _Connection | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -167,7 +211,7 @@ class StreamCall:
             raise self._fail(grpc.StatusCode.UNAVAILABLE, f"token stream: {exc}") from exc
         assert connection.transport is not None
         self._connection = connection
-        connection.transport.write(frame(GENERATE, self._request.SerializeToString()))
+        connection.transport.write(self._request)
         return connection
 
     def _expire(self) -> None:
@@ -193,7 +237,7 @@ class StreamCall:
             else:
                 connection.close()
 
-    async def read(self) -> pb.GenerateResponse | Any:
+    async def read(self) -> Any:
         """The next message, or ``grpc.aio.EOF`` after the last one."""
         if self._cancelled:  # as a cancelled gRPC call's read
             raise asyncio.CancelledError
@@ -214,7 +258,13 @@ class StreamCall:
             raise self._fail(grpc.StatusCode.UNAVAILABLE, "token stream: connection closed")
         kind, payload = item
         if kind == MESSAGE:
-            message = self._message(payload)
+            reply = self._message(payload)
+            if self._mode != _GENERATE:
+                if self._mode == _UNARY:  # its one answer: END follows to free the line
+                    self._done = True
+                    self._await_end(connection)
+                return reply
+            message = cast(pb.GenerateResponse, reply)
             # Messages that arrived together are read as one (tokens in order), as a
             # gRPC relay batches them: no wait, only what is already here.
             while (
@@ -224,7 +274,7 @@ class StreamCall:
                 and queued[0] == MESSAGE
             ):
                 frames.popleft()
-                _append(message, self._message(queued[1]))
+                _append(message, cast(pb.GenerateResponse, self._message(queued[1])))
             if message.finish_reason:
                 # The agent's last message: the call is complete for its reader (who
                 # need not read on to EOF, as with gRPC); END follows to free the line.
@@ -243,9 +293,9 @@ class StreamCall:
             raise _rpc_error(_CODES.get(code, grpc.StatusCode.UNKNOWN), details, info)
         raise self._fail(grpc.StatusCode.INTERNAL, f"token stream: unexpected frame {kind}")
 
-    def _message(self, payload: bytes) -> pb.GenerateResponse:
+    def _message(self, payload: bytes) -> Message:
         try:
-            return pb.GenerateResponse.FromString(payload)
+            return self._parse(payload)
         except Exception as exc:  # DecodeError: a peer that does not speak this
             raise self._fail(grpc.StatusCode.INTERNAL, f"token stream: {exc}") from exc
 

@@ -251,6 +251,7 @@ class NodeInfo(_message.Message):
     REPLICA_HINTS_FIELD_NUMBER: _builtins.int
     LEND_WAIT_FIELD_NUMBER: _builtins.int
     DONATE_BEFORE_EVICT_FIELD_NUMBER: _builtins.int
+    STREAM_METHODS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -317,6 +318,14 @@ class NodeInfo(_message.Message):
         measured at agent start. Absent: evicted blocks are dropped (one tier).
         """
 
+    @_builtins.property
+    def stream_methods(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The calls besides Generate that the token stream (stream_address) also serves,
+        by gRPC method name: "GetInfo", "Prefill", "Snapshot", "WatchEvents"
+        (kvc/stream_frames.py, CALL frames). Conductors use it for those only when named here, so agents can be
+        upgraded first; empty: only Generate.
+        """
+
     def __init__(
         self,
         *,
@@ -341,10 +350,11 @@ class NodeInfo(_message.Message):
         replica_hints: _builtins.bool = ...,
         lend_wait: Global___LendWait.ValueType = ...,
         donate_before_evict: _builtins.bool = ...,
+        stream_methods: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "donate_before_evict", b"donate_before_evict", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "kv_migration", b"kv_migration", "lend_wait", b"lend_wait", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "replica_hints", b"replica_hints", "role", b"role", "stream_address", b"stream_address", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "donate_before_evict", b"donate_before_evict", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "kv_migration", b"kv_migration", "lend_wait", b"lend_wait", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "replica_hints", b"replica_hints", "role", b"role", "stream_address", b"stream_address", "stream_methods", b"stream_methods", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

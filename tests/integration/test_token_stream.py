@@ -1,7 +1,9 @@
 """Generate over an agent's token stream (``--stream-port``): the conductor prefers it
 when the agent offers one, and it behaves as the gRPC call does — the same answers, the
 same errors, cancellation that aborts the fused transaction, deadlines, mTLS and the
-role check."""
+role check. The same for the calls a conductor makes of every agent all the time
+(``GetInfo``, ``Snapshot``, ``WatchEvents``), with a fall back to gRPC where the listener
+is gone or the agent does not list them."""
 
 from __future__ import annotations
 
@@ -13,8 +15,21 @@ from typing import Any
 import grpc
 import pytest
 
+from conductor.adapters.agents import AgentFleet
+from conductor.adapters.shadow import ShadowSync
 from conductor.adapters.token_stream import StreamCall, TokenStreamClient
+from conductor.core.prefix_index import NodeId, PrefixIndex
 from kvc.block_keys import compute_block_keys
+from kvc.stream_frames import (
+    CALL,
+    ERROR,
+    GENERATE,
+    MESSAGE,
+    FrameReader,
+    call_frame,
+    frame,
+    parse_error,
+)
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.server import AgentServer
 from tests.conftest import (
@@ -141,6 +156,15 @@ async def test_over_mtls_with_the_role_check(
     peer = TokenStreamClient(address, files("agent"), "loopback")
     call = peer.generate(request, timeout=10)
     assert await rpc_status(call.read()) == grpc.StatusCode.PERMISSION_DENIED
+    # GetInfo is open to peer agents; the block table's snapshot and events are not.
+    info = await peer.unary("GetInfo", pb.GetInfoRequest(), pb.NodeInfo.FromString, deadline_s=5)
+    assert info.node_id == agent.service.node_info.node_id
+    snapshot = peer.unary(
+        "Snapshot", pb.SnapshotRequest(), pb.SnapshotResponse.FromString, deadline_s=5
+    )
+    assert await rpc_status(snapshot) == grpc.StatusCode.PERMISSION_DENIED
+    watch = peer.stream("WatchEvents", pb.WatchEventsRequest(), pb.EventBatch.FromString)
+    assert await rpc_status(watch.read()) == grpc.StatusCode.PERMISSION_DENIED
     peer.close()
     with pytest.raises(ValueError, match="refusing plaintext"):
         TokenStreamClient("10.0.0.1:1", None, "loopback")
@@ -148,4 +172,165 @@ async def test_over_mtls_with_the_role_check(
     unavailable = grpc.StatusCode.UNAVAILABLE
     assert await rpc_status(plain.generate(request, timeout=5).read()) == unavailable
     plain.close()
+    assert_no_locks(agent)
+
+
+STREAM_METHODS = ["GetInfo", "Prefill", "Snapshot", "WatchEvents"]
+
+
+async def commit_blocks(agent: AgentServer, tx_id: str, n_blocks: int) -> list[int]:
+    """A committed Tx of ``n_blocks`` fresh blocks (over gRPC); their keys."""
+    tokens = [7 + i for i in range(n_blocks * 32)]
+    keys = [int(k) for k in compute_block_keys(tokens, tenant="t", model=MODEL, block_size=32)]
+    fleet = AgentFleet([agent.address], model=MODEL, rpc_timeout_s=5.0)
+    try:
+        stub = fleet.handles()[0].stub
+        tx = pb.TxAllocateRequest(tx_id=tx_id, tenant="t", block_keys=keys, lease_s=30.0)
+        await stub.TxAllocate(tx, timeout=5.0)
+        await stub.TxCommit(pb.TxCommitRequest(tx_id=tx_id), timeout=5.0)
+    finally:
+        await fleet.aclose()
+    return keys
+
+
+async def test_info_snapshot_and_events_over_the_stream(start_agent: AgentFactory) -> None:
+    agent = await start_agent("both", stream_port=0, capacity_blocks=64)
+    assert list(agent.service.node_info.stream_methods) == STREAM_METHODS
+    assert agent.token_stream is not None
+    client = TokenStreamClient(agent.service.node_info.stream_address, None, "loopback")
+    info = await client.unary("GetInfo", pb.GetInfoRequest(), pb.NodeInfo.FromString, deadline_s=5)
+    assert info == agent.service.node_info
+    snap = await client.unary(
+        "Snapshot", pb.SnapshotRequest(), pb.SnapshotResponse.FromString, deadline_s=5
+    )
+    assert snap.node == info
+    assert snap.epoch == info.epoch
+    request = pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
+    call = client.stream("WatchEvents", request, pb.EventBatch.FromString)
+    keys = await commit_blocks(agent, "tx-w", 3)
+    stored: list[int] = []
+    seqs: list[int] = []
+    while stored != keys:
+        batch = await asyncio.wait_for(call.read(), 10)
+        assert isinstance(batch, pb.EventBatch)
+        assert batch.epoch == snap.epoch
+        assert not batch.resync_required
+        seqs += [ev.seq for ev in batch.events]
+        stored += [k for ev in batch.events if ev.HasField("stored") for k in ev.stored.block_keys]
+    assert seqs == list(range(snap.seq + 1, snap.seq + 1 + len(seqs)))  # none lost, in order
+    assert agent.token_stream.calls == 1  # the watch, waiting for the next batch
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):  # as a cancelled gRPC call's read
+        await call.read()
+    await wait_until(lambda: agent.token_stream is not None and agent.token_stream.calls == 0)
+    client.close()
+
+
+async def test_a_method_the_stream_lacks_is_unimplemented_and_the_line_stays(
+    start_agent: AgentFactory,
+) -> None:
+    agent = await start_agent("both", stream_port=0)
+    host, _, port = agent.service.node_info.stream_address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    frames = FrameReader(1 << 20)
+
+    async def answer() -> list[tuple[int, bytes]]:
+        got: list[tuple[int, bytes]] = []
+        while not got:
+            got = frames.feed(await asyncio.wait_for(reader.read(65536), 10))
+        return got
+
+    writer.write(frame(CALL, bytes((99,))))
+    [(kind, payload)] = await answer()
+    assert kind == ERROR
+    code, details, _ = parse_error(payload)
+    assert code == grpc.StatusCode.UNIMPLEMENTED.value[0]
+    assert "99" in details
+    writer.write(call_frame("GetInfo", b""))  # the same connection serves the next call
+    got = await answer()
+    while len(got) < 2:
+        got += await answer()
+    assert got[0][0] == MESSAGE
+    assert pb.NodeInfo.FromString(got[0][1]).node_id == agent.service.node_info.node_id
+    writer.write(frame(GENERATE, b"\xff\xff"))  # a request that does not parse
+    [(kind, payload)] = await answer()
+    assert kind == ERROR
+    assert parse_error(payload)[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_a_conductor_follows_over_the_stream_and_falls_back_to_grpc(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    agent = await start_agent("both", stream_port=0, capacity_blocks=64)
+    server = agent.token_stream
+    assert server is not None
+    async with conductor([agent]) as c:
+        state = c.app.state.conductor
+        handle = state.fleet.handles()[0]
+        await state.fleet.refresh_one(handle)  # the first poll (gRPC) named the methods
+        assert handle.stream_for("GetInfo") is handle.stream is not None
+        await wait_until(lambda: server.calls == 1)  # the shadow's watch, over the stream
+        r = await c.client.post("/v1/chat/completions", json=chat_body("Follow me " * 20))
+        assert r.status_code == 200, r.text
+        node = NodeId(agent.address)
+        keys = await commit_blocks(agent, "tx-f", 2)
+        await wait_until(lambda: state.index.match(keys).get(node) == len(keys))
+        metrics = (await c.client.get("/metrics")).text
+        assert 'conductor_agent_calls_total{code="OK",method="GetInfo"}' in metrics
+        assert 'conductor_agent_calls_total{code="OK",method="Snapshot"}' in metrics
+        # The listener goes (the agent's gRPC port stays): polls and shadow sessions ask
+        # over gRPC.
+        await server.stop(grace_s=0)
+        await state.fleet.refresh_one(handle)
+        assert handle.usable, handle.last_error
+        index = PrefixIndex()
+        stop = asyncio.Event()
+        session = asyncio.create_task(ShadowSync(state.fleet, index)._sync_once(handle, node, stop))
+        await wait_until(lambda: index.position(node) is not None)
+        assert not session.done()  # following, over gRPC
+        stop.set()
+        await asyncio.wait_for(session, 5.0)
+    assert_no_locks(agent)
+
+
+async def test_a_disaggregated_prefill_runs_over_the_stream(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    prefill = await start_agent("prefill", stream_port=0)
+    decode = await start_agent("decode", stream_port=0)
+    servers = [a.token_stream for a in (prefill, decode)]
+    async with conductor([prefill, decode]) as c:
+        await wait_until(lambda: all(s is not None and s.calls == 1 for s in servers))  # watches
+        r = await c.client.post("/v1/chat/completions", json=chat_body("Split me " * 30))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        # The prefill node's stream served one more call than its watch: the Prefill
+        # (its connection kept for the next); the decode node's, the Generate.
+        assert [s.connections for s in servers if s is not None] == [2, 2]
+        metrics = (await c.client.get("/metrics")).text
+        assert 'conductor_agent_calls_total{code="OK",method="Prefill"} 1.0' in metrics
+    assert_no_locks(prefill)
+    assert_no_locks(decode)
+
+
+async def test_agents_that_list_no_methods_are_followed_over_grpc(
+    start_agent: AgentFactory, conductor: ConductorFactory
+) -> None:
+    """An agent from before ``stream_methods``: Generate over its stream, the rest gRPC."""
+    agent = await start_agent("both", stream_port=0)
+    del agent.service.node_info.stream_methods[:]
+    server = agent.token_stream
+    assert server is not None
+    async with conductor([agent]) as c:
+        handle = c.app.state.conductor.fleet.handles()[0]
+        assert handle.stream is not None
+        assert handle.stream_for("GetInfo") is None
+        r = await c.client.post("/v1/chat/completions", json=chat_body(stream=True))
+        assert r.status_code == 200, r.text
+        assert streamed_text(r.text)
+        await wait_until(lambda: c.app.state.conductor.index.position(NodeId(agent.address)))
+        assert server.calls == 0  # no watch there
+        assert server.connections >= 1  # the Generate's, kept for the next one
     assert_no_locks(agent)
