@@ -37,8 +37,9 @@ or the stream, as gRPC cancellation does).
 
 from __future__ import annotations
 
+import socket
 import struct
-from typing import Final
+from typing import Any, Final
 
 __all__ = [
     "CALL",
@@ -53,6 +54,7 @@ __all__ = [
     "call_frame",
     "error_frame",
     "frame",
+    "keep_alive",
     "parse_error",
 ]
 
@@ -67,6 +69,33 @@ CALL: Final = 5
 
 # A CALL frame's first byte, by gRPC method name (a name's code never changes).
 CALL_METHODS: Final = {"GetInfo": 1, "Snapshot": 2, "WatchEvents": 3, "Prefill": 4}
+
+
+# TCP keepalive on every token stream connection, as gRPC's channels have it: a peer
+# that vanished without closing (a host lost, a partition) is found within
+# KEEPALIVE_IDLE_S + KEEPALIVE_PROBES * KEEPALIVE_INTERVAL_S (60 s), and the stream
+# waiting on it (a conductor's WatchEvents) fails and starts over instead of waiting
+# for ever.
+KEEPALIVE_IDLE_S: Final = 30
+KEEPALIVE_INTERVAL_S: Final = 10
+KEEPALIVE_PROBES: Final = 3
+
+
+def keep_alive(transport: Any) -> None:
+    """Switch TCP keepalive on for ``transport``'s socket (the timings where the
+    platform lets them be set)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 class FrameError(Exception):

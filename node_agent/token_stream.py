@@ -37,6 +37,7 @@ from kvc.stream_frames import (
     FrameReader,
     error_frame,
     frame,
+    keep_alive,
 )
 from kvc.tls import auth_of_certificate
 from kvc.v1 import node_agent_pb2 as pb
@@ -104,6 +105,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        keep_alive(transport)  # a vanished conductor's stream ends instead of lingering
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is not None:
             self._auth = auth_of_certificate(ssl_object.getpeercert() or {})

@@ -32,6 +32,7 @@ from kvc.stream_frames import (
     FrameReader,
     call_frame,
     frame,
+    keep_alive,
     parse_error,
 )
 from kvc.tls import AGENT_NAME, PlaintextPolicy, TlsFiles, check_plaintext
@@ -84,6 +85,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        keep_alive(transport)  # a vanished agent fails the watch instead of hanging it
 
     def data_received(self, data: bytes) -> None:
         try:

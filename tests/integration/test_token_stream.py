@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from kvc.stream_frames import (
     CALL,
     ERROR,
     GENERATE,
+    KEEPALIVE_IDLE_S,
     MESSAGE,
     FrameReader,
     call_frame,
@@ -205,6 +207,16 @@ async def test_info_snapshot_and_events_over_the_stream(start_agent: AgentFactor
     )
     assert snap.node == info
     assert snap.epoch == info.epoch
+    # Both ends keep the line alive (TCP keepalive), as gRPC's channels do: a peer that
+    # vanished fails a waiting stream instead of leaving it waiting for ever.
+    kept = client._idle[0].transport
+    assert kept is not None
+    ends = [kept, *(c._transport for c in agent.token_stream._connections)]
+    for end in ends:
+        assert end is not None
+        sock = end.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
     request = pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
     call = client.stream("WatchEvents", request, pb.EventBatch.FromString)
     keys = await commit_blocks(agent, "tx-w", 3)
