@@ -182,8 +182,8 @@ class ConductorSettings(GrpcTlsSettings, BaseSettings):
         True,
         description=(
             "Run Generate over an agent's token stream when it offers one (agent "
-            "--stream-port), and the GetInfo poll, Snapshot and WatchEvents where it "
-            "lists them: the same calls without gRPC's per-message cost"
+            "--stream-port), and Prefill, the GetInfo poll, Snapshot and WatchEvents "
+            "where it lists them: the same calls without gRPC's per-message cost"
         ),
         json_schema_extra=_AGENTS,
     )

@@ -1,7 +1,7 @@
 """Client of an agent's token stream (``kvc/stream_frames.py``): ``Generate`` without
 gRPC's per-message cost, used when the agent advertises ``NodeInfo.stream_address``; and
-the calls it lists in ``NodeInfo.stream_methods`` (``GetInfo``, ``Snapshot``,
-``WatchEvents``) without gRPC's per-call cost (``unary``, ``stream``).
+the calls it lists in ``NodeInfo.stream_methods`` (``Prefill``, ``GetInfo``,
+``Snapshot``, ``WatchEvents``) without gRPC's per-call cost (``unary``, ``stream``).
 
 A ``StreamCall`` behaves as the dispatcher uses a gRPC ``UnaryStreamCall``: ``read()``
 answers the next ``GenerateResponse`` (or the called method's message) or
@@ -205,10 +205,18 @@ class StreamCall:
 
     async def _start(self) -> _Connection:
         loop = asyncio.get_running_loop()
+        deadline = None
         if self._timeout is not None:
-            self._timer = loop.call_later(self._timeout, self._expire)
+            deadline = loop.time() + self._timeout
+            self._timer = loop.call_at(deadline, self._expire)
         try:
-            connection = await self._client._connection()
+            # The deadline holds while connecting too: a host that drops packets would
+            # keep a connect waiting for minutes (SYN retries), past the call's deadline.
+            async with asyncio.timeout_at(deadline):
+                connection = await self._client._connection()
+        except TimeoutError:
+            self._expired = True
+            raise self._fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except OSError as exc:
             raise self._fail(grpc.StatusCode.UNAVAILABLE, f"token stream: {exc}") from exc
         assert connection.transport is not None

@@ -8,6 +8,7 @@ is gone or the agent does not list them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from pathlib import Path
@@ -346,3 +347,32 @@ async def test_agents_that_list_no_methods_are_followed_over_grpc(
         assert server.calls == 0  # no watch there
         assert server.connections >= 1  # the Generate's, kept for the next one
     assert_no_locks(agent)
+
+
+async def test_the_deadline_holds_while_connecting() -> None:
+    """A listener that never completes the handshake (its accept queue full, as a host
+    that drops packets) would keep a connect waiting for minutes: the call's deadline
+    ends it as gRPC's does."""
+    listener = socket.socket()
+    held: list[socket.socket] = []
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        for _ in range(4):  # fill the accept queue: later handshakes go unanswered
+            peer = socket.socket()
+            peer.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                peer.connect(("127.0.0.1", port))
+            held.append(peer)
+        client = TokenStreamClient(f"127.0.0.1:{port}", None, "loopback")
+        started = asyncio.get_running_loop().time()
+        call = client.unary("GetInfo", pb.GetInfoRequest(), pb.NodeInfo.FromString, deadline_s=0.3)
+        code = await asyncio.wait_for(rpc_status(call), 10)
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert asyncio.get_running_loop().time() - started < 5
+        client.close()
+    finally:
+        for peer in held:
+            peer.close()
+        listener.close()
