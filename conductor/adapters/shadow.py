@@ -10,7 +10,9 @@ recompute, not a wrong answer. Load updates in the stream refresh the agent's lo
 ``Snapshot`` and ``WatchEvents`` go over the agent's token stream when it serves them
 there (``NodeInfo.stream_methods``: a frame per batch instead of a gRPC message, ~6×
 less CPU), else over gRPC; both fail the same way, so the session's retries hold. A
-session whose snapshot finds the listener gone (``UNAVAILABLE``) runs over gRPC.
+session whose snapshot finds the listener gone (``UNAVAILABLE``) runs over gRPC; one
+that runs over gRPC while the agent offers its stream (it started before the agent's
+info said so) ends after its next batch, and the next session resyncs over the stream.
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ class ShadowSync:
         return await agent.stub.Snapshot(pb.SnapshotRequest(), timeout=timeout), False
 
     async def _sync_once(self, agent: AgentHandle, node: NodeId, stop: asyncio.Event) -> None:
+        offered = agent.stream_for("WatchEvents") is not None
         snap, framed = await self._snapshot(agent)
         # The repeated fixed64 fields go straight in (the index copies them into arrays).
         reset_node_view(
@@ -185,6 +188,12 @@ class ShadowSync:
                 assert isinstance(batch, pb.EventBatch)
                 if batch.resync_required or not self._apply(agent, node, batch):
                     log.info("shadow of %s: resync", agent.address)
+                    return
+                if not offered and agent.stream_for("WatchEvents") is not None:
+                    # Started over gRPC before the agent's info named its stream (the
+                    # agent was not up yet): the next session follows over the stream.
+                    # (Not after a fall back: the listener is gone, not yet known.)
+                    log.debug("shadow of %s: moving to the token stream", agent.address)
                     return
         finally:
             stopper.cancel()
