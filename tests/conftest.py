@@ -302,3 +302,37 @@ def redis_server(tmp_path: Any) -> Any:
     server = RedisServer(binary, port, tmp_path)
     yield server
     server.stop()
+
+
+@dataclass
+class ShadowSession:
+    """A conductor's shadow of one agent, from a fleet of its own (no info polled yet)."""
+
+    fleet: Any  # conductor.adapters.agents.AgentFleet
+    handle: Any  # its one AgentHandle
+    node: Any  # conductor.core.prefix_index.NodeId
+    index: Any  # the PrefixIndex the session fills
+    shadow: Any  # conductor.adapters.shadow.ShadowSync
+    stop: asyncio.Event
+
+    def start(self) -> asyncio.Task[None]:
+        """One session (``ShadowSync._sync_once``), running until it ends."""
+        return asyncio.create_task(self.shadow._sync_once(self.handle, self.node, self.stop))
+
+
+@contextlib.asynccontextmanager
+async def shadow_of(agent: AgentServer) -> AsyncIterator[ShadowSession]:
+    """A ``ShadowSession`` of ``agent``; its fleet closed at the end."""
+    from conductor.adapters.agents import AgentFleet
+    from conductor.adapters.shadow import ShadowSync
+    from conductor.core.prefix_index import NodeId, PrefixIndex
+
+    fleet = AgentFleet([agent.address], model=MODEL, rpc_timeout_s=5.0)
+    try:
+        handle = fleet.handles()[0]
+        index = PrefixIndex()
+        yield ShadowSession(
+            fleet, handle, NodeId(handle.address), index, ShadowSync(fleet, index), asyncio.Event()
+        )
+    finally:
+        await fleet.aclose()

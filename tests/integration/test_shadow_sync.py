@@ -6,25 +6,18 @@ from __future__ import annotations
 
 import asyncio
 
-from conductor.adapters.agents import AgentFleet
-from conductor.adapters.shadow import ShadowSync
-from conductor.core.prefix_index import NodeId, PrefixIndex
 from kvc.block_keys import compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
-from tests.conftest import MODEL, AgentFactory, wait_until
+from tests.conftest import MODEL, AgentFactory, shadow_of, wait_until
 
 
 async def test_a_session_follows_new_blocks_and_ends_when_stopped(
     start_agent: AgentFactory,
 ) -> None:
     agent = await start_agent("both", capacity_blocks=64)
-    fleet = AgentFleet([agent.address], model=MODEL, rpc_timeout_s=5.0)
-    try:
-        handle = fleet.handles()[0]
-        node = NodeId(handle.address)
-        index = PrefixIndex()
-        stop = asyncio.Event()
-        session = asyncio.create_task(ShadowSync(fleet, index)._sync_once(handle, node, stop))
+    async with shadow_of(agent) as follow:
+        handle, node, index, stop = follow.handle, follow.node, follow.index, follow.stop
+        session = follow.start()
         await wait_until(lambda: index.position(node) is not None)
         keys = list(compute_block_keys(list(range(3 * 32)), tenant="t", model=MODEL, block_size=32))
         request = pb.TxAllocateRequest(tx_id="tx-s", tenant="t", block_keys=keys, lease_s=30.0)
@@ -36,5 +29,3 @@ async def test_a_session_follows_new_blocks_and_ends_when_stopped(
         await asyncio.wait_for(session, 5.0)  # ended: neither cancelled nor failed
         assert not session.cancelled()
         assert session.exception() is None
-    finally:
-        await fleet.aclose()

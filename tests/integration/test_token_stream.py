@@ -42,6 +42,7 @@ from tests.conftest import (
     assert_no_locks,
     chat_body,
     rpc_status,
+    shadow_of,
     tls_settings,
     wait_until,
 )
@@ -386,24 +387,16 @@ async def test_a_session_begun_over_grpc_moves_to_the_stream(start_agent: AgentF
     agent = await start_agent("both", stream_port=0)
     server = agent.token_stream
     assert server is not None
-    fleet = AgentFleet([agent.address], model=MODEL, rpc_timeout_s=5.0)
-    try:
-        handle = fleet.handles()[0]
-        node = NodeId(handle.address)
-        index = PrefixIndex()
-        stop = asyncio.Event()
-        shadow = ShadowSync(fleet, index)
-        session = asyncio.create_task(shadow._sync_once(handle, node, stop))
-        await wait_until(lambda: index.position(node) is not None)
+    async with shadow_of(agent) as follow:
+        session = follow.start()
+        await wait_until(lambda: follow.index.position(follow.node) is not None)
         assert server.calls == 0  # no info yet: over gRPC
         assert not session.done()
-        await fleet.refresh_one(handle)  # the info names the stream now
+        await follow.fleet.refresh_one(follow.handle)  # the info names the stream now
         await commit_blocks(agent, "tx-m", 1)  # a batch of events
         await asyncio.wait_for(session, 5.0)  # ended cleanly after it
         assert session.exception() is None
-        session = asyncio.create_task(shadow._sync_once(handle, node, stop))
+        session = follow.start()
         await wait_until(lambda: server.calls == 1)  # the next one: over the stream
-        stop.set()
+        follow.stop.set()
         await asyncio.wait_for(session, 5.0)
-    finally:
-        await fleet.aclose()
