@@ -12,12 +12,16 @@
 FROM python:3.11-slim AS sources
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kvc ./kvc
 COPY conductor ./conductor
 COPY node_agent ./node_agent
 COPY kvc_cli ./kvc_cli
 COPY kvc_sim ./kvc_sim
+# gcc builds the compiled block keys (kvc/_block_keys.c) in the build stages only; the
+# runtime stage copies the finished /opt/kvc and carries no compiler.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=cache,target=/root/.cache/pip \
     python -m venv /opt/kvc && /opt/kvc/bin/pip install --upgrade pip
 

@@ -50,6 +50,7 @@ from conductor.metrics import ConductorMetrics
 from conductor.settings import ConductorSettings
 from conductor.state import AppState
 from conductor.tenants import TenantDirectory
+from kvc import native
 from kvc.registry import connect
 from kvc.tokenization import ChatTokenizer
 from kvc.version import package_version
@@ -213,6 +214,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
+            native.log_if_missing(log)
             tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, settings.model)
             model_name = settings.resolved_served_model_name()
             metrics = ConductorMetrics(redis=bool(settings.redis_url))

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, TypeVar, cast
 
+from kvc import native
 from kvc.tokenization import ChatTokenizer
 from node_agent.engines.base import EngineAdapter
 from node_agent.errors import EngineError
@@ -127,6 +128,7 @@ async def serve(settings: AgentSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    native.log_if_missing(log)
     engine = await asyncio.to_thread(build_engine, settings)
     try:
         started = await _unless_stopped(start_engine(engine, settings), stop)

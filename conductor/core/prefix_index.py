@@ -65,6 +65,9 @@ Memory bound (knob ``max_keys_per_node``, default 2,000,000)
     sets. Budget ``distinct keys x ~24 B``; the previous design (a dict entry and an int
     object per (node, key) plus one per key) kept ~141 B per entry alive. The garbage
     collector never walks the table (NumPy buffers hold no Python objects).
+    Lookups of a prompt's keys (``match``, ``best_match``, ``held_within``) probe the table
+    in C where ``kvc/_native.c`` was built (``kvc/native.py``), with the same answers as
+    the vectorised probe that runs otherwise.
 
 Other costs
     ``apply`` O(keys in the event) plus a few vectorised steps (tens of microseconds);
@@ -96,6 +99,7 @@ from typing import Any, Final, NewType
 import numpy as np
 import numpy.typing as npt
 
+from kvc import native
 from kvc.block_keys import BlockKey
 
 __all__ = ["ApplyOutcome", "IndexStats", "NodeId", "PrefixIndex"]
@@ -229,6 +233,20 @@ class _KeyTable:
         ids = np.zeros(len(keys), dtype=np.uint32)
         self._probe(keys, ids, positions=False)
         return ids
+
+    def set_ids_in(self, keys: Sequence[BlockKey], start: int, end: int) -> _U32:
+        """``set_ids_of(keys[start:end])``. Compiled (``kvc/_native.c``) where built: the
+        keys are read from the list and probed row by row in C, with no array made first
+        (``match`` over 4,096 keys: 1.17 -> 0.29 ms); otherwise the vectorised probe."""
+        end = min(end, len(keys))  # as a slice would
+        if native.probe_set_ids is not None and isinstance(keys, list | tuple):
+            ids = np.empty(max(0, end - start), dtype=np.uint32)
+            native.probe_set_ids(
+                keys, start, end, self.keys, self.ids, self.overflowed, self.rows,
+                self._mult_int, _ROW, ids,
+            )  # fmt: skip
+            return ids
+        return self.set_ids_of(_as_keys(keys[start:end]))
 
     def _probe(self, keys: _U64, out: npt.NDArray[Any], *, positions: bool) -> None:
         """Look ``keys`` up row by row from their home rows, past overflowed rows only;
@@ -661,7 +679,7 @@ class PrefixIndex:
         chunk = _FIRST_CHUNK
         while start < n:
             end = min(n, start + chunk)
-            ids = table.set_ids_of(_as_keys(keys[start:end]))
+            ids = table.set_ids_in(keys, start, end)
             ids_list = ids.tolist()
             if ids_list[0] != last_id:  # a run starts at the chunk's first key
                 yield start, masks[ids_list[0]]
@@ -717,7 +735,7 @@ class PrefixIndex:
         if not asked:
             return {}
         longest = max(depth for _, depth, _ in asked)
-        ids = self._table.set_ids_of(_as_keys(keys[:longest]))
+        ids = self._table.set_ids_in(keys, 0, longest)
         present = [i for i in np.unique(ids).tolist() if i >= _FIRST_SET]
         out: dict[NodeId, int] = {}
         for node, depth, bit in asked:

@@ -28,7 +28,7 @@ VLLM_SIDECAR = (
 )  # fmt: skip
 _NOT_SOURCES = shutil.ignore_patterns(
     ".git", ".venv*", ".tools", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
-    ".hypothesis", "bench", "tests", "docs", "deploy",
+    ".hypothesis", "bench", "tests", "docs", "deploy", "*.so",
 )  # fmt: skip
 
 
@@ -78,6 +78,11 @@ def test_conductor_and_vllm_sidecar_install_and_import_without_torch(
     python = _clean_venv(tmp_path / "venv")
     _pip_install(python, wheel)
     _ok(_imports(python, "conductor.app", "conductor.main", "kvc_cli.cli"))
+    # The compiled block keys came with the wheel (built from the copied sources: the
+    # copy leaves out any module built in place), and the installed package uses them.
+    native = _run(python, "-c", "from kvc.block_keys import NATIVE; print(NATIVE)", cwd=tmp_path)
+    _ok(native)
+    assert native.stdout.strip() == "True"
     for absent in ("torch", "transformers", "zmq", "msgpack"):
         assert _imports(python, absent).returncode != 0, f"core install carries {absent}"
 

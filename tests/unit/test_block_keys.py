@@ -5,15 +5,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
+import shutil
 import struct
 import subprocess
 import sys
+import sysconfig
+from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvc import block_keys
 from kvc.block_keys import (
     ROOT_PARENT_KEY,
     BlockKey,
@@ -234,3 +240,143 @@ def test_keys_do_not_depend_on_pythonhashseed() -> None:
     assert keys_a == keys_b == keys_random
     in_process = compute_block_keys(VECTOR_TOKENS, tenant="tenant-a", model="mé", block_size=16)
     assert keys_a == in_process
+
+
+# --- The compiled path (kvc/_native.c) and the pure-Python fallback ---------------
+
+
+def python_keys(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[BlockKey]:
+    return block_keys._python_chain_keys(tokens, namespace_digest("t", "m"), block_size, parent)
+
+
+def test_the_compiled_module_is_built_where_a_compiler_is() -> None:
+    # setup.py marks the extension optional, so an install without a compiler still works
+    # and falls back to Python. Where `make test` had a compiler it must have been built:
+    # otherwise a broken C file would pass every test here through the fallback.
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}) here: the keys come from the Python loop")
+    assert block_keys.NATIVE, "kvc._native did not build or import; see the pip log"
+
+
+def test_pure_python_switch_gives_the_same_keys() -> None:
+    script = (
+        "import json\n"
+        "from kvc import block_keys as b\n"
+        "tokens = [(i * 7919 + 13) % 151936 for i in range(100)]\n"
+        "keys = b.compute_block_keys(tokens, tenant='tenant-a', model="
+        "'Qwen/Qwen2.5-0.5B-Instruct', block_size=16)\n"
+        "print(json.dumps([b.NATIVE, keys]))\n"
+    )
+    env = dict(os.environ, KVC_NATIVE="0")
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    native, keys = json.loads(out.stdout)
+    assert native is False
+    assert keys == VECTOR_KEYS
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(
+        st.one_of(
+            st.integers(min_value=0, max_value=2**32 - 1),
+            st.sampled_from([0, 1, 2**30 - 1, 2**30, 2**31, 2**32 - 1]),  # digit edges
+        ),
+        max_size=300,
+    ),
+    block_size=st.integers(min_value=1, max_value=70),  # one, two and three compressions
+    parent=st.integers(min_value=0, max_value=2**64 - 1),
+)
+def test_compiled_and_python_paths_agree(tokens: list[int], block_size: int, parent: int) -> None:
+    got = compute_block_keys(
+        tokens, tenant="t", model="m", block_size=block_size, parent=BlockKey(parent)
+    )
+    assert got == python_keys(tokens, block_size, parent)
+
+
+class _Index:
+    """An object with ``__index__`` (as NumPy integers have), not an int."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        (5, 6, 7, 8),  # a tuple
+        range(5, 9),
+        array("I", [5, 6, 7, 8]),
+        [_Index(5), 6, _Index(7), 8],
+        [True, False, 7, 8],  # bool is an int, as array('I') takes it
+    ],
+)
+def test_any_sequence_of_integers(tokens: Sequence[int]) -> None:
+    expected = python_keys([int(t) for t in tokens], 2)
+    assert compute_block_keys(tokens, tenant="t", model="m", block_size=2) == expected
+    assert python_keys(tokens, 2) == expected
+
+
+@pytest.mark.parametrize(
+    ("tokens", "match"),
+    [
+        ([1, 2, 3, 2**32], r"\[0, 2\*\*32\)"),  # checked in the trailing partial block too
+        ([1, 2, -5], r"\[0, 2\*\*32\)"),
+        ([1, 2**64], r"\[0, 2\*\*32\)"),
+        ([1, -(2**70)], r"\[0, 2\*\*32\)"),
+        ([1, _Index(2**40)], r"\[0, 2\*\*32\)"),
+        ([1, "2"], "integers"),
+        ([1, None], "integers"),
+        ([1, 2.0], "integers"),
+    ],
+)
+def test_bad_token_ids_fail_alike_on_both_paths(tokens: list[object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        compute_block_keys(tokens, tenant="t", model="m", block_size=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=match):
+        python_keys(tokens, 2)  # type: ignore[arg-type]
+
+
+def test_not_a_sequence_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="integers"):
+        compute_block_keys(5, tenant="t", model="m", block_size=2)  # type: ignore[arg-type]
+
+
+def test_a_list_emptied_while_it_is_read_is_an_error_not_a_crash() -> None:
+    tokens: list[object] = [1, 2, 3, 4, 5, 6]
+
+    class Shrinks:
+        def __index__(self) -> int:
+            tokens.clear()
+            return 9
+
+    tokens[1] = Shrinks()
+    if block_keys.NATIVE:
+        with pytest.raises(ValueError, match="changed while being read"):
+            compute_block_keys(tokens, tenant="t", model="m", block_size=2)  # type: ignore[arg-type]
+    else:  # array('I', ...) reads the list as it goes, and stops where it now ends
+        compute_block_keys(tokens, tenant="t", model="m", block_size=2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("block_size", [29, 30, 31, 32, 33, 61, 62, 63, 64, 65, 128, 512])
+def test_blocks_of_one_two_and_more_compressions(block_size: int) -> None:
+    # 8 bytes of parent + 4 per token: 30 tokens fill one 128-byte BLAKE2b block exactly,
+    # 31 spill into a second; 62 and 63 are the edge of a third.
+    rng = random.Random(block_size)
+    tokens = [rng.randrange(2**32) for _ in range(block_size * 5 + 3)]
+    expected = reference_keys(tokens, "t", "m", block_size, parent=12345)
+    got = compute_block_keys(
+        tokens, tenant="t", model="m", block_size=block_size, parent=BlockKey(12345)
+    )
+    assert got == expected
+    assert python_keys(tokens, block_size, 12345) == expected

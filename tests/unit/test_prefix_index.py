@@ -12,12 +12,14 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from conductor.core.prefix_index import ApplyOutcome, IndexStats, NodeId, PrefixIndex
+from kvc import native
 from kvc.block_keys import BlockKey
 
 A, B, C, D = NodeId("a"), NodeId("b"), NodeId("c"), NodeId("d")
@@ -355,8 +357,18 @@ def test_match_over_many_nodes() -> None:
 # ------------------------------------------------------------- the key table
 
 
+@pytest.fixture(params=["compiled", "python"])
+def probe(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Lookups through the compiled probe (kvc/_native.c) and through the NumPy one."""
+    if request.param == "python":
+        monkeypatch.setattr(native, "probe_set_ids", None)
+    elif native.probe_set_ids is None:
+        pytest.skip("kvc._native was not built here (tests/unit/test_block_keys.py says why)")
+    return str(request.param)
+
+
 @pytest.mark.parametrize(("seed", "most"), [(0, 300), (1, 300), (2, 300), (3, 300), (4, 3), (5, 9)])
-def test_key_table_grows_shrinks_and_reuses_deleted_slots(seed: int, most: int) -> None:
+def test_key_table_grows_shrinks_and_reuses_deleted_slots(seed: int, most: int, probe: str) -> None:
     """Thousands of keys over a few nodes: the table grows from its minimum, deleted slots
     are reused, it shrinks when nodes leave, and every answer equals the model's; with
     events of up to ``most`` keys (a few: looked up and placed one by one)."""
@@ -404,7 +416,7 @@ def test_key_table_grows_shrinks_and_reuses_deleted_slots(seed: int, most: int) 
     index.check_invariants()
 
 
-def test_long_prompt_matches_across_lookup_chunks() -> None:
+def test_long_prompt_matches_across_lookup_chunks(probe: str) -> None:
     """Prefixes that end inside, at and across the chunk boundaries of the lookup."""
     index = PrefixIndex()
     chain = [BlockKey(k) for k in range(5_000, 8_000)]
@@ -417,6 +429,46 @@ def test_long_prompt_matches_across_lookup_chunks() -> None:
     assert index.best_match(chain[:337]) == (337, nodes[10])
     assert index.best_match(chain[:336]) == (336, nodes[9])
     index.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_and_numpy_probes_agree_on_a_crowded_table(seed: int) -> None:
+    """Set ids of present, deleted and never-seen keys, in a table with overflowed rows
+    and tombstones, the same through both probes (and through both ends of a slice)."""
+    if native.probe_set_ids is None:
+        pytest.skip("kvc._native was not built here (tests/unit/test_block_keys.py says why)")
+    rng = random.Random(seed)
+    index = PrefixIndex(max_keys_per_node=100_000)
+    universe = [BlockKey(rng.getrandbits(64)) for _ in range(6_000)] + keys(0, 2**64 - 1)
+    for i in range(5):
+        index.reset_node(NodeId(f"n{i}"), "e", 0, rng.sample(universe, 2_500))
+    index.apply(
+        NodeId("n0"), "e", 1, removed=rng.sample(sorted(index.node_keys(NodeId("n0"))), 900)
+    )
+    table = index._table
+    assert table.overflowed.any(), "the test wants overflowed rows"
+    assert table.tombs, "the test wants deleted slots"
+    probe_keys = [
+        *rng.sample(universe, 3_000),
+        *(BlockKey(rng.getrandbits(64)) for _ in range(500)),
+    ]
+    for start, end in ((0, len(probe_keys)), (17, 1_041), (5, 5)):
+        numpy_ids = table.set_ids_of(np.array(probe_keys[start:end], dtype=np.uint64))
+        compiled = table.set_ids_in(probe_keys, start, end)
+        assert compiled.tolist() == numpy_ids.tolist()
+    assert (
+        table.set_ids_in(tuple(probe_keys), 3, 9).tolist()
+        == table.set_ids_of(np.array(probe_keys[3:9], dtype=np.uint64)).tolist()
+    )
+
+
+@pytest.mark.parametrize("bad", [2**64, -1, "k"])
+def test_match_rejects_keys_outside_uint64(bad: object, probe: str) -> None:
+    index = PrefixIndex()
+    index.reset_node(A, "e", 0, keys(*range(100)))
+    prompt = [*keys(*range(50)), bad]
+    with pytest.raises(ValueError, match="64-bit"):
+        index.match(prompt)  # type: ignore[arg-type]
 
 
 def test_rejects_keys_outside_uint64() -> None:

@@ -1,0 +1,436 @@
+/*
+ * kvc._native: two loops of the request path, compiled. Each has a pure-Python twin that
+ * is the specification, the fallback where this module was not built, and what the tests
+ * hold this module to:
+ *
+ *   chain_keys     the chained block keys of kvc/block_keys.py;
+ *   probe_set_ids  the key lookup of the shadow prefix index's open-addressing table
+ *                  (conductor/core/prefix_index.py, _KeyTable._probe).
+ *
+ * chain_keys: the same layout, bit for bit (kvc/block_keys.py is the specification and the fallback
+ * where this module was not built):
+ *
+ *     key_i = BLAKE2b-64(salt = NS(tenant, model), person = "kvc-blockkey-v1",
+ *                        data = le_u64(key_{i-1}) || le_u32(tok) for tok in block i)
+ *
+ * BLAKE2b is written here from RFC 7693 (sections 2 and 3); nothing else is linked. What
+ * the Python version spends per block (a hash object copied, two updates, a digest and an
+ * int built from bytes, ~0.4 us) becomes one or two compressions on a buffer, and the token
+ * list is read straight from its int objects instead of through array('I', ...).
+ *
+ * chain_keys(tokens, salt, person, block_size, parent) -> list[int]
+ *     tokens: a sequence of ints in [0, 2**32) (anything with __index__, as array('I')
+ *             takes); every id is checked, the trailing partial block included.
+ *     salt, person: the BLAKE2b parameter-block fields (at most 16 bytes each, zero padded
+ *             as hashlib pads them).
+ *     block_size: tokens per block, > 0; parent: the key before tokens[0], a uint64.
+ * Raises ValueError for a bad token id, block size, salt, person or parent.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLAKE2B_BLOCK 128
+#define KEY_BYTES 8
+#define TOKEN_BYTES 4
+
+static const uint64_t blake2b_iv[8] = {
+    0x6A09E667F3BCC908ULL, 0xBB67AE8584CAA73BULL, 0x3C6EF372FE94F82BULL,
+    0xA54FF53A5F1D36F1ULL, 0x510E527FADE682D1ULL, 0x9B05688C2B3E6C1FULL,
+    0x1F83D9ABFB41BD6BULL, 0x5BE0CD19137E2179ULL,
+};
+
+static const uint8_t blake2b_sigma[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+};
+
+/* Explicit little-endian loads and stores: the keys are the same on any host. */
+static inline uint64_t load64_le(const uint8_t *p) {
+    return (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16) |
+           ((uint64_t)p[3] << 24) | ((uint64_t)p[4] << 32) | ((uint64_t)p[5] << 40) |
+           ((uint64_t)p[6] << 48) | ((uint64_t)p[7] << 56);
+}
+
+static inline void store64_le(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static inline void store32_le(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+
+static inline uint64_t rotr64(uint64_t x, unsigned n) { return (x >> n) | (x << (64 - n)); }
+
+#define G(a, b, c, d, x, y)            \
+    do {                               \
+        v[a] = v[a] + v[b] + (x);      \
+        v[d] = rotr64(v[d] ^ v[a], 32); \
+        v[c] = v[c] + v[d];            \
+        v[b] = rotr64(v[b] ^ v[c], 24); \
+        v[a] = v[a] + v[b] + (y);      \
+        v[d] = rotr64(v[d] ^ v[a], 16); \
+        v[c] = v[c] + v[d];            \
+        v[b] = rotr64(v[b] ^ v[c], 63); \
+    } while (0)
+
+/* RFC 7693 section 3.2, F: one 128-byte block; t = bytes so far (< 2**64 here). */
+static void blake2b_compress(uint64_t h[8], const uint8_t *block, uint64_t t, int last) {
+    uint64_t v[16], m[16];
+    for (int i = 0; i < 16; i++) m[i] = load64_le(block + 8 * i);
+    for (int i = 0; i < 8; i++) {
+        v[i] = h[i];
+        v[i + 8] = blake2b_iv[i];
+    }
+    v[12] ^= t;
+    if (last) v[14] = ~v[14];
+    /* Rounds written out: with a constant round number every message index is a
+     * constant, so the compiler keeps m and v in registers (a loop over r costs ~2x). */
+#define ROUND(r)                                                        \
+    do {                                                                \
+        G(0, 4, 8, 12, m[blake2b_sigma[r][0]], m[blake2b_sigma[r][1]]);   \
+        G(1, 5, 9, 13, m[blake2b_sigma[r][2]], m[blake2b_sigma[r][3]]);   \
+        G(2, 6, 10, 14, m[blake2b_sigma[r][4]], m[blake2b_sigma[r][5]]);  \
+        G(3, 7, 11, 15, m[blake2b_sigma[r][6]], m[blake2b_sigma[r][7]]);  \
+        G(0, 5, 10, 15, m[blake2b_sigma[r][8]], m[blake2b_sigma[r][9]]);  \
+        G(1, 6, 11, 12, m[blake2b_sigma[r][10]], m[blake2b_sigma[r][11]]); \
+        G(2, 7, 8, 13, m[blake2b_sigma[r][12]], m[blake2b_sigma[r][13]]);  \
+        G(3, 4, 9, 14, m[blake2b_sigma[r][14]], m[blake2b_sigma[r][15]]);  \
+    } while (0)
+    ROUND(0);
+    ROUND(1);
+    ROUND(2);
+    ROUND(3);
+    ROUND(4);
+    ROUND(5);
+    ROUND(6);
+    ROUND(7);
+    ROUND(8);
+    ROUND(9);
+    ROUND(10);
+    ROUND(11);
+#undef ROUND
+    for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* A small exact int's value without a call: 1 and v set, or 0 (take the general path).
+ * Python 3.12 gave compact ints a documented (unstable-tier) reader; 3.11 keeps one
+ * 30-bit digit and the sign in ob_size. Reading the list costs ~1 ns a token this way
+ * against ~3 ns through PyLong_AsUnsignedLongLong. */
+static inline int small_int_value(PyObject *item, unsigned long long *v) {
+    if (!PyLong_CheckExact(item)) return 0;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)item)) return 0;
+    Py_ssize_t c = PyUnstable_Long_CompactValue((PyLongObject *)item);
+    if (c < 0) return 0;
+    *v = (unsigned long long)c;
+    return 1;
+#else
+    Py_ssize_t size = Py_SIZE(item);
+    if (size == 0) {
+        *v = 0;
+        return 1;
+    }
+    if (size != 1) return 0;
+    *v = ((PyLongObject *)item)->ob_digit[0];
+    return 1;
+#endif
+}
+
+/* Token ids as little-endian uint32 bytes; 0 on success, -1 with ValueError set.
+ * An int is read without running Python code. Anything else goes through __index__, which
+ * may run Python code that changes a list under us: the item is held while it runs, and
+ * the size and the item are read again on every step. */
+static int tokens_to_le_u32(PyObject *seq, uint8_t *out, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PySequence_Fast_GET_SIZE(seq)) {
+            PyErr_SetString(PyExc_ValueError, "the token ids changed while being read");
+            return -1;
+        }
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        unsigned long long v;
+        if (small_int_value(item, &v) && v <= 0xFFFFFFFFULL) {
+            store32_le(out + (size_t)i * TOKEN_BYTES, (uint32_t)v);
+            continue;
+        }
+        Py_INCREF(item);
+        if (PyLong_Check(item)) {
+            v = PyLong_AsUnsignedLongLong(item);
+        } else {
+            PyObject *index = PyNumber_Index(item);
+            if (index == NULL) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_ValueError,
+                             "token ids must be integers: %.100s object at position %zd",
+                             Py_TYPE(item)->tp_name, i);
+                Py_DECREF(item);
+                return -1;
+            }
+            v = PyLong_AsUnsignedLongLong(index);
+            Py_DECREF(index);
+        }
+        if ((v == (unsigned long long)-1 && PyErr_Occurred()) || v > 0xFFFFFFFFULL) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError,
+                         "token ids must lie in [0, 2**32): %R at position %zd", item, i);
+            Py_DECREF(item);
+            return -1;
+        }
+        Py_DECREF(item);
+        store32_le(out + (size_t)i * TOKEN_BYTES, (uint32_t)v);
+    }
+    return 0;
+}
+
+/* The chain over n_blocks blocks of `tokens` (little-endian uint32 bytes). */
+static void chain(const uint64_t h0[8], const uint8_t *tokens, Py_ssize_t n_blocks,
+                  Py_ssize_t block_size, uint64_t parent, uint8_t *buf, uint64_t *keys) {
+    const size_t block_bytes = (size_t)block_size * TOKEN_BYTES;
+    const size_t msg_len = KEY_BYTES + block_bytes;
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        uint64_t h[8];
+        memcpy(h, h0, sizeof h);
+        store64_le(buf, parent);
+        memcpy(buf + KEY_BYTES, tokens + (size_t)b * block_bytes, block_bytes);
+        /* buf's tail past msg_len stays zero: the padding of the last block. */
+        size_t off = 0;
+        while (msg_len - off > BLAKE2B_BLOCK) {
+            off += BLAKE2B_BLOCK;
+            blake2b_compress(h, buf + off - BLAKE2B_BLOCK, (uint64_t)off, 0);
+        }
+        blake2b_compress(h, buf + off, (uint64_t)msg_len, 1);
+        parent = h[0]; /* the 8-byte digest read little-endian */
+        keys[b] = parent;
+    }
+}
+
+static int param_field(PyObject *obj, const char *name, uint8_t out[16]) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0) return -1;
+    if (view.len > 16) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "%s must be at most 16 bytes", name);
+        return -1;
+    }
+    memset(out, 0, 16);
+    memcpy(out, view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+static PyObject *chain_keys(PyObject *self, PyObject *args) {
+    PyObject *tokens_obj, *salt_obj, *person_obj, *parent_obj;
+    Py_ssize_t block_size;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOnO:chain_keys", &tokens_obj, &salt_obj, &person_obj,
+                          &block_size, &parent_obj))
+        return NULL;
+    if (block_size <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be a positive int, got %zd", block_size);
+        return NULL;
+    }
+    /* The size limit of one message's byte counter; far above any KV page. */
+    if (block_size > (Py_ssize_t)(1 << 24)) {
+        PyErr_Format(PyExc_ValueError, "block_size %zd is too large", block_size);
+        return NULL;
+    }
+    unsigned long long parent = PyLong_AsUnsignedLongLong(parent_obj);
+    if (parent == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "parent must be a uint64, got %R", parent_obj);
+        return NULL;
+    }
+    uint8_t param[64];
+    memset(param, 0, sizeof param);
+    param[0] = KEY_BYTES; /* digest length */
+    param[2] = 1;         /* fanout */
+    param[3] = 1;         /* depth */
+    if (param_field(salt_obj, "salt", param + 32) < 0) return NULL;
+    if (param_field(person_obj, "person", param + 48) < 0) return NULL;
+    uint64_t h0[8];
+    for (int i = 0; i < 8; i++) h0[i] = blake2b_iv[i] ^ load64_le(param + 8 * i);
+
+    PyObject *seq = PySequence_Fast(tokens_obj, "token ids must be a sequence of integers");
+    if (seq == NULL) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "token ids must be a sequence of integers");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n_blocks = n / block_size;
+    uint8_t *tokens = PyMem_Malloc(n > 0 ? (size_t)n * TOKEN_BYTES : 1);
+    size_t msg_len = KEY_BYTES + (size_t)block_size * TOKEN_BYTES;
+    size_t buf_len = (msg_len + BLAKE2B_BLOCK - 1) / BLAKE2B_BLOCK * BLAKE2B_BLOCK;
+    uint8_t *buf = PyMem_Calloc(buf_len, 1);
+    uint64_t *keys = PyMem_Malloc(n_blocks > 0 ? (size_t)n_blocks * sizeof(uint64_t) : 1);
+    PyObject *result = NULL;
+    if (tokens == NULL || buf == NULL || keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (tokens_to_le_u32(seq, tokens, n) < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    chain(h0, tokens, n_blocks, block_size, (uint64_t)parent, buf, keys);
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n_blocks);
+    if (result == NULL) goto done;
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        PyObject *key = PyLong_FromUnsignedLongLong(keys[b]);
+        if (key == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, b, key);
+    }
+done:
+    PyMem_Free(tokens);
+    PyMem_Free(buf);
+    PyMem_Free(keys);
+    Py_DECREF(seq);
+    return result;
+}
+
+/*
+ * probe_set_ids(keys, start, end, table_keys, table_ids, overflowed, rows, mult, row, out)
+ *
+ * For keys[start:end] (a list or tuple of ints), the set id each has in the table (0 where
+ * absent), written into out (a writable uint32 buffer of end - start items). The table is
+ * `rows` rows of `row` slots: table_keys (uint64) and table_ids (uint32) of rows * row
+ * items, overflowed (one byte per row). A key's home row is (key * mult mod 2**64) mod
+ * rows; a slot matches when it holds the key with a set id above 1 (0: never used, 1: a
+ * deleted slot); a miss goes on to the next row (wrapping) while the row is flagged
+ * overflowed. Exactly _KeyTable._probe(positions=False).
+ * Raises ValueError for a key that is not a uint64 or buffers of the wrong size.
+ */
+#define TOMB_ID 1u
+
+static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t items,
+                      int writable, const char *name) {
+    if (PyObject_GetBuffer(obj, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return -1;
+    if (view->len != itemsize * items) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, expected %zd", name, view->len,
+                     itemsize * items);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *probe_set_ids(PyObject *self, PyObject *args) {
+    PyObject *keys_obj, *tkeys_obj, *tids_obj, *over_obj, *out_obj, *mult_obj;
+    Py_ssize_t start, end, rows, row_slots;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OnnOOOnOnO:probe_set_ids", &keys_obj, &start, &end, &tkeys_obj,
+                          &tids_obj, &over_obj, &rows, &mult_obj, &row_slots, &out_obj))
+        return NULL;
+    if (!PyList_Check(keys_obj) && !PyTuple_Check(keys_obj)) {
+        PyErr_SetString(PyExc_ValueError, "keys must be a list or a tuple of ints");
+        return NULL;
+    }
+    Py_ssize_t n_keys = PySequence_Fast_GET_SIZE(keys_obj);
+    if (start < 0 || end < start || end > n_keys) {
+        PyErr_Format(PyExc_ValueError, "keys[%zd:%zd] is out of range for %zd keys", start, end,
+                     n_keys);
+        return NULL;
+    }
+    if (rows <= 0 || row_slots <= 0) {
+        PyErr_SetString(PyExc_ValueError, "rows and row must be positive");
+        return NULL;
+    }
+    unsigned long long mult = PyLong_AsUnsignedLongLong(mult_obj);
+    if (mult == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    Py_buffer tkeys, tids, over, out;
+    if (get_buffer(tkeys_obj, &tkeys, 8, rows * row_slots, 0, "table_keys") < 0) return NULL;
+    if (get_buffer(tids_obj, &tids, 4, rows * row_slots, 0, "table_ids") < 0) {
+        PyBuffer_Release(&tkeys);
+        return NULL;
+    }
+    if (get_buffer(over_obj, &over, 1, rows, 0, "overflowed") < 0) {
+        PyBuffer_Release(&tkeys);
+        PyBuffer_Release(&tids);
+        return NULL;
+    }
+    if (get_buffer(out_obj, &out, 4, end - start, 1, "out") < 0) {
+        PyBuffer_Release(&tkeys);
+        PyBuffer_Release(&tids);
+        PyBuffer_Release(&over);
+        return NULL;
+    }
+    const uint64_t *table_keys = (const uint64_t *)tkeys.buf;
+    const uint32_t *table_ids = (const uint32_t *)tids.buf;
+    const uint8_t *overflowed = (const uint8_t *)over.buf;
+    uint32_t *ids = (uint32_t *)out.buf;
+    PyObject *result = Py_None;
+    for (Py_ssize_t i = start; i < end; i++) {
+        /* Keys are ints: reading one runs no Python code, so the list cannot change. */
+        PyObject *item = PySequence_Fast_GET_ITEM(keys_obj, i);
+        uint64_t key = 0;
+        int ok = PyLong_Check(item);
+        if (ok) {
+            key = PyLong_AsUnsignedLongLong(item);
+            ok = !(key == (uint64_t)-1 && PyErr_Occurred());
+        }
+        if (!ok) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError,
+                         "block keys must be unsigned 64-bit ints: %.100s at position %zd",
+                         Py_TYPE(item)->tp_name, i);
+            result = NULL;
+            break;
+        }
+        uint64_t r = (key * (uint64_t)mult) % (uint64_t)rows;
+        uint32_t found = 0;
+        for (Py_ssize_t hops = 0; hops < rows; hops++) {
+            const uint64_t *rk = table_keys + r * (uint64_t)row_slots;
+            const uint32_t *ri = table_ids + r * (uint64_t)row_slots;
+            for (Py_ssize_t c = 0; c < row_slots; c++) {
+                if (rk[c] == key && ri[c] > TOMB_ID) {
+                    found = ri[c];
+                    break;
+                }
+            }
+            if (found || !overflowed[r]) break;
+            r = r + 1 == (uint64_t)rows ? 0 : r + 1;
+        }
+        ids[i - start] = found;
+    }
+    PyBuffer_Release(&tkeys);
+    PyBuffer_Release(&tids);
+    PyBuffer_Release(&over);
+    PyBuffer_Release(&out);
+    if (result == NULL) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"chain_keys", chain_keys, METH_VARARGS,
+     "chain_keys(tokens, salt, person, block_size, parent) -> list[int]\n\n"
+     "Chained BLAKE2b-64 keys of the full blocks of tokens (see kvc/block_keys.py)."},
+    {"probe_set_ids", probe_set_ids, METH_VARARGS,
+     "probe_set_ids(keys, start, end, table_keys, table_ids, overflowed, rows, mult, row, "
+     "out) -> None\n\n"
+     "The set id of each of keys[start:end] in the prefix index's key table, into out."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvc._native",
+    "Block keys and the prefix index's key lookup, compiled (see kvc/_native.c).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

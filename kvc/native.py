@@ -1,0 +1,70 @@
+"""The compiled loops of ``kvc/_native.c``, or ``None`` where the module was not built.
+
+Two loops of the request path have a C twin: the chained block keys (``kvc.block_keys``)
+and the shadow prefix index's key lookup (``conductor.core.prefix_index``). Each Python
+version stays the specification and the fallback; the C one gives the same results, bit
+for bit, and the tests hold them to each other.
+
+The module is an optional extension (``setup.py``): an install where no C compiler is
+found succeeds without it, and everything runs in Python. ``AVAILABLE`` says which this
+process runs; ``KVC_NATIVE=0`` forces Python (for comparing the two, not for production).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Final, TypeAlias
+
+__all__ = [
+    "AVAILABLE",
+    "ChainKeys",
+    "ProbeSetIds",
+    "chain_keys",
+    "log_if_missing",
+    "probe_set_ids",
+]
+
+ChainKeys: TypeAlias = Callable[[Sequence[int], bytes, bytes, int, int], list[int]]
+# The buffers (NumPy arrays here) are typed as object: NumPy's stubs do not declare the
+# buffer protocol before Python 3.12.
+ProbeSetIds: TypeAlias = Callable[
+    [Sequence[int], int, int, object, object, object, int, int, int, object], None
+]
+
+
+_OFF: Final = ("0", "false", "no", "off")
+
+
+def _load() -> tuple[ChainKeys, ProbeSetIds] | None:
+    if os.environ.get("KVC_NATIVE", "").strip().lower() in _OFF:
+        return None
+    try:
+        from kvc import _native
+    except ImportError:  # built without a C compiler: the Python twins run
+        return None
+    return _native.chain_keys, _native.probe_set_ids
+
+
+_loaded: Final = _load()
+AVAILABLE: Final = _loaded is not None
+chain_keys: Final[ChainKeys | None] = None if _loaded is None else _loaded[0]
+probe_set_ids: Final[ProbeSetIds | None] = None if _loaded is None else _loaded[1]
+
+
+def log_if_missing(log: logging.Logger) -> None:
+    """A warning at start when the Python twins run: correct, but the request path then
+    spends more CPU on block keys and prefix lookups (docs/benchmarks.md)."""
+    if AVAILABLE:
+        return
+    why = (
+        "KVC_NATIVE=0"
+        if os.environ.get("KVC_NATIVE", "").strip().lower() in _OFF
+        else "kvc._native was not built (no C compiler at install?)"
+    )
+    log.warning(
+        "block keys and prefix lookups run in pure Python: %s; the results are the same, "
+        "the CPU per request is higher. Reinstall with a C compiler to build it.",
+        why,
+    )
