@@ -6,7 +6,8 @@ cost models learning between decisions as they do live.
 For prompts of 1k/8k/32k/128k tokens over 8/64/256/1024 nodes: each node's shadow holds
 ``--keys-per-node`` unrelated keys, and a quarter of the nodes also hold a prefix of
 the prompt of varying length (so matching walks real candidate sets). The decision is
-timed as the conductor's dispatcher runs it: keys, ``PrefixIndex.match``, then
+timed as the conductor's dispatcher runs it (each part is also reported on its own):
+keys, ``PrefixIndex.match``, then
 ``PlacementLoop.begin`` + ``RequestPlacement.decide`` (the policy's placement and
 admission). Between decisions, untimed, the placed request reports what a live one
 does — allocated, prefill done (the predicted time x a factor in [0.7, 1.4]), decode
@@ -49,6 +50,7 @@ from conductor.core.scheduler import (
     ScheduleRequest,
     Slo,
 )
+from kvc import native
 from kvc.block_keys import BlockKey, compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.roles import NodeRole
@@ -107,6 +109,8 @@ def measure(prompt_tokens: int, fleet: Fleet, repeats: int, in_flight: int = 0) 
     loop = PlacementLoop(Scheduler(SchedulerConfig()))
     samples: list[float] = []
     placing: list[float] = []  # the placement loop alone (no keys, no match)
+    keying: list[float] = []  # the block keys alone
+    matching: list[float] = []  # the prefix match alone
     now_s = 1000.0
     profiler = cProfile.Profile()
     busy = _Busy(loop.scheduler, fleet.nodes, in_flight, now_s, rng) if in_flight else None
@@ -115,10 +119,12 @@ def measure(prompt_tokens: int, fleet: Fleet, repeats: int, in_flight: int = 0) 
         profiled = r >= repeats
         started = time.perf_counter()
         keys = compute_block_keys(tokens[:-1], tenant="t", model=MODEL, block_size=32)
+        keyed = time.perf_counter()
+        prefix_blocks = fleet.index.match(keys)
         request = ScheduleRequest(
             request_id=f"r{r}",
             prompt_tokens=prompt_tokens,
-            prefix_blocks=fleet.index.match(keys),
+            prefix_blocks=prefix_blocks,
             max_new_tokens=256,
             slo=Slo(ttft_s=30.0, tbt_s=0.1 if busy is None else 1.0),
             length_key=(MODEL, "t"),
@@ -134,6 +140,8 @@ def measure(prompt_tokens: int, fleet: Fleet, repeats: int, in_flight: int = 0) 
         else:
             samples.append(ended - started)
             placing.append(ended - matched)
+            keying.append(keyed - started)
+            matching.append(matched - keyed)
         placed += isinstance(step, Placement)
         if busy is None:
             now_s = _report_like_live(placement, step, prompt_tokens, now_s, rng)
@@ -146,6 +154,8 @@ def measure(prompt_tokens: int, fleet: Fleet, repeats: int, in_flight: int = 0) 
         "placed_share": placed / (repeats + PROFILED),
         **summarize_ms(samples),
         "placement_p50_ms": summarize_ms(placing)["p50_ms"],
+        "keys_p50_ms": summarize_ms(keying)["p50_ms"],
+        "match_p50_ms": summarize_ms(matching)["p50_ms"],
         "placement_calls": pstats.Stats(profiler).total_calls / PROFILED,  # type: ignore[attr-defined]
     }
 
@@ -294,6 +304,12 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
+def _native_note() -> str:
+    if native.AVAILABLE:
+        return "compiled (kvc._native)"
+    return "pure Python (kvc._native not loaded; KVC_NATIVE=0 or not built)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -336,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
             "shadow keys per node",
             "decision p50 ms",
             "decision p99 ms",
-            "of which placement p50 ms",
+            "of which keys p50 ms",
+            "match p50 ms",
+            "placement p50 ms",
             "Python calls per placement",
             "tokenize p50 ms",
         ],
@@ -348,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                 r["keys_per_node"],
                 r["p50_ms"],
                 r["p99_ms"],
+                r["keys_p50_ms"],
+                r["match_p50_ms"],
                 r["placement_p50_ms"],
                 round(r["placement_calls"]),
                 tok[r["prompt_tokens"]]["p50_ms"],
@@ -361,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "Scheduling decision latency",
         f"Up to {ns.keys_per_node} shadow keys per node ({ns.max_total_keys} over a fleet), "
         f"32-token blocks, {ns.repeats} decisions per cell, cost models observed between "
-        f"decisions as live.\n\n{table}",
+        f"decisions as live. Block keys and prefix lookups: {_native_note()}.\n\n{table}",
         {"rows": rows, "tokenization": {str(k): v for k, v in tok.items()}},
     )
     plot(ns.out / "scheduler_decision.png", rows)

@@ -22,9 +22,10 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -52,6 +53,7 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 _GET_INFO = pb.GetInfoRequest()
+M = TypeVar("M", bound=Message)
 _RETRIED_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in ("TxCommit", "TxAbort"))
 _TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _RETRY_ATTEMPTS = 3
@@ -336,6 +338,34 @@ class AgentFleet:
         if self._observe_call is not None:
             self._observe_call(method, code.name)
 
+    async def stream_unary(
+        self,
+        agent: AgentHandle,
+        method: str,
+        request: Message,
+        parse: Callable[[bytes], M],
+        *,
+        deadline_s: float,
+        fall_back: bool,
+    ) -> M | None:
+        """``method`` over the agent's token stream, counted as the gRPC interceptor counts
+        the others. ``None`` when the caller should ask over gRPC instead: the agent does
+        not serve ``method`` on its stream, or (``fall_back``) the listener is gone
+        (``UNAVAILABLE``). Any other failure raises ``grpc.aio.AioRpcError``."""
+        stream = agent.stream_for(method)
+        if stream is None:
+            return None
+        try:
+            answer = await stream.unary(method, request, parse, deadline_s=deadline_s)
+        except grpc.aio.AioRpcError as exc:
+            self.observe_call(method, exc.code())
+            if not fall_back or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            log.debug("agent %s: token stream: %s", agent.address, exc.details())
+            return None
+        self.observe_call(method, grpc.StatusCode.OK)
+        return answer
+
     async def prefill(
         self, agent: AgentHandle, request: pb.PrefillRequest, *, deadline_s: float
     ) -> pb.PrefillResponse:
@@ -343,37 +373,24 @@ class AgentFleet:
 
         No second try over gRPC when the stream fails: the prefill (and its fused Tx)
         may have run; the failure goes to the caller as a gRPC call's would."""
-        stream = agent.stream_for("Prefill")
-        if stream is None:
+        answer = await self.stream_unary(
+            agent, "Prefill", request, pb.PrefillResponse.FromString,
+            deadline_s=deadline_s, fall_back=False,
+        )  # fmt: skip
+        if answer is None:
             return await agent.stub.Prefill(request, timeout=deadline_s)
-        try:
-            answer = await stream.unary(
-                "Prefill", request, pb.PrefillResponse.FromString, deadline_s=deadline_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            self.observe_call("Prefill", exc.code())
-            raise
-        self.observe_call("Prefill", grpc.StatusCode.OK)
         return answer
 
     async def get_info(self, agent: AgentHandle) -> pb.NodeInfo:
         """``GetInfo`` over the agent's token stream when it serves it there, else (or
         when that listener is gone) over gRPC; ``grpc.aio.AioRpcError`` on failure."""
-        stream = agent.stream_for("GetInfo")
-        if stream is not None:
-            try:
-                info = await stream.unary(
-                    "GetInfo", _GET_INFO, pb.NodeInfo.FromString, deadline_s=self.rpc_timeout_s
-                )
-            except grpc.aio.AioRpcError as exc:
-                self.observe_call("GetInfo", exc.code())
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                log.debug("agent %s: token stream: %s", agent.address, exc.details())
-            else:
-                self.observe_call("GetInfo", grpc.StatusCode.OK)
-                return info
-        return await agent.stub.GetInfo(_GET_INFO, timeout=self.rpc_timeout_s)
+        info = await self.stream_unary(
+            agent, "GetInfo", _GET_INFO, pb.NodeInfo.FromString,
+            deadline_s=self.rpc_timeout_s, fall_back=True,
+        )  # fmt: skip
+        if info is None:
+            return await agent.stub.GetInfo(_GET_INFO, timeout=self.rpc_timeout_s)
+        return info
 
     async def refresh_one(self, agent: AgentHandle) -> None:
         try:

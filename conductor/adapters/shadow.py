@@ -133,23 +133,12 @@ class ShadowSync:
     async def _snapshot(self, agent: AgentHandle) -> tuple[pb.SnapshotResponse, bool]:
         """The agent's snapshot, and whether it came over the token stream."""
         timeout = self._fleet.rpc_timeout_s
-        stream = agent.stream_for("Snapshot")
-        if stream is not None:
-            try:
-                snap = await stream.unary(
-                    "Snapshot",
-                    pb.SnapshotRequest(),
-                    pb.SnapshotResponse.FromString,
-                    deadline_s=timeout,
-                )
-            except grpc.aio.AioRpcError as exc:
-                self._fleet.observe_call("Snapshot", exc.code())
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                log.debug("shadow of %s: token stream: %s", agent.address, exc.details())
-            else:
-                self._fleet.observe_call("Snapshot", grpc.StatusCode.OK)
-                return snap, True
+        snap = await self._fleet.stream_unary(
+            agent, "Snapshot", pb.SnapshotRequest(), pb.SnapshotResponse.FromString,
+            deadline_s=timeout, fall_back=True,
+        )  # fmt: skip
+        if snap is not None:
+            return snap, True
         return await agent.stub.Snapshot(pb.SnapshotRequest(), timeout=timeout), False
 
     async def _sync_once(self, agent: AgentHandle, node: NodeId, stop: asyncio.Event) -> None:

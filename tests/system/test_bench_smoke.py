@@ -39,6 +39,9 @@ def test_scheduler_decision_bench_writes_table_json_and_plot(tmp_path: Path) -> 
     }  # fmt: skip
     assert all(r["p99_ms"] > 0 for r in data["rows"])
     assert all(0 < r["placement_p50_ms"] <= r["p99_ms"] for r in data["rows"])
+    assert all(0 < r["keys_p50_ms"] <= r["p99_ms"] for r in data["rows"])
+    assert all(0 < r["match_p50_ms"] <= r["p99_ms"] for r in data["rows"])
+    assert "Block keys and prefix lookups: " in (tmp_path / "scheduler_decision.md").read_text()
     # More nodes, more work per placement (the prefill nodes' bounds, the decode forecasts).
     calls = {(r["prompt_tokens"], r["nodes"]): r["placement_calls"] for r in data["rows"]}
     assert 0 < calls[(1024, 8)] < calls[(1024, 64)]
