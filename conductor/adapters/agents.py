@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -122,6 +124,9 @@ class AgentHandle:
     ended_generations: int = 0
     # Keys the node retains for prompt-cache breakpoints (its snapshot and events).
     retained: set[int] = field(default_factory=set)
+    # When a call over ``stream`` last got its answer (monotonic seconds): a shadow
+    # session that fell back to gRPC moves back once this passes its start.
+    stream_answered_s: float = -math.inf
 
     def set_load(self, load: pb.LoadUpdate) -> None:
         """A new load report: it already leaves out what ended before it."""
@@ -364,6 +369,7 @@ class AgentFleet:
             log.debug("agent %s: token stream: %s", agent.address, exc.details())
             return None
         self.observe_call(method, grpc.StatusCode.OK)
+        agent.stream_answered_s = time.monotonic()
         return answer
 
     async def prefill(

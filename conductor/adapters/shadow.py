@@ -142,8 +142,10 @@ class ShadowSync:
         return await agent.stub.Snapshot(pb.SnapshotRequest(), timeout=timeout), False
 
     async def _sync_once(self, agent: AgentHandle, node: NodeId, stop: asyncio.Event) -> None:
+        began_s = time.monotonic()
         offered = agent.stream_for("WatchEvents") is not None
         snap, framed = await self._snapshot(agent)
+        fell_back = offered and not framed  # the listener was gone
         # The repeated fixed64 fields go straight in (the index copies them into arrays).
         reset_node_view(
             self._index, self._lower, node, snap.epoch, snap.seq,
@@ -178,10 +180,13 @@ class ShadowSync:
                 if batch.resync_required or not self._apply(agent, node, batch):
                     log.info("shadow of %s: resync", agent.address)
                     return
-                if not offered and agent.stream_for("WatchEvents") is not None:
-                    # Started over gRPC before the agent's info named its stream (the
-                    # agent was not up yet): the next session follows over the stream.
-                    # (Not after a fall back: the listener is gone, not yet known.)
+                if (
+                    not offered or (fell_back and agent.stream_answered_s > began_s)
+                ) and agent.stream_for("WatchEvents") is not None:
+                    # Over gRPC while the stream can serve it: begun before the agent's
+                    # info named its stream (the agent was not up yet), or fallen back
+                    # while its listener was gone and answering again since (the GetInfo
+                    # poll goes over the stream first). The next session follows over it.
                     log.debug("shadow of %s: moving to the token stream", agent.address)
                     return
         finally:

@@ -400,3 +400,38 @@ async def test_a_session_begun_over_grpc_moves_to_the_stream(start_agent: AgentF
         await wait_until(lambda: server.calls == 1)  # the next one: over the stream
         follow.stop.set()
         await asyncio.wait_for(session, 5.0)
+
+
+async def test_a_session_fallen_back_to_grpc_returns_to_the_stream(
+    start_agent: AgentFactory,
+) -> None:
+    """A session that fell back to gRPC because the listener was gone stays there while
+    the listener is away, and ends after its next batch once a call over the stream is
+    answered again (the GetInfo poll): the next session follows over the stream."""
+    agent = await start_agent("both", stream_port=0)
+    server = agent.token_stream
+    assert server is not None
+    async with shadow_of(agent) as follow:
+        await follow.fleet.refresh_one(follow.handle)  # the info names the stream
+        address = follow.handle.info.stream_address if follow.handle.info else ""
+        host, _, port = address.rpartition(":")
+        answered = follow.handle.stream_answered_s  # that GetInfo: over the stream
+        await server.stop(grace_s=0)
+        session = follow.start()
+        await wait_until(lambda: follow.index.position(follow.node) is not None)
+        assert server.calls == 0  # the snapshot fell back, and the watch is over gRPC
+        assert follow.handle.stream_answered_s == answered
+        await commit_blocks(agent, "tx-b1", 1)  # a batch while the listener is away
+        await wait_until(lambda: follow.index.stats().keys == 1 or session.done())
+        assert not session.done(), "no answer over the stream yet: it stays on gRPC"
+        await server.start(host.strip("[]"), int(port), None)  # the listener is back
+        await follow.fleet.refresh_one(follow.handle)  # answered over the stream
+        assert follow.handle.stream_answered_s > answered
+        await commit_blocks(agent, "tx-b2", 2)  # one more block: a batch
+        await asyncio.wait_for(session, 5.0)  # ended cleanly after that batch
+        assert session.exception() is None
+        session = follow.start()
+        await wait_until(lambda: server.calls == 1)  # its watch runs over the stream
+        follow.stop.set()
+        await asyncio.wait_for(session, 5.0)
+    assert_no_locks(agent)
