@@ -40,7 +40,7 @@ from conductor.adapters.agents import (
     AgentCallError,
     AgentFleet,
     AgentHandle,
-    GenerateCall,
+    StreamingCall,
     translate_rpc_error,
 )
 from conductor.core.placement import (
@@ -478,7 +478,7 @@ class Dispatcher:
         release = [prefill, decode] if disaggregated else [prefill]
         for agent in release:
             agent.inflight += 1
-        call: GenerateCall | None = None
+        call: StreamingCall | None = None
         tx_open = False
         keeper: asyncio.Task[None] | None = None  # renews the open Tx's lease meanwhile
         generating = False  # the Generate stream has sent its first message

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import grpc
 
-from conductor.adapters.agents import AgentCallError, GenerateCall, translate_rpc_error
+from conductor.adapters.agents import AgentCallError, StreamingCall, translate_rpc_error
 from conductor.core.scheduler import Slo
 from conductor.errors import (
     ConductorError,
@@ -175,7 +175,7 @@ class GenerationStream:
 
     def __init__(
         self,
-        call: GenerateCall,
+        call: StreamingCall,
         first: pb.GenerateResponse,
         placed: Placed,
         on_close: CloseHook,

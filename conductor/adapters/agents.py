@@ -97,11 +97,11 @@ def translate_rpc_error(address: str, exc: grpc.aio.AioRpcError) -> AgentCallErr
     return AgentCallError(address, exc.code(), exc.details() or "", info)
 
 
-class GenerateCall(Protocol):
+class StreamingCall(Protocol):
     """A running server-streaming call (``Generate``, ``WatchEvents``): a gRPC call or
     a token stream call (``StreamCall``)."""
 
-    async def read(self) -> Any: ...  # a GenerateResponse, or grpc.aio.EOF
+    async def read(self) -> Any: ...  # a GenerateResponse or EventBatch, or grpc.aio.EOF
     def cancel(self) -> bool: ...
 
 
@@ -163,7 +163,7 @@ class AgentHandle:
             return None
         return stream
 
-    def generate(self, request: pb.GenerateRequest, *, timeout: float | None) -> GenerateCall:
+    def generate(self, request: pb.GenerateRequest, *, timeout: float | None) -> StreamingCall:
         """``Generate`` over the agent's token stream when it offers one, else gRPC."""
         if self.stream is not None:
             return self.stream.generate(request, timeout=timeout)

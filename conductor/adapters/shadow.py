@@ -34,7 +34,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from conductor.adapters.agents import AgentFleet, AgentHandle, GenerateCall
+from conductor.adapters.agents import AgentFleet, AgentHandle, StreamingCall
 from conductor.core.prefix_index import ApplyOutcome, NodeId, PrefixIndex
 from conductor.core.tier_index import (
     LowerTierIndex,
@@ -156,7 +156,7 @@ class ShadowSync:
         agent.retained = set(snap.retained_keys)
         request = pb.WatchEventsRequest(epoch=snap.epoch, from_seq=snap.seq + 1)
         stream = agent.stream_for("WatchEvents") if framed else None
-        call: GenerateCall = (
+        call: StreamingCall = (
             agent.stub.WatchEvents(request)
             if stream is None
             else stream.stream("WatchEvents", request, pb.EventBatch.FromString)
