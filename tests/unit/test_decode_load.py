@@ -173,3 +173,9 @@ def test_the_scheduler_forecasts_the_same_whichever_nodes_run_over_columns(
         results.append(scheduler.forecasts(fleet, at_s, NOW, DISTS[1]))
     for a, b in itertools.pairwise(results):
         assert all(_same(x, y) for x, y in zip(a, b, strict=True))
+    # And the loop itself, node by node.
+    fresh = Scheduler(SchedulerConfig())
+    for node, group, got in zip(fleet, placed, results[0], strict=True):
+        model = fresh.decode_model(node.node_id)
+        loop = forecast_decode_load(group, node.running_requests, at_s, NOW, DISTS[1], model)
+        assert _same(got, loop)
