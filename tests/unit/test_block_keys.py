@@ -14,6 +14,7 @@ import sysconfig
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -216,19 +217,23 @@ print(json.dumps([hash("salt-check"), keys]))
 """
 
 
-def _keys_in_subprocess(hash_seed: str) -> tuple[int, list[int]]:
-    env = dict(os.environ)
-    env["PYTHONHASHSEED"] = hash_seed
+def _json_of_script(script: str, **env_vars: str) -> Any:
+    """What ``script`` prints as JSON, run by a fresh interpreter with ``env_vars`` set."""
+    env = dict(os.environ, **env_vars)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     out = subprocess.run(
-        [sys.executable, "-c", _SUBPROCESS_SCRIPT],
+        [sys.executable, "-c", script],
         env=env,
         check=True,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    str_hash, keys = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def _keys_in_subprocess(hash_seed: str) -> tuple[int, list[int]]:
+    str_hash, keys = _json_of_script(_SUBPROCESS_SCRIPT, PYTHONHASHSEED=hash_seed)
     return int(str_hash), [int(k) for k in keys]
 
 
@@ -268,16 +273,7 @@ def test_pure_python_switch_gives_the_same_keys() -> None:
         "'Qwen/Qwen2.5-0.5B-Instruct', block_size=16)\n"
         "print(json.dumps([b.NATIVE, keys]))\n"
     )
-    env = dict(os.environ, KVC_NATIVE="0")
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    native, keys = json.loads(out.stdout)
+    native, keys = _json_of_script(script, KVC_NATIVE="0")
     assert native is False
     assert keys == VECTOR_KEYS
 
