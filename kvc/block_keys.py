@@ -44,7 +44,8 @@ Compiled and pure-Python
     token list is read straight from its int objects into little-endian uint32 bytes, then
     each block costs one or two compressions of a buffer, without holding the GIL. It is
     built at install when a C compiler is there (``setup.py``, an optional extension) and
-    used when it imports (``kvc/native.py``); ``NATIVE`` says which path this process runs.
+    used when it imports (``kvc/native.py``, whose ``AVAILABLE`` says which path this
+    process runs).
     Without it the loop below computes the same keys: one conversion of the whole list to
     bytes, then one ``hashlib.blake2b`` per full block over a memoryview slice, from a
     pre-salted template via ``copy()``. ``KVC_NATIVE=0`` forces the Python loop (a switch
@@ -83,7 +84,6 @@ from kvc import native
 __all__ = [
     "KEY_BITS",
     "MAX_TOKEN_ID",
-    "NATIVE",
     "ROOT_PARENT_KEY",
     "BlockKey",
     "BlockKeySpec",
@@ -114,8 +114,6 @@ def _u32_typecode() -> str:
 
 _U32: Final = _u32_typecode()
 _BIG_ENDIAN_HOST: Final = sys.byteorder == "big"
-NATIVE: Final = native.chain_keys is not None
-"""Whether this process computes keys with the compiled ``kvc._native``."""
 
 
 @functools.lru_cache(maxsize=4096)

@@ -10,9 +10,11 @@ recompute, not a wrong answer. Load updates in the stream refresh the agent's lo
 ``Snapshot`` and ``WatchEvents`` go over the agent's token stream when it serves them
 there (``NodeInfo.stream_methods``: a frame per batch instead of a gRPC message, ~6×
 less CPU), else over gRPC; both fail the same way, so the session's retries hold. A
-session whose snapshot finds the listener gone (``UNAVAILABLE``) runs over gRPC; one
-that runs over gRPC while the agent offers its stream (it started before the agent's
-info said so) ends after its next batch, and the next session resyncs over the stream.
+session whose snapshot finds the listener gone (``UNAVAILABLE``) runs over gRPC. A
+session on gRPC while the stream can serve it — begun before the agent's info named its
+stream, or fallen back while the listener was away and answered over it again since (a
+``GetInfo`` poll) — ends after its next batch, and the next session resyncs over the
+stream.
 """
 
 from __future__ import annotations

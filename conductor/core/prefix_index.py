@@ -239,9 +239,10 @@ class _KeyTable:
         keys are read from the list and probed row by row in C, with no array made first
         (``match`` over 4,096 keys in bench.scheduler_decision: ~1.4 -> ~0.3 ms); otherwise
         the vectorised probe."""
-        end = min(end, len(keys))  # as a slice would
+        start = min(start, len(keys))  # the bounds a slice would take
+        end = max(start, min(end, len(keys)))
         if native.probe_set_ids is not None and isinstance(keys, list | tuple):
-            ids = np.empty(max(0, end - start), dtype=np.uint32)
+            ids = np.empty(end - start, dtype=np.uint32)
             native.probe_set_ids(
                 keys, start, end, self.keys, self.ids, self.overflowed, self.rows,
                 self._mult_int, _ROW, ids,

@@ -80,7 +80,7 @@ def test_conductor_and_vllm_sidecar_install_and_import_without_torch(
     _ok(_imports(python, "conductor.app", "conductor.main", "kvc_cli.cli"))
     # The compiled block keys came with the wheel (built from the copied sources: the
     # copy leaves out any module built in place), and the installed package uses them.
-    native = _run(python, "-c", "from kvc.block_keys import NATIVE; print(NATIVE)", cwd=tmp_path)
+    native = _run(python, "-c", "from kvc.native import AVAILABLE; print(AVAILABLE)", cwd=tmp_path)
     _ok(native)
     assert native.stdout.strip() == "True"
     for absent in ("torch", "transformers", "zmq", "msgpack"):
