@@ -92,6 +92,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
+import numpy.typing as npt
+
 from kvc.priors import (
     DecodePrior,
     PrefillPrior,
@@ -99,7 +102,17 @@ from kvc.priors import (
     prefill_features,
 )
 
-__all__ = ["DecodeTimeModel", "PrefillTimeModel"]
+__all__ = [
+    "DecodeTimeModel",
+    "PrefillTimeModel",
+    "decode_floors",
+    "floor_terms",
+    "prefill_floors",
+]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+FloorArray = npt.NDArray[np.float64]  # one row per model: three coefficients, floor factor
 
 # ------------------------------------------------------------ learned correction
 
@@ -115,6 +128,7 @@ _EVIDENCE_MIN_OBSERVATIONS: Final = 2  # one (possibly cold-start) sample is not
 _EVIDENCE_GLOBAL_OBSERVATIONS: Final = 8
 _EDGE_FADE_BUCKETS: Final = 2.0  # beyond the data, the local shape fades to the global
 _MAX_LOG_ESTIMATE: Final = 700.0  # exp() stays finite
+_MAX_ESTIMATE_S: Final = _POSITION_UNIT_S * math.exp(_MAX_LOG_ESTIMATE)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -291,8 +305,18 @@ class _LogRatioCorrection:
         observations: what lets the scheduler pass over nodes that cannot win."""
         if not (prior_s > 0 and self._seen):  # the estimate is then the prior (or 0)
             return prior_s if prior_s > 0 else 0.0
-        self._refresh()
-        return min(prior_s * self._floor_factor, _POSITION_UNIT_S * math.exp(_MAX_LOG_ESTIMATE))
+        if self._dirty:
+            self._refresh()
+        return min(prior_s * self._floor_factor, _MAX_ESTIMATE_S)
+
+    def floor_factor(self) -> float:
+        """What ``floor`` multiplies a positive prior estimate by, before its cap (1
+        before any observation: ``floor`` is then the prior itself)."""
+        if not self._seen:
+            return 1.0
+        if self._dirty:
+            self._refresh()
+        return self._floor_factor
 
     def has_evidence(self, prior_s: float) -> bool:
         """Enough observations in all, or a few within 4x of ``prior_s``."""
@@ -312,8 +336,8 @@ class _LogRatioCorrection:
 class _CorrectedModel:
     """Shared parts of the prefill and decode models: a prior times a learned factor."""
 
-    __slots__ = ("_bucket_window", "_correction", "_half_life", "_prior_measured",
-                 "_prior_weight", "_version", "_window")  # fmt: skip
+    __slots__ = ("_bucket_window", "_correction", "_floor_row", "_half_life",
+                 "_prior_measured", "_prior_weight", "_version", "_window")  # fmt: skip
 
     def __init__(
         self,
@@ -331,6 +355,7 @@ class _CorrectedModel:
         self._half_life = half_life
         self._version = 0
         self._correction = self._fresh_correction()
+        self._floor_row: tuple[int, tuple[float, float, float, float]] | None = None
 
     @property
     def version(self) -> int:
@@ -355,6 +380,24 @@ class _CorrectedModel:
 
     def _has_evidence(self, prior_s: float) -> bool:
         return self._prior_measured or self._correction.has_evidence(prior_s)
+
+    def floor_factor(self) -> float:
+        """The smallest factor the learned correction applies to the prior at any size
+        (1 before any observation); see ``_LogRatioCorrection.floor``."""
+        return self._correction.floor_factor()
+
+    def floor_row(self) -> tuple[float, float, float, float]:
+        """The prior's three coefficients and ``floor_factor`` (a row of ``floor_terms``),
+        remembered until the model changes."""
+        memo = self._floor_row
+        if memo is not None and memo[0] == self._version:
+            return memo[1]
+        row = (*self._prior_coefficients(), self.floor_factor())
+        self._floor_row = (self._version, row)
+        return row
+
+    def _prior_coefficients(self) -> tuple[float, float, float]:
+        raise NotImplementedError  # each model's prior
 
 
 # ---------------------------------------------------------------------- prefill
@@ -391,6 +434,9 @@ class PrefillTimeModel(_CorrectedModel):
     def prior(self) -> PrefillPrior:
         return self._prior
 
+    def _prior_coefficients(self) -> tuple[float, float, float]:
+        return self._prior.coefficients
+
     def set_prior(self, prior: PrefillPrior, *, measured: bool) -> None:
         """Replace the prior (e.g. by the node's calibration); learned factors restart."""
         self._prior = prior
@@ -415,7 +461,19 @@ class PrefillTimeModel(_CorrectedModel):
         return self._prior.per_token_s * math.exp(self._correction.global_correction)
 
     def _prior_s(self, total_tokens: int, cached_tokens: int) -> float:
-        f1, f2 = prefill_features(total_tokens, cached_tokens)
+        # ``prefill_features`` inline for plain non-negative ints (every call of the
+        # scheduler's: it asks several per node per decision); the same operations.
+        if (
+            total_tokens.__class__ is int
+            and cached_tokens.__class__ is int
+            and total_tokens >= 0
+            and cached_tokens >= 0
+        ):
+            cached = cached_tokens if cached_tokens < total_tokens else total_tokens
+            f1 = float(total_tokens - cached)
+            f2 = f1 * float(total_tokens + cached)
+        else:
+            f1, f2 = prefill_features(total_tokens, cached_tokens)
         prior = self._prior
         return prior.fixed_s + prior.per_token_s * f1 + prior.per_token_context_s * f2
 
@@ -469,6 +527,9 @@ class DecodeTimeModel(_CorrectedModel):
     def prior(self) -> DecodePrior:
         return self._prior
 
+    def _prior_coefficients(self) -> tuple[float, float, float]:
+        return self._prior.coefficients
+
     def set_prior(self, prior: DecodePrior, *, measured: bool) -> None:
         """Replace the prior (e.g. by the node's calibration); learned factors restart."""
         self._prior = prior
@@ -484,7 +545,17 @@ class DecodeTimeModel(_CorrectedModel):
         return DecodePrior(*(c * factor for c in self._prior.coefficients))
 
     def _prior_s(self, batch_requests: float, context_tokens: float) -> float:
-        batch, context = decode_features(batch_requests, context_tokens)
+        # ``decode_features`` inline for finite non-negative floats (the scheduler's
+        # forecasts); anything else takes its checks.
+        if (
+            batch_requests.__class__ is float
+            and context_tokens.__class__ is float
+            and 0.0 <= batch_requests < math.inf
+            and 0.0 <= context_tokens < math.inf
+        ):
+            batch, context = batch_requests, context_tokens
+        else:
+            batch, context = decode_features(batch_requests, context_tokens)
         prior = self._prior
         return prior.fixed_s + prior.per_request_s * batch + prior.per_context_token_s * context
 
@@ -501,3 +572,34 @@ class DecodeTimeModel(_CorrectedModel):
     def has_evidence(self, batch_requests: float, context_tokens: float) -> bool:
         """The estimate rests on a measured prior or on observations of similar size."""
         return self._has_evidence(self._prior_s(batch_requests, context_tokens))
+
+
+def floor_terms(models: Sequence[PrefillTimeModel] | Sequence[DecodeTimeModel]) -> FloorArray:
+    """Each model's prior coefficients and ``floor_factor``, one row per model: what
+    ``prefill_floors`` and ``decode_floors`` evaluate over arrays."""
+    return np.array([m.floor_row() for m in models], dtype=np.float64).reshape(len(models), 4)
+
+
+def _floors(terms: FloorArray, first: FloatArray, second: FloatArray) -> FloatArray:
+    # The prior in the models' own operations (``fixed + a*f1 + b*f2``), then ``floor``.
+    prior_s = terms[:, 0] + terms[:, 1] * first + terms[:, 2] * second
+    return np.where(prior_s > 0, np.minimum(prior_s * terms[:, 3], _MAX_ESTIMATE_S), 0.0)
+
+
+def prefill_floors(terms: FloorArray, total_tokens: int, cached_tokens: IntArray) -> FloatArray:
+    """Lower bounds of ``models[i].estimate_floor(total_tokens, cached_tokens[i])``'s
+    estimate for the rows of ``floor_terms(models)``: the features of ``prefill_features``
+    (cached tokens >= 0), then each model's ``floor`` (the estimate itself for a model
+    that has observed nothing). For passing over nodes that cannot win."""
+    cached = np.minimum(cached_tokens, total_tokens)
+    uncached = (total_tokens - cached).astype(np.float64)
+    return _floors(terms, uncached, uncached * (total_tokens + cached).astype(np.float64))
+
+
+def decode_floors(
+    terms: FloorArray, batch_requests: FloatArray, context_tokens: FloatArray
+) -> FloatArray:
+    """Lower bounds of ``models[i].estimate(batch_requests[i], context_tokens[i])`` for
+    the rows of ``floor_terms(models)`` (amounts finite and >= 0, ``decode_features``'
+    domain), as ``prefill_floors``."""
+    return _floors(terms, batch_requests, context_tokens)

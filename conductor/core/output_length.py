@@ -192,6 +192,20 @@ class LengthDistribution:
         s0, s1 = self.knot_survival[j - 1], self.knot_survival[j]
         return s0 + (s1 - s0) * (tokens - x0) / (x1 - x0)
 
+    def survivals(self, tokens: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """``survival`` of each of ``tokens``, in the same operations (bit for bit)."""
+        t = np.maximum(tokens, 0.0)
+        # bisect_right(_KNOTS, t, 1, tail_index + 1), never past the last knot (only
+        # points in the tail reach it, and they take the tail's formula).
+        j = np.searchsorted(_KNOTS_ARRAY, t, side="right")
+        np.clip(j, 1, min(self.tail_index + 1, len(_KNOTS) - 1), out=j)
+        x0, x1 = _KNOTS_ARRAY.take(j - 1), _KNOTS_ARRAY.take(j)
+        s0, s1 = self.knot_array.take(j - 1), self.knot_array.take(j)
+        inner = s0 + (s1 - s0) * (t - x0) / (x1 - x0)
+        start = self.tail_start_tokens
+        tail = self.tail_survival * start / np.maximum(t, start)  # t where it is used
+        return np.where(tokens <= 0, 1.0, np.where(t >= start, tail, inner))
+
     def conditional_survival(self, done: float, target: float) -> float:
         """``P(L > target | L > done)``; 1 when ``target <= done``.
 

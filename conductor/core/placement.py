@@ -133,6 +133,8 @@ def fleet_view(
     if not sizes:
         return None, [n for n in nodes if n.node_id not in excluded]
     block_size = min(sizes)
+    if not excluded and len(sizes) == len(nodes) and max(sizes) == block_size:
+        return block_size, list(nodes)  # every node healthy, of one block size
     view = [
         n if n.block_size == block_size or not n.healthy else replace(n, healthy=False)
         for n in nodes

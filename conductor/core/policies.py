@@ -50,6 +50,17 @@ nodes are evaluated in order of that bound until the bound passes the best TTFT 
 The first candidate is the one the full ranking puts first (property-tested against
 it); what is saved is the prefill estimates and candidates of the nodes that cannot
 win, most of the fleet when it is large and only a few nodes hold the prefix.
+``LowestTbt`` does the same on the decode side: a lower bound of each node's TBT
+(``Estimates.tbt_floors``: exact for nodes running decodes of this scheduler; for the
+others their reported batch's expected share still running, and the cost model's
+floor of the estimate), then TBTs in order of the bound until it passes the best.
+
+From ``VECTOR_MIN_NODES`` nodes on, the bounds are computed over NumPy arrays (a few
+attribute reads per node in Python, the arithmetic in arrays, the same operations as
+the per-node code); below it, node by node, where NumPy's per-call cost would lose.
+Either way the bound only decides which nodes are evaluated: every estimate that
+ranks comes from the per-node code, so decisions are the same (the tests compare both
+paths' first choice with the full ranking's).
 """
 
 from __future__ import annotations
@@ -61,6 +72,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
+import numpy as np
+
+from conductor.core.cost_model import FloatArray, IntArray
 from conductor.core.prefix_index import NodeId
 from conductor.core.transfer_model import TransferModel
 
@@ -169,6 +183,12 @@ class Estimates(Protocol):
 
     def prefill_floor_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float: ...
 
+    def queues_s(self, nodes: Sequence[NodeState]) -> list[float]: ...
+
+    def prefill_floors_s(
+        self, nodes: Sequence[NodeState], prompt_tokens: int, *prefix_blocks: IntArray
+    ) -> list[FloatArray]: ...
+
     def load_s(self, node: NodeState, req: ScheduleRequest) -> float: ...
 
     def lend_wait_s(self, node: NodeState) -> float: ...
@@ -182,6 +202,10 @@ class Estimates(Protocol):
     def tbt_all(
         self, nodes: Sequence[NodeState], at_s: float, now_s: float, req: ScheduleRequest
     ) -> list[float]: ...
+
+    def tbt_floors(
+        self, nodes: Sequence[NodeState], at_s: float, now_s: float, req: ScheduleRequest
+    ) -> tuple[list[float], list[bool]]: ...
 
 
 # ---------------------------------------------------------------------------- prefill stage
@@ -226,12 +250,17 @@ class LocalPrefix:
         self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
     ) -> list[PrefillCandidate]:
         prefix_blocks, prompt_tokens = req.prefix_blocks, req.prompt_tokens
-        return _contenders(
-            req, nodes,
-            lambda node: est.queue_s(node)
-            + est.prefill_floor_s(node, prompt_tokens, prefix_blocks.get(node.node_id, 0)),
-            lambda node: self._candidate(req, node, est),
-        )  # fmt: skip
+        if len(nodes) >= VECTOR_MIN_NODES:
+            local = [prefix_blocks.get(n.node_id, 0) for n in nodes]
+            (floors,) = est.prefill_floors_s(nodes, prompt_tokens, np.array(local, np.int64))
+            bounds = (np.array(est.queues_s(nodes)) + floors).tolist()
+        else:
+            bounds = [
+                est.queue_s(n)
+                + est.prefill_floor_s(n, prompt_tokens, prefix_blocks.get(n.node_id, 0))
+                for n in nodes
+            ]
+        return _contenders(req, nodes, bounds, lambda node: self._candidate(req, node, est))
 
     @staticmethod
     def _candidate(req: ScheduleRequest, node: NodeState, est: Estimates) -> PrefillCandidate:
@@ -288,23 +317,25 @@ class BreakEvenPull:
 
 # Relative slack of a lower bound against the best TTFT found: the bound and the
 # estimate reach the same value by different float roundings.
+# Nodes from which a stage bounds them over arrays (NumPy's per-call overhead loses below).
+VECTOR_MIN_NODES = 96
 _BOUND_SLACK = 1e-9
 
 
 def _contenders(
     req: ScheduleRequest,
     nodes: Sequence[NodeState],
-    bound: Callable[[NodeState], float],
+    bounds: list[float],
     candidate: Callable[[NodeState], PrefillCandidate],
 ) -> list[PrefillCandidate]:
-    """Candidates of the nodes whose TTFT lower bound (``bound``) does not pass the
-    lowest TTFT among them, evaluated in order of the bound, plus the affinity node's.
-    A node left out has a TTFT above the lowest: it neither wins nor ties."""
-    bounds = sorted([(bound(node), i) for i, node in enumerate(nodes)])
+    """Candidates of the nodes whose TTFT lower bound (``bounds[i]`` of ``nodes[i]``)
+    does not pass the lowest TTFT among them, evaluated in order of the bound, plus the
+    affinity node's. A node left out has a TTFT above the lowest: it neither wins nor
+    ties."""
     out: list[PrefillCandidate] = []
     best = math.inf
-    for lower, i in bounds:
-        if lower > best + abs(best) * _BOUND_SLACK:
+    for i in sorted(range(len(bounds)), key=bounds.__getitem__):  # ties: fleet order
+        if bounds[i] > best + abs(best) * _BOUND_SLACK:
             break
         c = candidate(nodes[i])
         out.append(c)
@@ -388,6 +419,41 @@ def _pull_candidates(
             pulled_s = min(pulled_s, est.prefill_floor_s(node, prompt_tokens, local))
         return est.queue_s(node) + pulled_s
 
+    def bounds() -> FloatArray:
+        # ``bound`` of every node, ``pull_s`` and the floors over arrays: a few attribute
+        # reads per node in Python.
+        count = len(nodes)
+        rows = [
+            (prefix_blocks.get(n.node_id, 0), pending_blocks.get(n.node_id, 0),
+             n.block_size * n.kv_bytes_per_token, holders[n.kv_family][1])
+            for n in nodes
+        ]  # fmt: skip
+        table = np.array(rows, dtype=np.int64).reshape(count, 4)
+        local = np.maximum(table[:, 0], table[:, 1]) if break_even else table[:, 0]
+        best_len = table[:, 3]
+        families = [holders[n.kv_family][0] for n in nodes]
+        able = np.fromiter(
+            (h.node_id != n.node_id and n.kv_migration and h.kv_migration
+             for n, h in zip(nodes, families, strict=True)),
+            np.bool_, count,
+        )  # fmt: skip
+        pull = able & (best_len - local >= min_blocks)
+        if threshold is not None:
+            ratio = best_len / np.where(local == 0, 1, local)
+            pull &= np.where(local == 0, math.inf > threshold, ratio > threshold)
+        at = np.flatnonzero(pull)
+        transfer = np.zeros(count)
+        if len(at):
+            wait = np.array([holder_wait[nodes[i].kv_family] for i in at.tolist()])
+            pairs = [(families[i].node_id, nodes[i].node_id) for i in at.tolist()]
+            nbytes = (best_len - local).take(at) * table[:, 2].take(at)
+            transfer[at] = wait + est.transfer.estimates(pairs, nbytes)
+        own, pulled = est.prefill_floors_s(nodes, prompt_tokens, local, best_len)
+        pulled = transfer + pulled
+        paying = np.fromiter((must_pay(n) for n in nodes), np.bool_, count)
+        with_pull = np.where(paying, np.minimum(pulled, own), pulled)
+        return np.array(est.queues_s(nodes)) + np.where(pull, with_pull, own)
+
     def candidate(node: NodeState) -> PrefillCandidate:
         holder, best_len = holders[node.kv_family]
         local = local_of(node)
@@ -407,7 +473,9 @@ def _pull_candidates(
         return PrefillCandidate(node, prefix, migration, est.queue_s(node), prefill_s, load_s)
 
     if bounded:
-        return _contenders(req, nodes, bound, candidate)
+        if len(nodes) >= VECTOR_MIN_NODES:
+            return _contenders(req, nodes, bounds().tolist(), candidate)
+        return _contenders(req, nodes, [bound(node) for node in nodes], candidate)
     return [candidate(node) for node in nodes]
 
 
@@ -492,6 +560,26 @@ class RoundRobin:
         return items[start:] + items[:start]
 
 
+def _decode_contenders(
+    nodes: list[NodeState], choice: DecodeChoice, est: Estimates
+) -> list[DecodeCandidate]:
+    """The decode nodes whose TBT lower bound (``Estimates.tbt_floors``) does not pass
+    the lowest TBT among them, with their TBTs, evaluated in order of the bound: the
+    node ``LowestTbt`` ranks first and every node tied with it on TBT are among them."""
+    at_s, now_s, req = choice.at_s, choice.now_s, choice.request
+    bounds, exact = est.tbt_floors(nodes, at_s, now_s, req)
+    out: list[DecodeCandidate] = []
+    best = math.inf
+    for lower, i in sorted(zip(bounds, range(len(nodes)), strict=True)):
+        if lower > best + abs(best) * _BOUND_SLACK:
+            break
+        tbt = lower if exact[i] else est.tbt_at(nodes[i], at_s, now_s, req)
+        out.append(DecodeCandidate(nodes[i], tbt))
+        if tbt < best:
+            best = tbt
+    return out
+
+
 # ---------------------------------------------------------------------------- pipelines
 _DECODE_FILTERS: tuple[DecodeFilter, ...] = (Colocated(), FreeSlot(), KvRoom())
 
@@ -522,6 +610,8 @@ class SchedulingPolicy:
         for decode_filter in self.decode_filters:
             nodes = decode_filter.keep(nodes, choice, est)
         req = choice.request
+        if isinstance(self.decode_ranker, LowestTbt) and len(nodes) >= VECTOR_MIN_NODES:
+            return self.decode_ranker.rank(_decode_contenders(nodes, choice, est))
         tbts = est.tbt_all(nodes, choice.at_s, choice.now_s, req)
         options = [DecodeCandidate(n, tbt) for n, tbt in zip(nodes, tbts, strict=True)]
         return self.decode_ranker.rank(options)

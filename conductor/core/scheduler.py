@@ -55,7 +55,10 @@ forecast meets the SLO, or the median remaining decode time when no decode slot 
 Complexity per decision: O(P + D·A) for P prefill nodes, D decode nodes and A active
 decodes per decode node (x10 probes for a TBT ``Retry-After``); the D·A part of nodes
 with ``VECTOR_MIN_DECODES`` or more runs in one NumPy pass (``forecasts``), bit for bit
-the per-decode loop's result; prefix matching happens before, in the index.
+the per-decode loop's result; prefix matching happens before, in the index. The O(P)
+and O(D) parts are lower bounds over arrays from ``policies.VECTOR_MIN_NODES`` nodes
+on (``queues_s``, ``prefill_floors_s``, ``tbt_floors``), and full estimates only for
+the nodes whose bound reaches the best (``policies``, "Contenders").
 """
 
 from __future__ import annotations
@@ -66,7 +69,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from conductor.core.cost_model import DecodeTimeModel, PrefillTimeModel
+import numpy as np
+
+from conductor.core.cost_model import (
+    DecodeTimeModel,
+    FloatArray,
+    IntArray,
+    PrefillTimeModel,
+    decode_floors,
+    floor_terms,
+    prefill_floors,
+)
 from conductor.core.decode_load import (
     VECTOR_MIN_DECODES,
     DecodeForecast,
@@ -134,6 +147,10 @@ class Slo:
     tbt_s: float
 
 
+PREFILL_ROLES: frozenset[NodeRole] = frozenset(("prefill", "both"))
+DECODE_ROLES: frozenset[NodeRole] = frozenset(("decode", "both"))
+
+
 @dataclass(frozen=True, slots=True)
 class NodeState:
     node_id: NodeId
@@ -171,11 +188,11 @@ class NodeState:
 
     @property
     def can_prefill(self) -> bool:
-        return self.healthy and self.role in ("prefill", "both")
+        return self.healthy and self.role in PREFILL_ROLES
 
     @property
     def can_decode(self) -> bool:
-        return self.healthy and self.role in ("decode", "both")
+        return self.healthy and self.role in DECODE_ROLES
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,8 +356,9 @@ class Scheduler:
         and the agent-reported queued tokens (work other conductors sent), so neither
         is double counted.
         """
-        book = self._book(node.node_id)
-        model = self.prefill_model(node.node_id)
+        # Asked of every prefill node per decision: the remembered answer first.
+        book = self._books.get(node.node_id) or self._book(node.node_id)
+        model = self._prefill_models.get(node.node_id) or self.prefill_model(node.node_id)
         memo = book.queue_memo
         if memo is not None and memo[0] == model.version and memo[1] == node.queued_prefill_tokens:
             return memo[2]
@@ -377,25 +395,30 @@ class Scheduler:
         """``forecast`` of each of ``nodes``: the nodes running ``vector_min_decodes``
         or more of ours in one pass over their decodes' columns (``own_loads``), the
         others decode by decode — the same numbers either way. O(decodes on them)."""
-        books = [self._book(n.node_id) for n in nodes]
+        # Asked of every decode node per decision: one loop, remembered steps read in it.
+        by_id, models = self._books, self._decode_models
+        books = [by_id.get(n.node_id) or self._book(n.node_id) for n in nodes]
         vector_min = max(1, self.vector_min_decodes)  # own_loads takes no empty book
         busy = [b for b in books if len(b.decodes) >= vector_min]
         own = iter(self._own_loads(busy, at_s, now_s) if busy else ())
         out = []
         for node, book in zip(nodes, books, strict=True):
-            model = self.decode_model(node.node_id)
+            model = models.get(node.node_id) or self.decode_model(node.node_id)
+            running = node.running_requests
             step_s = self._reported_step_s(node, book, model)
-            if len(book.decodes) >= vector_min:
+            decodes = book.decodes
+            if not decodes:  # ``forecast_decode_load`` of no decodes of ours
+                forecast = with_foreign(0.0, 0.0, 0, running, at_s, now_s, lengths, model, step_s)
+            elif len(decodes) >= vector_min:
                 load = next(own)
                 forecast = with_foreign(
                     load.requests, load.context_tokens, load.running_now,
-                    node.running_requests, at_s, now_s, lengths, model, step_s,
+                    running, at_s, now_s, lengths, model, step_s,
                 )  # fmt: skip
             else:
                 forecast = forecast_decode_load(
-                    book.decodes.values(), node.running_requests, at_s, now_s, lengths,
-                    model, step_s,
-                )  # fmt: skip
+                    decodes.values(), running, at_s, now_s, lengths, model, step_s
+                )
             out.append(forecast)
         return out
 
@@ -430,12 +453,58 @@ class Scheduler:
     ) -> list[float]:
         """``tbt_at`` of each of ``nodes`` (their forecasts in one pass)."""
         loads = self.forecasts(nodes, at_s, now_s, self.lengths_for(req))
+        models, prompt_tokens = self._decode_models, req.prompt_tokens  # ``forecasts`` made them
         return [
-            self.decode_model(node.node_id).estimate(
-                load.requests + 1, load.context_tokens + req.prompt_tokens
-            )
+            models[node.node_id].estimate(load.requests + 1, load.context_tokens + prompt_tokens)
             for node, load in zip(nodes, loads, strict=True)
         ]
+
+    def tbt_floors(
+        self, nodes: Sequence[NodeState], at_s: float, now_s: float, req: ScheduleRequest
+    ) -> tuple[list[float], list[bool]]:
+        """Lower bounds of ``tbt_at`` for each of ``nodes``, and whether each is exact:
+        exact for nodes running decodes of ours (``tbt_all``); for the others, whose forecast
+        is their agent-reported batch still running at ``at_s`` (``with_foreign`` of no
+        decodes of ours, context 0), that forecast in arrays and each model's
+        ``floor`` of the estimate (``decode_floors``): a few attribute reads per node."""
+        lengths = self.lengths_for(req)
+        by_id, models = self._books, self._decode_models
+        out = [0.0] * len(nodes)
+        exact = [False] * len(nodes)
+        busy: list[int] = []
+        idle: list[int] = []
+        idle_models: list[DecodeTimeModel] = []
+        running: list[int] = []
+        steps: list[float] = []
+        for i, node in enumerate(nodes):
+            book = by_id.get(node.node_id) or self._book(node.node_id)
+            if book.decodes:
+                busy.append(i)
+                continue
+            model = models.get(node.node_id) or self.decode_model(node.node_id)
+            steps.append(self._reported_step_s(node, book, model))
+            idle.append(i)
+            idle_models.append(model)
+            running.append(node.running_requests)
+        if busy:
+            tbts = self.tbt_all([nodes[i] for i in busy], at_s, now_s, req)
+            for i, tbt in zip(busy, tbts, strict=True):
+                out[i], exact[i] = tbt, True
+        if idle:
+            foreign = np.maximum(np.array(running, dtype=np.float64), 0.0)
+            if at_s <= now_s:
+                share = np.ones(len(idle))
+            else:
+                step = np.array(steps)
+                positive = step > 0
+                ahead = (at_s - now_s) / np.where(positive, step, 1.0)
+                share = np.where(positive, lengths.survivals(ahead), 0.0)
+            batch = foreign * share + 1
+            context = np.full(len(idle), float(req.prompt_tokens))
+            floors = decode_floors(floor_terms(idle_models), batch, context).tolist()
+            for i, floor in zip(idle, floors, strict=True):
+                out[i] = floor
+        return out, exact
 
     def load_s(self, node: NodeState, req: ScheduleRequest) -> float:
         """Time to load the node's lower-tier blocks of this prompt back onto its device."""
@@ -486,7 +555,38 @@ class Scheduler:
         """A lower bound of ``prefill_s`` with the same arguments (O(1)); it is also
         a lower bound for any more ``prefix_blocks``."""
         cached = min(prompt_tokens - 1, prefix_blocks * node.block_size)
-        return self.prefill_model(node.node_id).estimate_floor(prompt_tokens, max(0, cached))
+        model = self._prefill_models.get(node.node_id) or self.prefill_model(node.node_id)
+        return model.estimate_floor(prompt_tokens, cached if cached > 0 else 0)
+
+    def queues_s(self, nodes: Sequence[NodeState]) -> list[float]:
+        """``queue_s`` of each of ``nodes`` (the remembered ones read in one loop)."""
+        books, models = self._books, self._prefill_models
+        out = []
+        for node in nodes:
+            book, model = books.get(node.node_id), models.get(node.node_id)
+            memo = None if book is None else book.queue_memo
+            if (
+                memo is not None
+                and model is not None
+                and memo[0] == model.version
+                and memo[1] == node.queued_prefill_tokens
+            ):
+                out.append(memo[2])
+            else:
+                out.append(self.queue_s(node))
+        return out
+
+    def prefill_floors_s(
+        self, nodes: Sequence[NodeState], prompt_tokens: int, *prefix_blocks: IntArray
+    ) -> list[FloatArray]:
+        """``prefill_floor_s`` of each of ``nodes`` (up to float rounding: a lower bound
+        to pass over nodes with) at each array of ``prefix_blocks`` (one per node)."""
+        models = self._prefill_models
+        terms = floor_terms([models.get(n.node_id) or self.prefill_model(n.node_id) for n in nodes])
+        block_size = np.fromiter((n.block_size for n in nodes), np.int64, len(nodes))
+        limit = prompt_tokens - 1
+        cached = [np.maximum(np.minimum(b * block_size, limit), 0) for b in prefix_blocks]
+        return [prefill_floors(terms, prompt_tokens, c) for c in cached]
 
     def _prefill_evidence(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> bool:
         cached = max(0, min(prompt_tokens - 1, prefix_blocks * node.block_size))
@@ -518,8 +618,9 @@ class Scheduler:
         """
         self._lengths_memo = None
         self._decision_now_s = now_s
-        prefill_nodes = [n for n in nodes if n.can_prefill]
-        decode_nodes = [n for n in nodes if n.can_decode]
+        # ``can_prefill`` and ``can_decode`` without a property call per node.
+        prefill_nodes = [n for n in nodes if n.healthy and n.role in PREFILL_ROLES]
+        decode_nodes = [n for n in nodes if n.healthy and n.role in DECODE_ROLES]
         if not prefill_nodes:
             return Rejection("no_prefill_node", self._retry(1.0), math.inf, math.inf)
         if not decode_nodes:

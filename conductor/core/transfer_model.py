@@ -30,8 +30,12 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
+
+import numpy as np
+import numpy.typing as npt
 
 from conductor.core.prefix_index import NodeId
 from kvc.priors import nonnegative_quadratic_min
@@ -140,6 +144,18 @@ class TransferModel:
         else:
             latency_s, spb = link.latency_s, link.seconds_per_byte
         return latency_s + max(nbytes, 0) * spb
+
+    def estimates(
+        self, pairs: Sequence[tuple[NodeId, NodeId]], nbytes: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.float64]:
+        """``estimate`` of each (src, dst) pair moving its ``nbytes``, over arrays."""
+        links, default = self._links, (self._default_latency_s, self._default_spb)
+        fits = [
+            default if link is None else (link.latency_s, link.seconds_per_byte)
+            for link in map(links.get, pairs)
+        ]
+        terms = np.array(fits, dtype=np.float64).reshape(len(fits), 2)
+        return terms[:, 0] + np.maximum(nbytes, 0) * terms[:, 1]
 
     def bandwidth_bytes_per_s(self, src: NodeId, dst: NodeId) -> float:
         link = self._links.get((src, dst))

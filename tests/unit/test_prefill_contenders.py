@@ -5,10 +5,13 @@ puts first, whatever the fleet's queues, prefixes, learned models and affinity."
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest.mock import patch
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conductor.core import policies
 from conductor.core.policies import Policy
 from conductor.core.prefix_index import NodeId
 from conductor.core.scheduler import (
@@ -115,16 +118,19 @@ def situations(draw: st.DrawFn) -> tuple[Scheduler, list[NodeState], ScheduleReq
     return s, nodes, req
 
 
+@pytest.mark.parametrize("vector_min", [0, 10**9], ids=["arrays", "per-node"])
 @settings(max_examples=300, deadline=None)
-@given(situations())
+@given(situation=situations())
 def test_the_contenders_first_is_the_full_rankings_first(
-    situation: tuple[Scheduler, list[NodeState], ScheduleRequest],
+    vector_min: int, situation: tuple[Scheduler, list[NodeState], ScheduleRequest]
 ) -> None:
+    """Whether the bounds are taken over arrays or node by node (``VECTOR_MIN_NODES``)."""
     s, nodes, req = situation
     policy = s.policy
     s._decision_now_s = NOW
     full = policy.prefill_ranker.rank(policy.prefix.candidates(req, nodes, s))
-    fast = policy.order_prefill(req, nodes, s)
+    with patch.object(policies, "VECTOR_MIN_NODES", vector_min):
+        fast = policy.order_prefill(req, nodes, s)
     assert fast[0] == full[0]
     assert all(c in full for c in fast)
     if req.affinity is not None:
@@ -135,7 +141,8 @@ def test_the_contenders_first_is_the_full_rankings_first(
         )
 
 
-def test_nodes_that_cannot_win_get_no_candidate() -> None:
+@pytest.mark.parametrize("vector_min", [0, 10**9], ids=["arrays", "per-node"])
+def test_nodes_that_cannot_win_get_no_candidate(vector_min: int) -> None:
     """One holder of the whole prefix on an idle node; 99 others behind long queues:
     only the holder and the idle nodes' bounds reach the best TTFT."""
     s = Scheduler(round_number_config(policy=Policy.KV_CENTRIC))
@@ -152,7 +159,8 @@ def test_nodes_that_cannot_win_get_no_candidate() -> None:
         slo=Slo(ttft_s=30.0, tbt_s=1.0),
     )
     s._decision_now_s = NOW
-    contenders = s.policy.order_prefill(req, [*busy, holder], s)
+    with patch.object(policies, "VECTOR_MIN_NODES", vector_min):
+        contenders = s.policy.order_prefill(req, [*busy, holder], s)
     assert [c.node.node_id for c in contenders] == ["h"]
     full = s.policy.prefill_ranker.rank(s.policy.prefix.candidates(req, [*busy, holder], s))
     assert len(full) == 100
