@@ -205,7 +205,7 @@ class Estimates(Protocol):
 
     def tbt_floors(
         self, nodes: Sequence[NodeState], at_s: float, now_s: float, req: ScheduleRequest
-    ) -> tuple[list[float], list[bool]]: ...
+    ) -> list[float]: ...
 
 
 # ---------------------------------------------------------------------------- prefill stage
@@ -567,13 +567,13 @@ def _decode_contenders(
     the lowest TBT among them, with their TBTs, evaluated in order of the bound: the
     node ``LowestTbt`` ranks first and every node tied with it on TBT are among them."""
     at_s, now_s, req = choice.at_s, choice.now_s, choice.request
-    bounds, exact = est.tbt_floors(nodes, at_s, now_s, req)
+    bounds = est.tbt_floors(nodes, at_s, now_s, req)
     out: list[DecodeCandidate] = []
     best = math.inf
     for lower, i in sorted(zip(bounds, range(len(nodes)), strict=True)):
         if lower > best + abs(best) * _BOUND_SLACK:
             break
-        tbt = lower if exact[i] else est.tbt_at(nodes[i], at_s, now_s, req)
+        tbt = est.tbt_at(nodes[i], at_s, now_s, req)
         out.append(DecodeCandidate(nodes[i], tbt))
         if tbt < best:
             best = tbt

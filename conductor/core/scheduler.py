@@ -286,7 +286,8 @@ class Scheduler:
         # over columns; reset (to those still placed) once it has doubled since.
         self._length_table = SurvivalTable()
         self._length_table_limit = _LENGTH_TABLE_MIN_RESET
-        # Decodes per node from which forecasts run over columns (decode_load).
+        # Decodes (over the nodes of one forecast) from which forecasts run over
+        # columns (decode_load).
         self.vector_min_decodes = VECTOR_MIN_DECODES
         # One decision asks for the request's output-length distribution once per decode
         # node: (length key, the model's sample count, the distribution) of the last ask.
@@ -392,14 +393,16 @@ class Scheduler:
     def forecasts(
         self, nodes: Sequence[NodeState], at_s: float, now_s: float, lengths: LengthDistribution
     ) -> list[DecodeForecast]:
-        """``forecast`` of each of ``nodes``: the nodes running ``vector_min_decodes``
-        or more of ours in one pass over their decodes' columns (``own_loads``), the
-        others decode by decode — the same numbers either way. O(decodes on them)."""
+        """``forecast`` of each of ``nodes``: once they run ``vector_min_decodes`` or
+        more of ours in all, one pass over their decodes' columns (``own_loads``), else
+        decode by decode — the same numbers either way. O(decodes on them)."""
         # Asked of every decode node per decision: one loop, remembered steps read in it.
         by_id, models = self._books, self._decode_models
         books = [by_id.get(n.node_id) or self._book(n.node_id) for n in nodes]
-        vector_min = max(1, self.vector_min_decodes)  # own_loads takes no empty book
-        busy = [b for b in books if len(b.decodes) >= vector_min]
+        # One pass over columns for every node with decodes of ours once they hold
+        # ``vector_min_decodes`` in all (the pass's cost is per call, not per node).
+        vector = sum(len(b.decodes) for b in books) >= max(1, self.vector_min_decodes)
+        busy = [b for b in books if b.decodes] if vector else []
         own = iter(self._own_loads(busy, at_s, now_s) if busy else ())
         out = []
         for node, book in zip(nodes, books, strict=True):
@@ -409,7 +412,7 @@ class Scheduler:
             decodes = book.decodes
             if not decodes:  # ``forecast_decode_load`` of no decodes of ours
                 forecast = with_foreign(0.0, 0.0, 0, running, at_s, now_s, lengths, model, step_s)
-            elif len(decodes) >= vector_min:
+            elif vector:
                 load = next(own)
                 forecast = with_foreign(
                     load.requests, load.context_tokens, load.running_now,
@@ -461,50 +464,45 @@ class Scheduler:
 
     def tbt_floors(
         self, nodes: Sequence[NodeState], at_s: float, now_s: float, req: ScheduleRequest
-    ) -> tuple[list[float], list[bool]]:
-        """Lower bounds of ``tbt_at`` for each of ``nodes``, and whether each is exact:
-        exact for nodes running decodes of ours (``tbt_all``); for the others, whose forecast
-        is their agent-reported batch still running at ``at_s`` (``with_foreign`` of no
-        decodes of ours, context 0), that forecast in arrays and each model's
-        ``floor`` of the estimate (``decode_floors``): a few attribute reads per node."""
+    ) -> list[float]:
+        """Lower bounds of ``tbt_at`` for each of ``nodes``, over arrays: each node's
+        forecast (this scheduler's decodes there in one pass over their columns,
+        ``own_loads``; then ``with_foreign``'s arithmetic for the decodes its agent
+        reports beyond ours) and its model's ``floor`` of the estimate
+        (``decode_floors``). A few attribute reads per node in Python."""
         lengths = self.lengths_for(req)
         by_id, models = self._books, self._decode_models
-        out = [0.0] * len(nodes)
-        exact = [False] * len(nodes)
-        busy: list[int] = []
-        idle: list[int] = []
-        idle_models: list[DecodeTimeModel] = []
-        running: list[int] = []
-        steps: list[float] = []
-        for i, node in enumerate(nodes):
-            book = by_id.get(node.node_id) or self._book(node.node_id)
-            if book.decodes:
-                busy.append(i)
-                continue
-            model = models.get(node.node_id) or self.decode_model(node.node_id)
-            steps.append(self._reported_step_s(node, book, model))
-            idle.append(i)
-            idle_models.append(model)
-            running.append(node.running_requests)
+        count = len(nodes)
+        books = [by_id.get(n.node_id) or self._book(n.node_id) for n in nodes]
+        node_models = [models.get(n.node_id) or self.decode_model(n.node_id) for n in nodes]
+        steps = [
+            self._reported_step_s(n, b, m)
+            for n, b, m in zip(nodes, books, node_models, strict=True)
+        ]
+        reported = np.fromiter((n.running_requests for n in nodes), np.float64, count)
+        requests, context, running_now = np.zeros(count), np.zeros(count), np.zeros(count)
+        busy = [i for i, b in enumerate(books) if b.decodes]
         if busy:
-            tbts = self.tbt_all([nodes[i] for i in busy], at_s, now_s, req)
-            for i, tbt in zip(busy, tbts, strict=True):
-                out[i], exact[i] = tbt, True
-        if idle:
-            foreign = np.maximum(np.array(running, dtype=np.float64), 0.0)
-            if at_s <= now_s:
-                share = np.ones(len(idle))
-            else:
-                step = np.array(steps)
-                positive = step > 0
-                ahead = (at_s - now_s) / np.where(positive, step, 1.0)
-                share = np.where(positive, lengths.survivals(ahead), 0.0)
-            batch = foreign * share + 1
-            context = np.full(len(idle), float(req.prompt_tokens))
-            floors = decode_floors(floor_terms(idle_models), batch, context).tolist()
-            for i, floor in zip(idle, floors, strict=True):
-                out[i] = floor
-        return out, exact
+            own = self._own_loads([books[i] for i in busy], at_s, now_s)
+            requests[busy] = [load.requests for load in own]
+            context[busy] = [load.context_tokens for load in own]
+            running_now[busy] = [load.running_now for load in own]
+        # with_foreign: the reported decodes beyond ours, each with our mean context,
+        # running at ``at_s`` with the arriving request's survival at the reported step.
+        foreign = np.maximum(reported - running_now, 0.0)
+        mean_context = np.where(requests > 0, context / np.where(requests > 0, requests, 1.0), 0.0)
+        if at_s <= now_s:
+            share = np.ones(count)
+        else:
+            step = np.array(steps)
+            positive = step > 0
+            ahead = (at_s - now_s) / np.where(positive, step, 1.0)
+            share = np.where(positive, lengths.survivals(ahead), 0.0)
+        requests += foreign * share
+        context += foreign * share * mean_context
+        floors = decode_floors(floor_terms(node_models), requests + 1, context + req.prompt_tokens)
+        out: list[float] = floors.tolist()
+        return out
 
     def load_s(self, node: NodeState, req: ScheduleRequest) -> float:
         """Time to load the node's lower-tier blocks of this prompt back onto its device."""
