@@ -118,7 +118,9 @@ def measure(prompt_tokens: int, fleet: Fleet, repeats: int, in_flight: int = 0) 
     for r in range(repeats + PROFILED):
         profiled = r >= repeats
         started = time.perf_counter()
-        keys = compute_block_keys(tokens[:-1], tenant="t", model=MODEL, block_size=32)
+        keys = compute_block_keys(
+            tokens, tenant="t", model=MODEL, block_size=32, end=len(tokens) - 1
+        )  # as the dispatcher asks
         keyed = time.perf_counter()
         prefix_blocks = fleet.index.match(keys)
         request = ScheduleRequest(

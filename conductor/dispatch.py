@@ -327,9 +327,11 @@ class Dispatcher:
             raise ServiceUnavailable(
                 "No prefill and decode capable node is available.", retry_after_s=2.0
             )
+        prompt_ids = req.prompt_ids
         keys = compute_block_keys(
-            req.prompt_ids[:-1], tenant=req.tenant, model=self._model, block_size=block_size
-        )
+            prompt_ids, tenant=req.tenant, model=self._model, block_size=block_size,
+            end=max(0, len(prompt_ids) - 1),
+        )  # fmt: skip
         prefix_blocks = self._index.match(keys)
         sreq = ScheduleRequest(
             request_id=req.request_id,

@@ -151,12 +151,17 @@ def compute_block_keys(
     model: str,
     block_size: int,
     parent: BlockKey | None = None,
+    end: int | None = None,
 ) -> list[BlockKey]:
     """Chained keys of the full blocks of ``token_ids``, in order.
 
     ``parent`` continues a chain (the key of the block just before ``token_ids[0]``);
-    ``None`` starts at ``ROOT_PARENT_KEY``. Raises ``ValueError`` when ``block_size <= 0``,
-    a token id is outside ``[0, 2**32)`` or ``parent`` is not a uint64.
+    ``None`` starts at ``ROOT_PARENT_KEY``. ``end``: the keys of ``token_ids[:end]``
+    (``0 <= end <= len(token_ids)``) — a prompt's keys leave its last token out, which is
+    always computed — without copying a long list: within a block of the length, the
+    keys of the whole list are cut instead (an invalid id past ``end`` then falls back to
+    the copy, so it never raises). Raises ``ValueError`` when ``block_size <= 0``, a token
+    id is outside ``[0, 2**32)``, ``parent`` is not a uint64 or ``end`` is out of range.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -164,6 +169,24 @@ def compute_block_keys(
     if not 0 <= parent_key < 2**KEY_BITS:
         raise ValueError(f"parent must be a uint64, got {parent_key!r}")
     salt = namespace_digest(tenant, model)
+    if end is not None:
+        if isinstance(end, bool) or not isinstance(end, int) or not 0 <= end <= len(token_ids):
+            raise ValueError(f"end must be an int in [0, {len(token_ids)}], got {end!r}")
+        if len(token_ids) - end < block_size:
+            try:
+                keys = _chain_keys(token_ids, salt, block_size, parent_key)
+            except ValueError:
+                pass  # an id past ``end`` may be the invalid one: hash the slice alone
+            else:
+                del keys[end // block_size :]  # at most one key: the block ``end`` cuts
+                return keys
+        token_ids = token_ids[:end]
+    return _chain_keys(token_ids, salt, block_size, parent_key)
+
+
+def _chain_keys(
+    token_ids: Sequence[int], salt: bytes, block_size: int, parent_key: int
+) -> list[BlockKey]:
     if native.chain_keys is not None:
         keys = native.chain_keys(token_ids, salt, _KEY_PERSON, block_size, parent_key)
         return cast("list[BlockKey]", keys)

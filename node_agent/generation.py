@@ -110,8 +110,9 @@ class Generation:
         if not prompt:
             raise PromptRejected("prompt must contain at least one token")
         keys = compute_block_keys(
-            prompt[:-1], tenant=tenant, model=engine.info.model, block_size=block_size
-        )
+            prompt, tenant=tenant, model=engine.info.model, block_size=block_size,
+            end=len(prompt) - 1,
+        )  # fmt: skip
         if not keys and not tx_id:
             handles: tuple[int, ...] = ()  # shorter than one block: nothing to own
         else:

@@ -376,3 +376,38 @@ def test_blocks_of_one_two_and_more_compressions(block_size: int) -> None:
     )
     assert got == expected
     assert python_keys(tokens, block_size, 12345) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=200),
+    block_size=st.integers(min_value=1, max_value=40),
+    data=st.data(),
+)
+def test_end_is_the_keys_of_the_slice(
+    tokens: list[int], block_size: int, data: st.DataObject
+) -> None:
+    """``end`` hashes ``tokens[:end]``: whether it cuts the whole list's keys (within a
+    block of the length) or hashes the slice, compiled or not."""
+    end = data.draw(st.integers(min_value=0, max_value=len(tokens)))
+    expected = python_keys(tokens[:end], block_size)
+    for sequence in (tokens, tuple(tokens)):
+        got = compute_block_keys(sequence, tenant="t", model="m", block_size=block_size, end=end)
+        assert got == expected
+
+
+def test_end_never_reads_past_itself() -> None:
+    """An invalid id after ``end`` raises nothing (the prompt's keys leave it out)."""
+    tokens: list[object] = [1, 2, 3, 4, 5, 2**40]
+    expected = python_keys([1, 2, 3, 4, 5], 2)
+    got = compute_block_keys(tokens, tenant="t", model="m", block_size=2, end=5)  # type: ignore[arg-type]
+    assert got == expected
+    assert compute_block_keys([1, "x"], tenant="t", model="m", block_size=2, end=1) == []  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+        compute_block_keys([1, 2**40, 3], tenant="t", model="m", block_size=2, end=2)
+
+
+@pytest.mark.parametrize("end", [-1, 5, True, 2.0])
+def test_end_out_of_range_is_a_value_error(end: object) -> None:
+    with pytest.raises(ValueError, match="end must be"):
+        compute_block_keys([1, 2, 3, 4], tenant="t", model="m", block_size=2, end=end)  # type: ignore[arg-type]
