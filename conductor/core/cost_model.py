@@ -90,7 +90,7 @@ from bisect import bisect_right, insort
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -333,21 +333,26 @@ class _LogRatioCorrection:
         return near >= _EVIDENCE_MIN_OBSERVATIONS
 
 
-class _CorrectedModel:
+_P = TypeVar("_P", PrefillPrior, DecodePrior)
+
+
+class _CorrectedModel(Generic[_P]):
     """Shared parts of the prefill and decode models: a prior times a learned factor."""
 
-    __slots__ = ("_bucket_window", "_correction", "_floor_row", "_half_life",
+    __slots__ = ("_bucket_window", "_correction", "_floor_row", "_half_life", "_prior",
                  "_prior_measured", "_prior_weight", "_version", "_window")  # fmt: skip
 
     def __init__(
         self,
+        prior: _P,
         *,
-        prior_measured: bool,
-        prior_weight: float,
-        window: int,
-        bucket_window: int,
-        half_life: float,
+        prior_measured: bool = False,
+        prior_weight: float = 0.25,
+        window: int = 64,
+        bucket_window: int = 9,
+        half_life: float = 512.0,
     ) -> None:
+        self._prior: _P = prior
         self._prior_measured = bool(prior_measured)
         self._prior_weight = prior_weight
         self._window = window
@@ -392,56 +397,31 @@ class _CorrectedModel:
         memo = self._floor_row
         if memo is not None and memo[0] == self._version:
             return memo[1]
-        row = (*self._prior_coefficients(), self.floor_factor())
+        row = (*self._prior.coefficients, self.floor_factor())
         self._floor_row = (self._version, row)
         return row
 
-    def _prior_coefficients(self) -> tuple[float, float, float]:
-        raise NotImplementedError  # each model's prior
+    @property
+    def prior(self) -> _P:
+        return self._prior
+
+    def set_prior(self, prior: _P, *, measured: bool) -> None:
+        """Replace the prior (e.g. by the node's calibration); learned factors restart."""
+        self._prior = prior
+        self._prior_measured = bool(measured)
+        self._correction = self._fresh_correction()
 
 
 # ---------------------------------------------------------------------- prefill
 
 
-class PrefillTimeModel(_CorrectedModel):
+class PrefillTimeModel(_CorrectedModel[PrefillPrior]):
     """Predicted prefill seconds from total and cached tokens; learns from observations.
 
     ``estimate = prior(n, p) * learned factor`` (module docstring, "Learning").
     """
 
-    __slots__ = ("_prior",)
-
-    def __init__(
-        self,
-        prior: PrefillPrior,
-        *,
-        prior_measured: bool = False,
-        prior_weight: float = 0.25,
-        window: int = 64,
-        bucket_window: int = 9,
-        half_life: float = 512.0,
-    ) -> None:
-        super().__init__(
-            prior_measured=prior_measured,
-            prior_weight=prior_weight,
-            window=window,
-            bucket_window=bucket_window,
-            half_life=half_life,
-        )
-        self._prior = prior
-
-    @property
-    def prior(self) -> PrefillPrior:
-        return self._prior
-
-    def _prior_coefficients(self) -> tuple[float, float, float]:
-        return self._prior.coefficients
-
-    def set_prior(self, prior: PrefillPrior, *, measured: bool) -> None:
-        """Replace the prior (e.g. by the node's calibration); learned factors restart."""
-        self._prior = prior
-        self._prior_measured = bool(measured)
-        self._correction = self._fresh_correction()
+    __slots__ = ()
 
     @property
     def coefficients(self) -> PrefillPrior:
@@ -499,42 +479,10 @@ class PrefillTimeModel(_CorrectedModel):
 # ----------------------------------------------------------------------- decode
 
 
-class DecodeTimeModel(_CorrectedModel):
+class DecodeTimeModel(_CorrectedModel[DecodePrior]):
     """Predicted time between tokens from batch size and batch KV tokens."""
 
-    __slots__ = ("_prior",)
-
-    def __init__(
-        self,
-        prior: DecodePrior,
-        *,
-        prior_measured: bool = False,
-        prior_weight: float = 0.25,
-        window: int = 64,
-        bucket_window: int = 9,
-        half_life: float = 512.0,
-    ) -> None:
-        super().__init__(
-            prior_measured=prior_measured,
-            prior_weight=prior_weight,
-            window=window,
-            bucket_window=bucket_window,
-            half_life=half_life,
-        )
-        self._prior = prior
-
-    @property
-    def prior(self) -> DecodePrior:
-        return self._prior
-
-    def _prior_coefficients(self) -> tuple[float, float, float]:
-        return self._prior.coefficients
-
-    def set_prior(self, prior: DecodePrior, *, measured: bool) -> None:
-        """Replace the prior (e.g. by the node's calibration); learned factors restart."""
-        self._prior = prior
-        self._prior_measured = bool(measured)
-        self._correction = self._fresh_correction()
+    __slots__ = ()
 
     @property
     def coefficients(self) -> DecodePrior:
