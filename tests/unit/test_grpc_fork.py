@@ -28,7 +28,11 @@ SCRIPT = textwrap.dedent(
     async def main() -> None:
         channel = grpc.aio.insecure_channel("127.0.0.1:1")
         call = asyncio.ensure_future(channel.unary_unary("/x/y")(b"", wait_for_ready=True))
-        await asyncio.sleep(0.05)
+        # The call is in flight once the channel has left IDLE (connecting to nothing).
+        state = channel.get_state(try_to_connect=True)
+        while state is grpc.ChannelConnectivity.IDLE:
+            await asyncio.wait_for(channel.wait_for_state_change(state), timeout=30)
+            state = channel.get_state()
         for _ in range(10):
             child = subprocess.Popen(
                 ["/bin/true"], preexec_fn=die_with_parent, start_new_session=True
