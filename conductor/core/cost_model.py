@@ -112,7 +112,6 @@ __all__ = [
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
-FloorArray = npt.NDArray[np.float64]  # one row per model: three coefficients, floor factor
 
 # ------------------------------------------------------------ learned correction
 
@@ -305,9 +304,7 @@ class _LogRatioCorrection:
         observations: what lets the scheduler pass over nodes that cannot win."""
         if not (prior_s > 0 and self._seen):  # the estimate is then the prior (or 0)
             return prior_s if prior_s > 0 else 0.0
-        if self._dirty:
-            self._refresh()
-        return min(prior_s * self._floor_factor, _MAX_ESTIMATE_S)
+        return min(prior_s * self.floor_factor(), _MAX_ESTIMATE_S)
 
     def floor_factor(self) -> float:
         """What ``floor`` multiplies a positive prior estimate by, before its cap (1
@@ -441,19 +438,7 @@ class PrefillTimeModel(_CorrectedModel[PrefillPrior]):
         return self._prior.per_token_s * math.exp(self._correction.global_correction)
 
     def _prior_s(self, total_tokens: int, cached_tokens: int) -> float:
-        # ``prefill_features`` inline for plain non-negative ints (every call of the
-        # scheduler's: it asks several per node per decision); the same operations.
-        if (
-            total_tokens.__class__ is int
-            and cached_tokens.__class__ is int
-            and total_tokens >= 0
-            and cached_tokens >= 0
-        ):
-            cached = cached_tokens if cached_tokens < total_tokens else total_tokens
-            f1 = float(total_tokens - cached)
-            f2 = f1 * float(total_tokens + cached)
-        else:
-            f1, f2 = prefill_features(total_tokens, cached_tokens)
+        f1, f2 = prefill_features(total_tokens, cached_tokens)
         prior = self._prior
         return prior.fixed_s + prior.per_token_s * f1 + prior.per_token_context_s * f2
 
@@ -493,17 +478,7 @@ class DecodeTimeModel(_CorrectedModel[DecodePrior]):
         return DecodePrior(*(c * factor for c in self._prior.coefficients))
 
     def _prior_s(self, batch_requests: float, context_tokens: float) -> float:
-        # ``decode_features`` inline for finite non-negative floats (the scheduler's
-        # forecasts); anything else takes its checks.
-        if (
-            batch_requests.__class__ is float
-            and context_tokens.__class__ is float
-            and 0.0 <= batch_requests < math.inf
-            and 0.0 <= context_tokens < math.inf
-        ):
-            batch, context = batch_requests, context_tokens
-        else:
-            batch, context = decode_features(batch_requests, context_tokens)
+        batch, context = decode_features(batch_requests, context_tokens)
         prior = self._prior
         return prior.fixed_s + prior.per_request_s * batch + prior.per_context_token_s * context
 
@@ -522,19 +497,19 @@ class DecodeTimeModel(_CorrectedModel[DecodePrior]):
         return self._has_evidence(self._prior_s(batch_requests, context_tokens))
 
 
-def floor_terms(models: Sequence[PrefillTimeModel] | Sequence[DecodeTimeModel]) -> FloorArray:
-    """Each model's prior coefficients and ``floor_factor``, one row per model: what
+def floor_terms(models: Sequence[PrefillTimeModel] | Sequence[DecodeTimeModel]) -> FloatArray:
+    """Each model's prior coefficients and ``floor_factor``, one row of four per model: what
     ``prefill_floors`` and ``decode_floors`` evaluate over arrays."""
     return np.array([m.floor_row() for m in models], dtype=np.float64).reshape(len(models), 4)
 
 
-def _floors(terms: FloorArray, first: FloatArray, second: FloatArray) -> FloatArray:
+def _floors(terms: FloatArray, first: FloatArray, second: FloatArray) -> FloatArray:
     # The prior in the models' own operations (``fixed + a*f1 + b*f2``), then ``floor``.
     prior_s = terms[:, 0] + terms[:, 1] * first + terms[:, 2] * second
     return np.where(prior_s > 0, np.minimum(prior_s * terms[:, 3], _MAX_ESTIMATE_S), 0.0)
 
 
-def prefill_floors(terms: FloorArray, total_tokens: int, cached_tokens: IntArray) -> FloatArray:
+def prefill_floors(terms: FloatArray, total_tokens: int, cached_tokens: IntArray) -> FloatArray:
     """Lower bounds of ``models[i].estimate_floor(total_tokens, cached_tokens[i])``'s
     estimate for the rows of ``floor_terms(models)``: the features of ``prefill_features``
     (cached tokens >= 0), then each model's ``floor`` (the estimate itself for a model
@@ -545,7 +520,7 @@ def prefill_floors(terms: FloorArray, total_tokens: int, cached_tokens: IntArray
 
 
 def decode_floors(
-    terms: FloorArray, batch_requests: FloatArray, context_tokens: FloatArray
+    terms: FloatArray, batch_requests: FloatArray, context_tokens: FloatArray
 ) -> FloatArray:
     """Lower bounds of ``models[i].estimate(batch_requests[i], context_tokens[i])`` for
     the rows of ``floor_terms(models)`` (amounts finite and >= 0, ``decode_features``'

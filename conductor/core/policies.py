@@ -51,9 +51,9 @@ The first candidate is the one the full ranking puts first (property-tested agai
 it); what is saved is the prefill estimates and candidates of the nodes that cannot
 win, most of the fleet when it is large and only a few nodes hold the prefix.
 ``LowestTbt`` does the same on the decode side: a lower bound of each node's TBT
-(``Estimates.tbt_floors``: exact for nodes running decodes of this scheduler; for the
-others their reported batch's expected share still running, and the cost model's
-floor of the estimate), then TBTs in order of the bound until it passes the best.
+(``Estimates.tbt_floors``: the node's forecast batch, this scheduler's decodes and the
+reported others expected still running, and the cost model's floor of the estimate),
+then TBTs in order of the bound until it passes the best.
 
 From ``VECTOR_MIN_NODES`` nodes on, the bounds are computed over NumPy arrays (a few
 attribute reads per node in Python, the arithmetic in arrays, the same operations as
@@ -322,6 +322,28 @@ VECTOR_MIN_NODES = 96
 _BOUND_SLACK = 1e-9
 
 
+_Evaluated = TypeVar("_Evaluated")
+
+
+def _in_bound_order(
+    bounds: list[float],
+    evaluate: Callable[[int], _Evaluated],
+    cost: Callable[[_Evaluated], float],
+) -> list[_Evaluated]:
+    """``evaluate(i)`` for the indices in order of their lower bound ``bounds[i]`` (ties:
+    the lower index), until a bound passes the lowest ``cost`` evaluated: every index
+    whose cost may be the lowest, or tie with it, is evaluated."""
+    out: list[_Evaluated] = []
+    best = math.inf
+    for i in sorted(range(len(bounds)), key=bounds.__getitem__):
+        if bounds[i] > best + abs(best) * _BOUND_SLACK:
+            break
+        item = evaluate(i)
+        out.append(item)
+        best = min(best, cost(item))
+    return out
+
+
 def _contenders(
     req: ScheduleRequest,
     nodes: Sequence[NodeState],
@@ -332,16 +354,7 @@ def _contenders(
     does not pass the lowest TTFT among them, evaluated in order of the bound, plus the
     affinity node's. A node left out has a TTFT above the lowest: it neither wins nor
     ties."""
-    out: list[PrefillCandidate] = []
-    best = math.inf
-    for i in sorted(range(len(bounds)), key=bounds.__getitem__):  # ties: fleet order
-        if bounds[i] > best + abs(best) * _BOUND_SLACK:
-            break
-        c = candidate(nodes[i])
-        out.append(c)
-        ttft = c.base_ttft_s
-        if ttft < best:
-            best = ttft
+    out = _in_bound_order(bounds, lambda i: candidate(nodes[i]), lambda c: c.base_ttft_s)
     affinity = req.affinity
     if affinity is not None and all(c.node.node_id != affinity for c in out):
         out.extend(candidate(n) for n in nodes if n.node_id == affinity)
@@ -567,17 +580,11 @@ def _decode_contenders(
     the lowest TBT among them, with their TBTs, evaluated in order of the bound: the
     node ``LowestTbt`` ranks first and every node tied with it on TBT are among them."""
     at_s, now_s, req = choice.at_s, choice.now_s, choice.request
-    bounds = est.tbt_floors(nodes, at_s, now_s, req)
-    out: list[DecodeCandidate] = []
-    best = math.inf
-    for lower, i in sorted(zip(bounds, range(len(nodes)), strict=True)):
-        if lower > best + abs(best) * _BOUND_SLACK:
-            break
-        tbt = est.tbt_at(nodes[i], at_s, now_s, req)
-        out.append(DecodeCandidate(nodes[i], tbt))
-        if tbt < best:
-            best = tbt
-    return out
+    return _in_bound_order(
+        est.tbt_floors(nodes, at_s, now_s, req),
+        lambda i: DecodeCandidate(nodes[i], est.tbt_at(nodes[i], at_s, now_s, req)),
+        lambda c: c.tbt_s,
+    )
 
 
 # ---------------------------------------------------------------------------- pipelines

@@ -557,22 +557,8 @@ class Scheduler:
         return model.estimate_floor(prompt_tokens, cached if cached > 0 else 0)
 
     def queues_s(self, nodes: Sequence[NodeState]) -> list[float]:
-        """``queue_s`` of each of ``nodes`` (the remembered ones read in one loop)."""
-        books, models = self._books, self._prefill_models
-        out = []
-        for node in nodes:
-            book, model = books.get(node.node_id), models.get(node.node_id)
-            memo = None if book is None else book.queue_memo
-            if (
-                memo is not None
-                and model is not None
-                and memo[0] == model.version
-                and memo[1] == node.queued_prefill_tokens
-            ):
-                out.append(memo[2])
-            else:
-                out.append(self.queue_s(node))
-        return out
+        """``queue_s`` of each of ``nodes``."""
+        return [self.queue_s(node) for node in nodes]
 
     def prefill_floors_s(
         self, nodes: Sequence[NodeState], prompt_tokens: int, *prefix_blocks: IntArray
