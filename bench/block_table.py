@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from bench.report import markdown_table, summarize_ms, write_results
-from kvc.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, BlockKey, compute_block_keys
 from kvc.processes import free_port
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
@@ -139,7 +139,11 @@ async def bench_grpc(
                 started = time.perf_counter()
                 await stub.TxAllocate(
                     pb.TxAllocateRequest(
-                        tx_id=tx_id, tenant="bench", block_keys=prompts[i % 32], lease_s=30
+                        key_layout=KEY_LAYOUT,
+                        tx_id=tx_id,
+                        tenant="bench",
+                        block_keys=prompts[i % 32],
+                        lease_s=30,
                     )
                 )
                 await stub.TxCommit(pb.TxCommitRequest(tx_id=tx_id))

@@ -83,7 +83,7 @@ async def measure(nodes: int, repeats: int) -> dict[str, Any]:
         for i, address in enumerate(addresses):
             handle = fleet.add(address)
             handle.info = _info(address)
-            handle.reachable = handle.model_matches = True
+            handle.reachable = handle.compatible = True
             handle.set_load(_load(i))
             handles.append(handle)
         dispatcher = Dispatcher(

@@ -36,7 +36,7 @@ import httpx
 
 from bench.block_table import wait_serving
 from bench.report import markdown_table, summarize_ms, write_results
-from kvc.block_keys import compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.processes import free_port
 from kvc.tokenization import ChatTokenizer
@@ -73,7 +73,9 @@ async def transfer_gbps(prompt_tokens: int, repeats: int) -> dict[str, Any]:
         ):
             src, dst = pb_grpc.NodeAgentStub(sch), pb_grpc.NodeAgentStub(dch)
             await src.TxAllocate(
-                pb.TxAllocateRequest(tx_id="seed", tenant="bench", block_keys=keys, lease_s=60)
+                pb.TxAllocateRequest(
+                    key_layout=KEY_LAYOUT, tx_id="seed", tenant="bench", block_keys=keys, lease_s=60
+                )
             )
             await src.Prefill(
                 pb.PrefillRequest(
@@ -84,10 +86,16 @@ async def transfer_gbps(prompt_tokens: int, repeats: int) -> dict[str, Any]:
             rates, nbytes = [], 0
             for i in range(repeats):
                 await dst.TxAllocate(
-                    pb.TxAllocateRequest(tx_id=f"d{i}", tenant="bench", block_keys=keys, lease_s=60)
+                    pb.TxAllocateRequest(
+                        key_layout=KEY_LAYOUT,
+                        tx_id=f"d{i}",
+                        tenant="bench",
+                        block_keys=keys,
+                        lease_s=60,
+                    )
                 )
                 lock = await src.TxAllocate(
-                    pb.TxAllocateRequest(
+                    pb.TxAllocateRequest(key_layout=KEY_LAYOUT,
                         tx_id=f"s{i}", tenant="bench", block_keys=keys, lease_s=60,
                         mode=pb.TX_MODE_LOCK_ONLY,
                     )

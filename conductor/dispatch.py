@@ -73,7 +73,7 @@ from conductor.generation import (
     map_agent_error,
 )
 from conductor.refusals import RefusalLog
-from kvc.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, BlockKey, compute_block_keys
 from kvc.priors import DecodePrior, PrefillPrior
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.wire import sampling_to_pb
@@ -264,7 +264,7 @@ class Dispatcher:
                 info,
                 agent.load,
                 agent.reachable,
-                agent.model_matches,
+                agent.compatible,
                 agent.inflight,
                 agent.ended_prefill_tokens,
                 agent.ended_generations,
@@ -412,6 +412,7 @@ class Dispatcher:
                     lease_s=self._lease_s,
                     mode=pb.TX_MODE_LOCK_ONLY,
                     grantee=prefill.info.node_id if prefill.info else "",  # who may read
+                    key_layout=KEY_LAYOUT,
                 ),
                 timeout=self._rpc_timeout_s,
             )
@@ -516,6 +517,7 @@ class Dispatcher:
                 lease_s=tx_lease_s(self._lease_s, placement.ttft_s),
                 mode=pb.TX_MODE_ALLOCATE,
                 retain=retain,
+                key_layout=KEY_LAYOUT,
             )
             if fused:
                 loop_state.allocated()

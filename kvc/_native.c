@@ -7,24 +7,30 @@
  *   probe_set_ids  the key lookup of the shadow prefix index's open-addressing table
  *                  (conductor/core/prefix_index.py, _KeyTable._probe).
  *
- * chain_keys: the same layout, bit for bit (kvc/block_keys.py is the specification and the fallback
- * where this module was not built):
+ * chain_keys: the same layouts, bit for bit (kvc/block_keys.py is the specification and the
+ * fallback where this module was not built):
  *
- *     key_i = BLAKE2b-64(salt = NS(tenant, model), person = "kvc-blockkey-v1",
- *                        data = le_u64(key_{i-1}) || le_u32(tok) for tok in block i)
+ *   layout 2: key_i = BLAKE2b-64(salt = NS(tenant, model), person = "kvc-blockkey-v2",
+ *                                node_offset = key_{i-1},
+ *                                data = le_u32(tok) for tok in block i)
+ *   layout 1: key_i = BLAKE2b-64(salt = NS(tenant, model), person = "kvc-blockkey-v1",
+ *                                data = le_u64(key_{i-1}) || le_u32(tok) for tok in block i)
  *
  * BLAKE2b is written here from RFC 7693 (sections 2 and 3); nothing else is linked. What
- * the Python version spends per block (a hash object copied, two updates, a digest and an
- * int built from bytes, ~0.4 us) becomes one or two compressions on a buffer, and the token
- * list is read straight from its int objects instead of through array('I', ...).
+ * the Python version spends per block (a hash object made or copied, updates, a digest and
+ * an int built from bytes, ~0.4 us) becomes compressions on the token bytes: one per
+ * 32-token block in layout 2 (the parent sits in the parameter block, XORed into the
+ * starting state), two in layout 1 (8 bytes of parent + 128 of tokens). The token list is
+ * read straight from its int objects instead of through array('I', ...).
  *
- * chain_keys(tokens, salt, person, block_size, parent) -> list[int]
+ * chain_keys(tokens, salt, person, block_size, parent, layout) -> list[int]
  *     tokens: a sequence of ints in [0, 2**32) (anything with __index__, as array('I')
  *             takes); every id is checked, the trailing partial block included.
  *     salt, person: the BLAKE2b parameter-block fields (at most 16 bytes each, zero padded
  *             as hashlib pads them).
- *     block_size: tokens per block, > 0; parent: the key before tokens[0], a uint64.
- * Raises ValueError for a bad token id, block size, salt, person or parent.
+ *     block_size: tokens per block, > 0; parent: the key before tokens[0], a uint64;
+ *     layout: 1 or 2.
+ * Raises ValueError for a bad token id, block size, salt, person, parent or layout.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -153,26 +159,32 @@ static inline int small_int_value(PyObject *item, unsigned long long *v) {
 }
 
 /* Token ids as little-endian uint32 bytes; 0 on success, -1 with ValueError set.
- * An int is read without running Python code. Anything else goes through __index__, which
+ * Runs of small exact ints are read from the item array without running Python code, so
+ * without checking the size on every step. Anything else goes through __index__, which
  * may run Python code that changes a list under us: the item is held while it runs, and
- * the size and the item are read again on every step. */
+ * the size and the items are read again after it. */
 static int tokens_to_le_u32(PyObject *seq, uint8_t *out, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i >= PySequence_Fast_GET_SIZE(seq)) {
+    Py_ssize_t i = 0;
+    while (i < n) {
+        Py_ssize_t size = PySequence_Fast_GET_SIZE(seq);
+        if (i >= size) {
             PyErr_SetString(PyExc_ValueError, "the token ids changed while being read");
             return -1;
         }
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        Py_ssize_t stop = n < size ? n : size;
+        for (; i < stop; i++) {
 #if defined(__GNUC__) || defined(__clang__)
-        /* The int objects lie all over the heap: fetch ahead what the loop reads next. */
-        if (i + PREFETCH < PySequence_Fast_GET_SIZE(seq))
-            __builtin_prefetch(PySequence_Fast_GET_ITEM(seq, i + PREFETCH));
+            /* The int objects lie all over the heap: fetch ahead what the loop reads next. */
+            if (i + PREFETCH < stop) __builtin_prefetch(items[i + PREFETCH]);
 #endif
-        unsigned long long v;
-        if (small_int_value(item, &v) && v <= 0xFFFFFFFFULL) {
+            unsigned long long v;
+            if (!small_int_value(items[i], &v) || v > 0xFFFFFFFFULL) break;
             store32_le(out + (size_t)i * TOKEN_BYTES, (uint32_t)v);
-            continue;
         }
+        if (i == stop) continue; /* the loop's head checks the size again */
+        PyObject *item = items[i];
+        unsigned long long v;
         Py_INCREF(item);
         if (PyLong_Check(item)) {
             v = PyLong_AsUnsignedLongLong(item);
@@ -198,11 +210,39 @@ static int tokens_to_le_u32(PyObject *seq, uint8_t *out, Py_ssize_t n) {
         }
         Py_DECREF(item);
         store32_le(out + (size_t)i * TOKEN_BYTES, (uint32_t)v);
+        i++;
     }
     return 0;
 }
 
-/* The chain over n_blocks blocks of `tokens` (little-endian uint32 bytes). */
+/* Layout 2 over n_blocks blocks of `tokens` (little-endian uint32 bytes): the parent is
+ * the parameter block's node offset (bytes 8..15, the starting state's word 1), the data
+ * is the block's tokens alone. Whole 128-byte pieces are compressed where they lie; a
+ * shorter last piece goes through `buf` (128 bytes, zero past the piece: the padding). */
+static void chain_v2(const uint64_t h0[8], const uint8_t *tokens, Py_ssize_t n_blocks,
+                     Py_ssize_t block_size, uint64_t parent, uint8_t *buf, uint64_t *keys) {
+    const size_t msg_len = (size_t)block_size * TOKEN_BYTES;
+    const size_t last_off = (msg_len - 1) / BLAKE2B_BLOCK * BLAKE2B_BLOCK;
+    const size_t tail = msg_len - last_off; /* 1..128 */
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        const uint8_t *msg = tokens + (size_t)b * msg_len;
+        uint64_t h[8];
+        memcpy(h, h0, sizeof h);
+        h[1] ^= parent;
+        for (size_t off = 0; off < last_off; off += BLAKE2B_BLOCK)
+            blake2b_compress(h, msg + off, (uint64_t)(off + BLAKE2B_BLOCK), 0);
+        const uint8_t *last = msg + last_off;
+        if (tail < BLAKE2B_BLOCK) {
+            memcpy(buf, last, tail);
+            last = buf;
+        }
+        blake2b_compress(h, last, (uint64_t)msg_len, 1);
+        parent = h[0]; /* the 8-byte digest read little-endian */
+        keys[b] = parent;
+    }
+}
+
+/* Layout 1 over n_blocks blocks of `tokens` (little-endian uint32 bytes). */
 static void chain(const uint64_t h0[8], const uint8_t *tokens, Py_ssize_t n_blocks,
                   Py_ssize_t block_size, uint64_t parent, uint8_t *buf, uint64_t *keys) {
     const size_t block_bytes = (size_t)block_size * TOKEN_BYTES;
@@ -241,10 +281,15 @@ static int param_field(PyObject *obj, const char *name, uint8_t out[16]) {
 static PyObject *chain_keys(PyObject *self, PyObject *args) {
     PyObject *tokens_obj, *salt_obj, *person_obj, *parent_obj;
     Py_ssize_t block_size;
+    int layout;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOnO:chain_keys", &tokens_obj, &salt_obj, &person_obj,
-                          &block_size, &parent_obj))
+    if (!PyArg_ParseTuple(args, "OOOnOi:chain_keys", &tokens_obj, &salt_obj, &person_obj,
+                          &block_size, &parent_obj, &layout))
         return NULL;
+    if (layout != 1 && layout != 2) {
+        PyErr_Format(PyExc_ValueError, "unknown block-key layout %d (1 and 2 exist)", layout);
+        return NULL;
+    }
     if (block_size <= 0) {
         PyErr_Format(PyExc_ValueError, "block_size must be a positive int, got %zd", block_size);
         return NULL;
@@ -279,8 +324,9 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     Py_ssize_t n_blocks = n / block_size;
     uint8_t *tokens = PyMem_Malloc(n > 0 ? (size_t)n * TOKEN_BYTES : 1);
-    size_t msg_len = KEY_BYTES + (size_t)block_size * TOKEN_BYTES;
-    size_t buf_len = (msg_len + BLAKE2B_BLOCK - 1) / BLAKE2B_BLOCK * BLAKE2B_BLOCK;
+    size_t msg_len = (layout == 1 ? KEY_BYTES : 0) + (size_t)block_size * TOKEN_BYTES;
+    size_t buf_len = layout == 2 ? BLAKE2B_BLOCK  /* the last piece of a block */
+                                 : (msg_len + BLAKE2B_BLOCK - 1) / BLAKE2B_BLOCK * BLAKE2B_BLOCK;
     uint8_t *buf = PyMem_Calloc(buf_len, 1);
     uint64_t *keys = PyMem_Malloc(n_blocks > 0 ? (size_t)n_blocks * sizeof(uint64_t) : 1);
     PyObject *result = NULL;
@@ -290,7 +336,10 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     }
     if (tokens_to_le_u32(seq, tokens, n) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
-    chain(h0, tokens, n_blocks, block_size, (uint64_t)parent, buf, keys);
+    if (layout == 2)
+        chain_v2(h0, tokens, n_blocks, block_size, (uint64_t)parent, buf, keys);
+    else
+        chain(h0, tokens, n_blocks, block_size, (uint64_t)parent, buf, keys);
     Py_END_ALLOW_THREADS
     result = PyList_New(n_blocks);
     if (result == NULL) goto done;
@@ -451,7 +500,7 @@ static PyObject *probe_set_ids(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"chain_keys", chain_keys, METH_VARARGS,
-     "chain_keys(tokens, salt, person, block_size, parent) -> list[int]\n\n"
+     "chain_keys(tokens, salt, person, block_size, parent, layout) -> list[int]\n\n"
      "Chained BLAKE2b-64 keys of the full blocks of tokens (see kvc/block_keys.py)."},
     {"probe_set_ids", probe_set_ids, METH_VARARGS,
      "probe_set_ids(keys, start, end, table_keys, table_ids, overflowed, rows, mult, row, "

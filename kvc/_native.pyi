@@ -3,7 +3,13 @@ from collections.abc import Sequence
 # The buffers are anything with the buffer protocol (NumPy arrays here); NumPy's stubs
 # do not declare it before Python 3.12, so they are typed as object.
 def chain_keys(
-    tokens: Sequence[int], salt: bytes, person: bytes, block_size: int, parent: int, /
+    tokens: Sequence[int],
+    salt: bytes,
+    person: bytes,
+    block_size: int,
+    parent: int,
+    layout: int,
+    /,
 ) -> list[int]: ...
 def probe_set_ids(
     keys: Sequence[int],

@@ -1,20 +1,32 @@
 """Canonical chained block keys, shared by the conductor and the node agent.
 
-Algorithm
+Algorithm (layout 2, ``KEY_LAYOUT``)
     A prompt of token ids is cut into blocks of ``block_size`` tokens; only FULL blocks get
     a key (a trailing partial block has none, exactly as a paged KV cache can only share
     full pages). Block ``i`` gets::
 
-        key_i = BLAKE2b-64(salt = NS(tenant, model), person = "kvc-blockkey-v1",
-                           data = le_u64(key_{i-1}) || le_u32(tok) for tok in block i)
+        key_i = BLAKE2b-64(salt = NS(tenant, model), person = "kvc-blockkey-v2",
+                           node_offset = key_{i-1},
+                           data = le_u32(tok) for tok in block i)
 
     with ``key_{-1} = ROOT_PARENT_KEY`` (or the ``parent`` passed in, to continue a chain).
     ``NS(tenant, model)`` is a 16-byte BLAKE2b digest of the length-prefixed UTF-8 tenant
     and model names, computed once per call. It sits in BLAKE2b's salt parameter, so it
     enters every block's hash (one tenant can never produce, hit or time another tenant's
-    keys) at no cost: the salt lives in the parameter block, not in the hashed data.
+    keys) at no cost: the salt lives in the parameter block, not in the hashed data. The
+    parent key sits in the same parameter block, in the 64-bit ``node_offset`` field
+    (standard BLAKE2b, ``hashlib.blake2b(node_offset=...)``): the parameter block is XORed
+    into the starting state, so the parent costs nothing either and a 32-token block (128
+    bytes) is exactly one compression.
     Because each key covers its parent, equal keys mean equal whole prefixes (up to a
     2**-64 collision chance per pair), which is what makes a flat key map a prefix index.
+
+Layout 1 (``kvc-blockkey-v1``), still computed on request
+    ``key_i = BLAKE2b-64(salt = NS, person = "kvc-blockkey-v1", data = le_u64(key_{i-1})
+    || le_u32(tok) for tok in block i)``: the parent in the data, so a 32-token block is
+    136 bytes, two compressions. Conductors before layout 2 send it (their transactions
+    carry no ``key_layout``); agents verify such a transaction's keys in layout 1, so
+    agents can be upgraded before conductors (docs/operations.md).
 
 Key width and collisions
     Keys are 64 bits. A false match needs two different prefixes of the same tenant and
@@ -27,14 +39,19 @@ Key width and collisions
     needs a second preimage of a salted 64-bit BLAKE2b output (~2^64 hashes); a birthday
     search (~2^32) finds colliding prompts within one's own namespace only, so a tenant
     can at worst spoil its own cache. 128-bit keys (a new layout version and wider keys
-    on the wire) would make it ~1.5e-19 pairs at 10 billion; not done.
+    on the wire) would make it ~1.5e-19 pairs at 10 billion; not done. The same holds in
+    both layouts: each is one BLAKE2b-64 per block over an injective encoding of
+    (namespace, parent, tokens).
 
 Determinism
     Only stdlib ``hashlib.blake2b`` and explicit little-endian encodings are used: keys are
     identical across processes, machines, endianness and ``PYTHONHASHSEED``. Python's
-    ``hash()`` is never used. The layout is versioned by the ``person`` string; changing
-    anything here breaks the committed test vector in ``tests/unit/test_block_keys.py`` on
-    purpose — a changed layout is a new version, rolled out as such.
+    ``hash()`` is never used. The layout is versioned by the ``person`` string and
+    ``KEY_LAYOUT``; changing anything here breaks the committed test vectors in
+    ``tests/unit/test_block_keys.py`` on purpose — a changed layout is a new version,
+    rolled out as such: agents say in ``NodeInfo.block_key_layout`` which layout their
+    events carry, transactions say in ``TxAllocateRequest.key_layout`` which layout their
+    keys are in, and a conductor schedules only onto agents of its own layout.
 
 Knobs
     ``block_size`` (tokens per block, > 0) must equal the engine's KV page size.
@@ -42,24 +59,22 @@ Knobs
 Compiled and pure-Python
     ``kvc/_native.c`` computes the same keys in C (BLAKE2b written from RFC 7693): the
     token list is read straight from its int objects into little-endian uint32 bytes, then
-    each block costs one or two compressions of a buffer, without holding the GIL. It is
+    each block costs its compressions, without holding the GIL. It is
     built at install when a C compiler is there (``setup.py``, an optional extension) and
     used when it imports (``kvc/native.py``, whose ``AVAILABLE`` says which path this
     process runs).
-    Without it the loop below computes the same keys: one conversion of the whole list to
-    bytes, then one ``hashlib.blake2b`` per full block over a memoryview slice, from a
-    pre-salted template via ``copy()``. ``KVC_NATIVE=0`` forces the Python loop (a switch
+    Without it the loops below compute the same keys: one conversion of the whole list to
+    bytes, then one ``hashlib.blake2b`` per full block over a memoryview slice (layout 1:
+    from a pre-salted template via ``copy()``). ``KVC_NATIVE=0`` forces Python (a switch
     for comparing the two, not for production). The tests check both against each other
     and against the committed vector.
 
 Complexity
-    O(n) for n tokens. Measured on one core of an AMD EPYC server (CPython 3.11, best of
-    30, ``block_size=32``): 128k tokens in 1.5 ms compiled against 3.5-3.7 ms in Python
-    (1.7 against 4.7 ms at ``block_size=16``); 8k tokens in 0.10 against 0.20 ms. The
-    compiled path is BLAKE2b-bound: ~0.16 us per 128-byte compression, as fast as
-    hashlib's own (512 KB in one call: 0.55 ms), and a 32-token block is two of them
-    (8 bytes of parent + 128 of tokens); reading the token list is ~1.5 ns a token.
-    Hashing never needs to leave the event loop.
+    O(n) for n tokens. The compiled path is BLAKE2b-bound: ~0.13 us per 128-byte
+    compression, as fast as hashlib's own (512 KB in one call: 0.54 ms); a 32-token block
+    is one compression in layout 2 (two in layout 1); reading the token list is ~2-3 ns a
+    token. Measured figures: docs/benchmarks.md ("One compression per block"). Hashing
+    never needs to leave the event loop.
 
 Invariants
     * ``len(compute_block_keys(t, ...)) == len(t) // block_size``.
@@ -83,6 +98,8 @@ from kvc import native
 
 __all__ = [
     "KEY_BITS",
+    "KEY_LAYOUT",
+    "KEY_LAYOUTS",
     "MAX_TOKEN_ID",
     "ROOT_PARENT_KEY",
     "BlockKey",
@@ -99,7 +116,12 @@ MAX_TOKEN_ID: Final = 2**32 - 1
 ROOT_PARENT_KEY: Final = BlockKey(0)
 """The parent of block 0 of every prompt."""
 
-_KEY_PERSON: Final = b"kvc-blockkey-v1"  # BLAKE2b personalization: layout version
+KEY_LAYOUT: Final = 2
+"""The layout this version computes by default and keys engine events in."""
+KEY_LAYOUTS: Final = (1, 2)
+"""The layouts ``compute_block_keys`` computes (an agent verifies transactions in any)."""
+
+_KEY_PERSONS: Final = {1: b"kvc-blockkey-v1", 2: b"kvc-blockkey-v2"}  # BLAKE2b person
 _NS_PERSON: Final = b"kvc-namespace-v1"
 _KEY_BYTES: Final = KEY_BITS // 8
 _TOKEN_BYTES: Final = 4
@@ -152,8 +174,9 @@ def compute_block_keys(
     block_size: int,
     parent: BlockKey | None = None,
     end: int | None = None,
+    layout: int = KEY_LAYOUT,
 ) -> list[BlockKey]:
-    """Chained keys of the full blocks of ``token_ids``, in order.
+    """Chained keys of the full blocks of ``token_ids``, in order, in ``layout``.
 
     ``parent`` continues a chain (the key of the block just before ``token_ids[0]``);
     ``None`` starts at ``ROOT_PARENT_KEY``. ``end``: the keys of ``token_ids[:end]``
@@ -161,10 +184,13 @@ def compute_block_keys(
     always computed — without copying a long list: within a block of the length, the
     keys of the whole list are cut instead (an invalid id past ``end`` then falls back to
     the copy, so it never raises). Raises ``ValueError`` when ``block_size <= 0``, a token
-    id is outside ``[0, 2**32)``, ``parent`` is not a uint64 or ``end`` is out of range.
+    id is outside ``[0, 2**32)``, ``parent`` is not a uint64, ``end`` is out of range or
+    ``layout`` is not one of ``KEY_LAYOUTS``.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if isinstance(layout, bool) or not isinstance(layout, int) or layout not in _KEY_PERSONS:
+        raise ValueError(f"unknown block-key layout {layout!r}; known: {KEY_LAYOUTS}")
     parent_key = ROOT_PARENT_KEY if parent is None else parent
     if not 0 <= parent_key < 2**KEY_BITS:
         raise ValueError(f"parent must be a uint64, got {parent_key!r}")
@@ -174,35 +200,62 @@ def compute_block_keys(
             raise ValueError(f"end must be an int in [0, {len(token_ids)}], got {end!r}")
         if len(token_ids) - end < block_size:
             try:
-                keys = _chain_keys(token_ids, salt, block_size, parent_key)
+                keys = _chain_keys(token_ids, salt, block_size, parent_key, layout)
             except ValueError:
                 pass  # an id past ``end`` may be the invalid one: hash the slice alone
             else:
                 del keys[end // block_size :]  # at most one key: the block ``end`` cuts
                 return keys
         token_ids = token_ids[:end]
-    return _chain_keys(token_ids, salt, block_size, parent_key)
+    return _chain_keys(token_ids, salt, block_size, parent_key, layout)
 
 
 def _chain_keys(
-    token_ids: Sequence[int], salt: bytes, block_size: int, parent_key: int
+    token_ids: Sequence[int], salt: bytes, block_size: int, parent_key: int, layout: int
 ) -> list[BlockKey]:
+    person = _KEY_PERSONS[layout]
     if native.chain_keys is not None:
-        keys = native.chain_keys(token_ids, salt, _KEY_PERSON, block_size, parent_key)
+        keys = native.chain_keys(token_ids, salt, person, block_size, parent_key, layout)
         return cast("list[BlockKey]", keys)
-    return _python_chain_keys(token_ids, salt, block_size, parent_key)
+    if layout == 2:
+        return _python_chain_keys_v2(token_ids, salt, person, block_size, parent_key)
+    return _python_chain_keys(token_ids, salt, person, block_size, parent_key)
+
+
+def _python_chain_keys_v2(
+    token_ids: Sequence[int], salt: bytes, person: bytes, block_size: int, parent_key: int
+) -> list[BlockKey]:
+    """Layout 2 in pure Python: the fallback, and the reference the compiled path is
+    tested against. The parent is a parameter, so each block makes its own hash object."""
+    data = _tokens_to_le_u32(token_ids)
+    n_blocks = len(token_ids) // block_size
+    view = memoryview(data)
+    step = block_size * _TOKEN_BYTES
+    prev = parent_key
+    keys: list[int] = []
+    append = keys.append
+    from_bytes = int.from_bytes
+    blake2b = hashlib.blake2b
+    for off in range(0, n_blocks * step, step):
+        digest = blake2b(
+            view[off : off + step], digest_size=_KEY_BYTES, salt=salt, person=person,
+            node_offset=prev,
+        ).digest()  # fmt: skip
+        prev = from_bytes(digest, "little")
+        append(prev)
+    return cast("list[BlockKey]", keys)
 
 
 def _python_chain_keys(
-    token_ids: Sequence[int], salt: bytes, block_size: int, parent_key: int
+    token_ids: Sequence[int], salt: bytes, person: bytes, block_size: int, parent_key: int
 ) -> list[BlockKey]:
-    """The keys in pure Python: the fallback, and the reference the compiled path is tested
-    against."""
+    """Layout 1 in pure Python: the fallback, and the reference the compiled path is
+    tested against."""
     data = _tokens_to_le_u32(token_ids)
     n_blocks = len(token_ids) // block_size
     if n_blocks == 0:
         return []
-    template = hashlib.blake2b(digest_size=_KEY_BYTES, salt=salt, person=_KEY_PERSON)
+    template = hashlib.blake2b(digest_size=_KEY_BYTES, salt=salt, person=person)
     view = memoryview(data)
     step = block_size * _TOKEN_BYTES
     prev = parent_key.to_bytes(_KEY_BYTES, "little")
@@ -232,7 +285,7 @@ class BlockKeySpec:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
 
     def keys(self, token_ids: Sequence[int], parent: BlockKey | None = None) -> list[BlockKey]:
-        """``compute_block_keys`` under this spec."""
+        """``compute_block_keys`` under this spec (layout ``KEY_LAYOUT``)."""
         return compute_block_keys(
             token_ids,
             tenant=self.tenant,

@@ -26,7 +26,7 @@ __all__ = [
     "probe_set_ids",
 ]
 
-ChainKeys: TypeAlias = Callable[[Sequence[int], bytes, bytes, int, int], list[int]]
+ChainKeys: TypeAlias = Callable[[Sequence[int], bytes, bytes, int, int, int], list[int]]
 # The buffers (NumPy arrays here) are typed as object: NumPy's stubs do not declare the
 # buffer protocol before Python 3.12.
 ProbeSetIds: TypeAlias = Callable[

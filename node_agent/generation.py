@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvc import fast_json
-from kvc.block_keys import compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.wire import logprobs_to_pb, sampling_from_pb
 from node_agent.agent_state import AgentState
@@ -112,6 +112,8 @@ class Generation:
         keys = compute_block_keys(
             prompt, tenant=tenant, model=engine.info.model, block_size=block_size,
             end=len(prompt) - 1,
+            # The layout the tx's keys are in (a conductor of an older layout may send).
+            layout=pool.tx_key_layout(tx_id) if tx_id else KEY_LAYOUT,
         )  # fmt: skip
         if not keys and not tx_id:
             handles: tuple[int, ...] = ()  # shorter than one block: nothing to own

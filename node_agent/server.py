@@ -43,7 +43,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from redis.asyncio import Redis
 
-from kvc.block_keys import BlockKey
+from kvc.block_keys import KEY_LAYOUT, BlockKey
 from kvc.registry import AgentRecord, connect, keep_registered
 from kvc.tls import certificate_node, check_plaintext
 from kvc.v1 import node_agent_pb2 as pb
@@ -238,6 +238,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             replica_hints=s.replica_aware_eviction,
             lend_wait=_lend_wait(s, self.state.engine),
             donate_before_evict=s.donate_before_evict,
+            block_key_layout=KEY_LAYOUT,
         )
         lower = self.pool.lower
         if lower is not None:  # bandwidth of each tier, before any traffic
@@ -375,6 +376,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             lease_s=request.lease_s,
             mode=mode,
             retain=() if unsupported else retain,
+            key_layout=request.key_layout or 1,  # 0: a conductor from before layouts
         )
         lower = self.pool.lower
         if lower is None:

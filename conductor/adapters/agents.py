@@ -37,6 +37,7 @@ from tenacity import (
 )
 
 from conductor.adapters.token_stream import TokenStreamClient
+from kvc.block_keys import KEY_LAYOUT
 from kvc.roles import NodeRole
 from kvc.tls import PlaintextPolicy, TlsFiles, client_channel
 from kvc.v1 import node_agent_pb2 as pb
@@ -105,6 +106,22 @@ class StreamingCall(Protocol):
     def cancel(self) -> bool: ...
 
 
+def incompatibility(info: pb.NodeInfo, model: str) -> str:
+    """Why a conductor serving ``model`` cannot schedule onto the agent of ``info``;
+    empty when it can. Block keys of another layout would never match the agent's
+    events, and the agent would verify our transactions' keys in vain."""
+    if info.model != model:
+        return f"serves model {info.model!r}, this conductor serves {model!r}"
+    layout = info.block_key_layout or 1  # 0: an agent from before the field
+    if layout != KEY_LAYOUT:
+        older = "the agent" if layout < KEY_LAYOUT else "the conductor"
+        return (
+            f"keys blocks in layout {layout}, this conductor in layout {KEY_LAYOUT} "
+            f"(kvc/block_keys.py): upgrade {older}"
+        )
+    return ""
+
+
 @dataclass(slots=True)
 class AgentHandle:
     address: str
@@ -113,7 +130,8 @@ class AgentHandle:
     info: pb.NodeInfo | None = None
     stream: TokenStreamClient | None = None  # the agent's token stream, when offered
     reachable: bool = False
-    model_matches: bool = False
+    # Serves this conductor's model and keys blocks in its layout (``incompatibility``).
+    compatible: bool = False
     inflight: int = 0
     last_error: str = field(default="not polled yet")
     load: pb.LoadUpdate | None = None  # latest from Snapshot / WatchEvents (``set_load``)
@@ -150,10 +168,7 @@ class AgentHandle:
     @property
     def usable(self) -> bool:
         return (
-            self.reachable
-            and self.model_matches
-            and self.info is not None
-            and not self.info.draining
+            self.reachable and self.compatible and self.info is not None and not self.info.draining
         )
 
     def stream_for(self, method: str) -> TokenStreamClient | None:
@@ -412,14 +427,11 @@ class AgentFleet:
         agent.info = info
         self._follow_stream(agent, info.stream_address)
         agent.reachable = True
-        agent.model_matches = info.model == self.model
-        agent.last_error = (
-            ""
-            if agent.model_matches
-            else (f"serves model {info.model!r}, this conductor serves {self.model!r}")
-        )
-        if not agent.model_matches:
-            log.warning("agent %s: %s", agent.address, agent.last_error)
+        why = incompatibility(info, self.model)
+        agent.compatible = not why
+        if why and why != agent.last_error:
+            log.warning("agent %s: not scheduled: %s", agent.address, why)
+        agent.last_error = why
 
     def _follow_stream(self, agent: AgentHandle, address: str) -> None:
         """Use the token stream the agent advertises (unless switched off)."""

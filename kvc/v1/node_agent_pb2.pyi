@@ -252,6 +252,7 @@ class NodeInfo(_message.Message):
     LEND_WAIT_FIELD_NUMBER: _builtins.int
     DONATE_BEFORE_EVICT_FIELD_NUMBER: _builtins.int
     STREAM_METHODS_FIELD_NUMBER: _builtins.int
+    BLOCK_KEY_LAYOUT_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     epoch: _builtins.str
     """new value on every agent start"""
@@ -303,6 +304,12 @@ class NodeInfo(_message.Message):
     """It gives and takes donated blocks (donate_before_evict): conductors push it
     replica hints with its peers' eviction tails (ReplicaHintsRequest.donees).
     """
+    block_key_layout: _builtins.int
+    """The block-key layout (kvc/block_keys.py, KEY_LAYOUT) of the keys this agent's
+    events carry: the layout it keys engine events in. It verifies a transaction's keys
+    in the layout the transaction names (TxAllocateRequest.key_layout). Conductors
+    schedule only onto agents of their own layout. 0: layout 1 (agents before the field).
+    """
     @_builtins.property
     def kv_layout(self) -> Global___KvLayout: ...
     @_builtins.property
@@ -351,10 +358,11 @@ class NodeInfo(_message.Message):
         lend_wait: Global___LendWait.ValueType = ...,
         donate_before_evict: _builtins.bool = ...,
         stream_methods: _abc.Iterable[_builtins.str] | None = ...,
+        block_key_layout: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "donate_before_evict", b"donate_before_evict", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "kv_migration", b"kv_migration", "lend_wait", b"lend_wait", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "replica_hints", b"replica_hints", "role", b"role", "stream_address", b"stream_address", "stream_methods", b"stream_methods", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "block_key_layout", b"block_key_layout", "block_size", b"block_size", "calibration", b"calibration", "capacity_blocks", b"capacity_blocks", "donate_before_evict", b"donate_before_evict", "draining", b"draining", "engine", b"engine", "epoch", b"epoch", "fused_tx", b"fused_tx", "kv_layout", b"kv_layout", "kv_migration", b"kv_migration", "lend_wait", b"lend_wait", "max_model_len", b"max_model_len", "max_running_requests", b"max_running_requests", "model", b"model", "node_id", b"node_id", "replica_hints", b"replica_hints", "role", b"role", "stream_address", b"stream_address", "stream_methods", b"stream_methods", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -481,6 +489,7 @@ class TxAllocateRequest(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     RETAIN_FIELD_NUMBER: _builtins.int
     GRANTEE_FIELD_NUMBER: _builtins.int
+    KEY_LAYOUT_FIELD_NUMBER: _builtins.int
     tx_id: _builtins.str
     tenant: _builtins.str
     lease_s: _builtins.float
@@ -490,6 +499,11 @@ class TxAllocateRequest(_message.Message):
     (ReadBlocks). With mTLS, a reader whose certificate names another node (kvc certs
     --node) is refused. Empty: any agent holding the read_token, unless the serving agent
     requires node certificates.
+    """
+    key_layout: _builtins.int
+    """The block-key layout block_keys are in (kvc/block_keys.py); the agent verifies
+    prompts against them in it. 0: layout 1 (conductors before the field). An agent
+    refuses a layout it does not know with INVALID_ARGUMENT.
     """
     @_builtins.property
     def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -507,10 +521,11 @@ class TxAllocateRequest(_message.Message):
         mode: Global___TxMode.ValueType = ...,
         retain: _abc.Iterable[Global___Retention] | None = ...,
         grantee: _builtins.str = ...,
+        key_layout: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "grantee", b"grantee", "lease_s", b"lease_s", "mode", b"mode", "retain", b"retain", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "grantee", b"grantee", "key_layout", b"key_layout", "lease_s", b"lease_s", "mode", b"mode", "retain", b"retain", "tenant", b"tenant", "tx_id", b"tx_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -180,7 +180,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from kvc.block_keys import KEY_BITS, BlockKey
+from kvc.block_keys import KEY_BITS, KEY_LAYOUTS, BlockKey
 from node_agent.blocks.tiers import LowerTiers, TierMove
 from node_agent.blocks.types import (
     AbortResult,
@@ -253,6 +253,7 @@ class _Block:
 class _Tx:
     tx_id: str
     tenant: str
+    key_layout: int
     mode: TxMode
     keys: tuple[BlockKey, ...]
     handles: tuple[int, ...]
@@ -415,7 +416,8 @@ class BlockPool:
         tx_id = params.tx_id
         open_tx = self._txs.get(tx_id)
         if open_tx is not None:
-            if (open_tx.tenant, open_tx.mode, open_tx.keys) != (params.tenant, params.mode, keys):
+            opened = (open_tx.tenant, open_tx.mode, open_tx.keys, open_tx.key_layout)
+            if opened != (params.tenant, params.mode, keys, params.key_layout):
                 raise InvalidArgument(f"tx {tx_id!r} was opened with different parameters")
             # The retention was decided when the tx opened; a retry gets that answer.
             return open_tx.result
@@ -437,6 +439,7 @@ class BlockPool:
         self._txs[tx_id] = _Tx(
             tx_id=tx_id,
             tenant=params.tenant,
+            key_layout=params.key_layout,
             mode=params.mode,
             keys=keys,
             handles=result.handles,
@@ -941,6 +944,11 @@ class BlockPool:
         """The tenant of an OPEN tx."""
         self.get_tx(tx_id)
         return self._txs[tx_id].tenant
+
+    def tx_key_layout(self, tx_id: str) -> int:
+        """The block-key layout an OPEN tx's keys are in (``AllocateParams.key_layout``)."""
+        self.get_tx(tx_id)
+        return self._txs[tx_id].key_layout
 
     def _lend(
         self, tenant: str, keys: tuple[BlockKey, ...], deadline: float, tx_id: str
@@ -1553,6 +1561,11 @@ class BlockPool:
             raise InvalidArgument("tenant must be a string")
         if not isinstance(params.mode, TxMode):
             raise InvalidArgument(f"unknown mode {params.mode!r}")
+        layout = params.key_layout
+        if isinstance(layout, bool) or not isinstance(layout, int) or layout not in KEY_LAYOUTS:
+            raise InvalidArgument(
+                f"unknown block-key layout {params.key_layout!r}; this agent knows {KEY_LAYOUTS}"
+            )
         self._validate_lease(params.lease_s)
         if len(params.keys) > self.capacity_blocks:  # never holdable: before per-key work
             raise CapacityExhausted(len(params.keys), len(self._free) + len(self._lru))

@@ -9,7 +9,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvc.block_keys import BlockKey
+from kvc.block_keys import KEY_LAYOUT, BlockKey
 
 __all__ = [
     "AbortResult",
@@ -150,6 +150,7 @@ class AllocateParams:
     lease_s: float
     mode: TxMode = TxMode.ALLOCATE
     retain: tuple[Retention, ...] = ()  # ALLOCATE only
+    key_layout: int = KEY_LAYOUT  # the block-key layout of ``keys`` (kvc/block_keys.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,9 +135,11 @@ class KvReceiver:
                 f"prompt_token_ids must be the {n * bs} tokens of the first {n} blocks{why}, "
                 f"got {len(tokens)}"
             )
+        pool = state.pool
         keys = compute_block_keys(
-            tokens, tenant=state.pool.tx_tenant(tx_id), model=state.engine.info.model, block_size=bs
-        )
+            tokens, tenant=pool.tx_tenant(tx_id), model=state.engine.info.model, block_size=bs,
+            layout=pool.tx_key_layout(tx_id),
+        )  # fmt: skip
         if any(state.pool.block_key(h) != k for h, k in zip(handles, keys, strict=True)):
             raise InvalidArgument(
                 f"prompt_token_ids are not the tokens of transaction {tx_id!r}'s blocks"

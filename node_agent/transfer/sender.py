@@ -125,10 +125,11 @@ class KvSender:
             raise InvalidArgument(
                 f"prompt_token_ids must be whole blocks of {bs} tokens, got {len(tokens)}"
             )
-        keys = compute_block_keys(
-            tokens, tenant=request.tenant, model=engine.info.model, block_size=bs
-        )
         try:
+            keys = compute_block_keys(
+                tokens, tenant=request.tenant, model=engine.info.model, block_size=bs,
+                layout=state.pool.tx_key_layout(request.tx_id),  # the Tx's keys' layout
+            )  # fmt: skip
             self._tx_handles(request.tx_id, tuple(keys), request.tenant)
         except BlockPoolError:
             await state.events.after_mutation()  # the lookup may have expired leases

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvc.block_keys import KEY_LAYOUT
 from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, chat_body
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -71,14 +72,18 @@ async def test_draining_agent_refuses_new_work_but_finishes_a_tx(
     async with grpc.aio.insecure_channel(agent.address) as channel:
         stub = pb_grpc.NodeAgentStub(channel)
         await stub.TxAllocate(
-            pb.TxAllocateRequest(tx_id="before", tenant="t", block_keys=[1, 2], lease_s=30)
+            pb.TxAllocateRequest(
+                key_layout=KEY_LAYOUT, tx_id="before", tenant="t", block_keys=[1, 2], lease_s=30
+            )
         )
         drained = await stub.Drain(pb.DrainRequest())
         assert (drained.draining, drained.open_txs) == (True, 1)
         assert (await stub.GetInfo(pb.GetInfoRequest())).draining
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.TxAllocate(
-                pb.TxAllocateRequest(tx_id="after", tenant="t", block_keys=[3], lease_s=30)
+                pb.TxAllocateRequest(
+                    key_layout=KEY_LAYOUT, tx_id="after", tenant="t", block_keys=[3], lease_s=30
+                )
             )
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         await stub.TxCommit(pb.TxCommitRequest(tx_id="before"))  # in-flight work completes

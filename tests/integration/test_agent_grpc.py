@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from kvc.block_keys import compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import ERROR_INFO_KEY, SERVICE_NAME
@@ -21,7 +21,9 @@ def keys_for(n_blocks: int, tenant: str = "t", offset: int = 0) -> list[int]:
 
 
 def alloc(tx_id: str, keys: list[int], lease_s: float = 30.0) -> pb.TxAllocateRequest:
-    return pb.TxAllocateRequest(tx_id=tx_id, tenant="t", block_keys=keys, lease_s=lease_s)
+    return pb.TxAllocateRequest(
+        key_layout=KEY_LAYOUT, tx_id=tx_id, tenant="t", block_keys=keys, lease_s=lease_s
+    )
 
 
 async def test_info_and_health(agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub) -> None:
@@ -96,18 +98,34 @@ async def test_tx_lifecycle_and_idempotency(
 @pytest.mark.parametrize(
     ("request_", "code"),
     [
-        (pb.TxAllocateRequest(tx_id="", tenant="t", block_keys=[1], lease_s=5), "INVALID_ARGUMENT"),
-        (pb.TxAllocateRequest(tx_id="x", tenant="t", block_keys=[], lease_s=5), "INVALID_ARGUMENT"),
         (
-            pb.TxAllocateRequest(tx_id="x", tenant="t", block_keys=[1], lease_s=0),
+            pb.TxAllocateRequest(
+                key_layout=KEY_LAYOUT, tx_id="", tenant="t", block_keys=[1], lease_s=5
+            ),
             "INVALID_ARGUMENT",
         ),
         (
-            pb.TxAllocateRequest(tx_id="x", tenant="t", block_keys=[1], lease_s=1e9),
+            pb.TxAllocateRequest(
+                key_layout=KEY_LAYOUT, tx_id="x", tenant="t", block_keys=[], lease_s=5
+            ),
             "INVALID_ARGUMENT",
         ),
         (
-            pb.TxAllocateRequest(tx_id="x", tenant="t", block_keys=[1, 1], lease_s=5),
+            pb.TxAllocateRequest(
+                key_layout=KEY_LAYOUT, tx_id="x", tenant="t", block_keys=[1], lease_s=0
+            ),
+            "INVALID_ARGUMENT",
+        ),
+        (
+            pb.TxAllocateRequest(
+                key_layout=KEY_LAYOUT, tx_id="x", tenant="t", block_keys=[1], lease_s=1e9
+            ),
+            "INVALID_ARGUMENT",
+        ),
+        (
+            pb.TxAllocateRequest(
+                key_layout=KEY_LAYOUT, tx_id="x", tenant="t", block_keys=[1, 1], lease_s=5
+            ),
             "INVALID_ARGUMENT",
         ),
     ],

@@ -11,7 +11,7 @@ import grpc
 import httpx
 import pytest
 
-from kvc.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, BlockKey, compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.tokenization import ChatTokenizer
 from kvc.v1 import node_agent_pb2 as pb
@@ -49,7 +49,11 @@ async def _fill_with_cached_blocks(stub: pb_grpc.NodeAgentAsyncStub) -> None:
         tx = f"fill-{i}"
         await stub.TxAllocate(
             pb.TxAllocateRequest(
-                tx_id=tx, tenant="t", block_keys=keys_for(4, offset=97 * i), lease_s=30
+                key_layout=KEY_LAYOUT,
+                tx_id=tx,
+                tenant="t",
+                block_keys=keys_for(4, offset=97 * i),
+                lease_s=30,
             )
         )
         await stub.TxCommit(pb.TxCommitRequest(tx_id=tx))
@@ -92,7 +96,9 @@ async def test_a_warm_pool_reports_its_evictable_blocks_as_allocatable(
     # An allocation on the full pool evicts; its answer counts what the next could get.
     new = keys_for(2, offset=77_000)
     reply = await stub.TxAllocate(
-        pb.TxAllocateRequest(tx_id="fresh", tenant="t", block_keys=new, lease_s=30)
+        pb.TxAllocateRequest(
+            key_layout=KEY_LAYOUT, tx_id="fresh", tenant="t", block_keys=new, lease_s=30
+        )
     )
     assert reply.new_blocks == 2
     assert reply.free_blocks == 0
@@ -102,7 +108,9 @@ async def test_a_warm_pool_reports_its_evictable_blocks_as_allocatable(
 
     # Locked blocks are neither free nor allocatable.
     locked = await stub.TxAllocate(
-        pb.TxAllocateRequest(tx_id="lock", tenant="t", block_keys=new, lease_s=30)
+        pb.TxAllocateRequest(
+            key_layout=KEY_LAYOUT, tx_id="lock", tenant="t", block_keys=new, lease_s=30
+        )
     )
     assert locked.reused_blocks == 2
     assert locked.allocatable_blocks == CAPACITY - 2

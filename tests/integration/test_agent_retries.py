@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from conductor.adapters.agents import AgentFleet
-from kvc.block_keys import compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import SERVICE_NAME
@@ -109,7 +109,9 @@ async def setup(start_agent: AgentFactory) -> AsyncIterator[Setup]:
 
 def allocate_request(tx_id: str) -> pb.TxAllocateRequest:
     keys = compute_block_keys(list(range(4 * 32)), tenant="t", model=MODEL, block_size=32)
-    return pb.TxAllocateRequest(tx_id=tx_id, tenant="t", block_keys=list(keys), lease_s=30.0)
+    return pb.TxAllocateRequest(
+        key_layout=KEY_LAYOUT, tx_id=tx_id, tenant="t", block_keys=list(keys), lease_s=30.0
+    )
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED])

@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from kvc.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, BlockKey, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.blocks.types import BlockPoolError, BlockState, KvMedium
@@ -56,7 +56,12 @@ def alloc(
 ) -> pb.TxAllocateRequest:
     mode = pb.TX_MODE_LOCK_ONLY if lock_only else pb.TX_MODE_ALLOCATE
     return pb.TxAllocateRequest(
-        tx_id=tx_id, tenant=TENANT, block_keys=keys, lease_s=lease_s, mode=mode
+        key_layout=KEY_LAYOUT,
+        tx_id=tx_id,
+        tenant=TENANT,
+        block_keys=keys,
+        lease_s=lease_s,
+        mode=mode,
     )
 
 

@@ -8,11 +8,13 @@ fails before its commit leaves nothing locked, and the errors are TxAllocate's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 import pytest
 
 from conductor.adapters.agents import translate_rpc_error
-from kvc.block_keys import compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from node_agent.server import AgentServer
@@ -22,7 +24,7 @@ PROMPT = list(range(100, 100 + 70))  # prompt[:-1] is 69 tokens: 2 full 32-token
 
 
 def fused(
-    tx_id: str, prompt: list[int], *, keys: list[int] | None = None, max_tokens: int = 4
+    tx_id: str, prompt: list[int], *, keys: Sequence[int] | None = None, max_tokens: int = 4
 ) -> pb.GenerateRequest:
     if keys is None:
         keys = list(compute_block_keys(prompt[:-1], tenant="t", model=MODEL, block_size=32))
@@ -33,7 +35,12 @@ def fused(
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
         tx_id=tx_id,
         tx=pb.TxAllocateRequest(
-            tx_id=tx_id, tenant="t", block_keys=keys, lease_s=30.0, mode=pb.TX_MODE_ALLOCATE
+            key_layout=KEY_LAYOUT,
+            tx_id=tx_id,
+            tenant="t",
+            block_keys=keys,
+            lease_s=30.0,
+            mode=pb.TX_MODE_ALLOCATE,
         ),
     )
 
@@ -152,7 +159,12 @@ def fused_prefill(tx_id: str, prompt: list[int], tenant: str = "t") -> pb.Prefil
         tx_id=tx_id,
         prompt_token_ids=prompt,
         tx=pb.TxAllocateRequest(
-            tx_id=tx_id, tenant="t", block_keys=keys, lease_s=30.0, mode=pb.TX_MODE_ALLOCATE
+            key_layout=KEY_LAYOUT,
+            tx_id=tx_id,
+            tenant="t",
+            block_keys=keys,
+            lease_s=30.0,
+            mode=pb.TX_MODE_ALLOCATE,
         ),
     )
 
@@ -200,3 +212,60 @@ async def test_a_fused_prefill_that_fails_leaves_nothing_locked(
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert_no_locks(prefill, decode)
     assert prefill.service.pool.stats().cached_blocks == 0
+
+
+async def test_the_agent_says_which_block_key_layout_it_keys_in(
+    stub: pb_grpc.NodeAgentAsyncStub,
+) -> None:
+    assert (await stub.GetInfo(pb.GetInfoRequest())).block_key_layout == KEY_LAYOUT == 2
+
+
+async def test_a_conductor_from_before_layouts_is_still_served(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub
+) -> None:
+    """A transaction without ``key_layout`` carries layout-1 keys (what conductors sent
+    before the field): the agent verifies the prompt in layout 1, serves it, and the
+    blocks are reused by the next such call. Agents can be upgraded first."""
+    old_keys = list(
+        compute_block_keys(PROMPT[:-1], tenant="t", model=MODEL, block_size=32, layout=1)
+    )
+    first = fused("tx-old-1", PROMPT, keys=old_keys)
+    first.tx.ClearField("key_layout")
+    assert [msg.token_ids async for msg in stub.Generate(first)]
+    again = fused("tx-old-2", PROMPT, keys=old_keys)
+    again.tx.ClearField("key_layout")
+    replies = [msg async for msg in stub.Generate(again)]
+    assert replies[0].timings.cached_tokens == 64
+    # The same prompt in layout 2 shares no block with them: a fresh allocation.
+    fresh = [msg async for msg in stub.Generate(fused("tx-new", PROMPT))]
+    assert fresh[0].timings.cached_tokens == 0
+    assert agent.service.pool.stats().cached_blocks == 4
+    assert_no_locks(agent)
+
+
+@pytest.mark.parametrize(
+    ("layout", "keys_layout"),
+    [
+        (0, 2),  # layout-2 keys named as layout 1 (no field): they are not this prompt's
+        (1, 2),
+        (2, 1),
+        (3, 2),  # a layout this agent does not know
+        (99, 2),
+    ],
+)
+async def test_keys_of_another_layout_than_named_are_refused_and_change_nothing(
+    agent: AgentServer, stub: pb_grpc.NodeAgentAsyncStub, layout: int, keys_layout: int
+) -> None:
+    keys = list(
+        compute_block_keys(PROMPT[:-1], tenant="t", model=MODEL, block_size=32, layout=keys_layout)
+    )
+    request = fused("tx-l", PROMPT, keys=keys)
+    request.tx.key_layout = layout
+    before = agent.service.pool.stats()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(request).read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    if layout > 2:
+        assert "layout" in (info.value.details() or "")
+    assert agent.service.pool.stats().open_txs == before.open_txs
+    assert_no_locks(agent)

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Message, Scope
 
+from kvc.block_keys import KEY_LAYOUT
 from kvc.processes import free_port
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
@@ -122,12 +123,18 @@ async def test_tx_failures_and_lease_expiries_are_counted(start_agent: AgentFact
         with pytest.raises(grpc.aio.AioRpcError) as full:
             await stub.TxAllocate(
                 pb.TxAllocateRequest(
-                    tx_id="big", tenant="t", block_keys=list(range(1, 9)), lease_s=30
+                    key_layout=KEY_LAYOUT,
+                    tx_id="big",
+                    tenant="t",
+                    block_keys=list(range(1, 9)),
+                    lease_s=30,
                 )
             )
         assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         await stub.TxAllocate(
-            pb.TxAllocateRequest(tx_id="short", tenant="t", block_keys=[1, 2], lease_s=0.05)
+            pb.TxAllocateRequest(
+                key_layout=KEY_LAYOUT, tx_id="short", tenant="t", block_keys=[1, 2], lease_s=0.05
+            )
         )
     text = await scrape(agent)
     assert value(text, "node_agent_tx_total", op="commit", outcome="not_found") == 1

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvc.block_keys import compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, compute_block_keys
 from kvc.tls import AGENT_NAME, PlaintextPolicy, TlsFiles, write_bundle
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
@@ -65,7 +65,9 @@ def secure(address: str, files: TlsFiles) -> grpc.aio.Channel:
 
 
 def alloc(tx_id: str) -> pb.TxAllocateRequest:
-    return pb.TxAllocateRequest(tx_id=tx_id, tenant="t", block_keys=[11, 12], lease_s=30)
+    return pb.TxAllocateRequest(
+        key_layout=KEY_LAYOUT, tx_id=tx_id, tenant="t", block_keys=[11, 12], lease_s=30
+    )
 
 
 async def test_the_conductor_role_may_do_everything_an_agent_only_pull(
@@ -141,13 +143,15 @@ async def staged_and_locked(stub: pb_grpc.NodeAgentAsyncStub) -> tuple[str, str,
     for "dst" to read. Returns (stage handle, read token, keys)."""
     prompt = [10 + (7 * i) % 1500 for i in range(3 * 32 + 5)]
     keys = [int(k) for k in compute_block_keys(prompt[:-1], tenant="t", model=MODEL, block_size=32)]
-    tx = pb.TxAllocateRequest(tx_id="p", tenant="t", block_keys=keys, lease_s=30)
+    tx = pb.TxAllocateRequest(
+        key_layout=KEY_LAYOUT, tx_id="p", tenant="t", block_keys=keys, lease_s=30
+    )
     staged = await stub.Prefill(
         pb.PrefillRequest(
             request_id="r", tenant="t", tx_id="p", prompt_token_ids=prompt, tx=tx, grantee="dst"
         )
     )
-    lock = pb.TxAllocateRequest(
+    lock = pb.TxAllocateRequest(key_layout=KEY_LAYOUT,
         tx_id="l", tenant="t", block_keys=keys, lease_s=30, mode=pb.TX_MODE_LOCK_ONLY,
         grantee="dst",
     )  # fmt: skip
@@ -193,7 +197,12 @@ async def test_requiring_node_certificates(start_agent: AgentFactory, certs: Pat
         stub = pb_grpc.NodeAgentStub(channel)
         handle, token, keys = await staged_and_locked(stub)
         unbound = pb.TxAllocateRequest(
-            tx_id="u", tenant="t", block_keys=keys, lease_s=30, mode=pb.TX_MODE_LOCK_ONLY
+            key_layout=KEY_LAYOUT,
+            tx_id="u",
+            tenant="t",
+            block_keys=keys,
+            lease_s=30,
+            mode=pb.TX_MODE_LOCK_ONLY,
         )
         unbound_token = (await stub.TxAllocate(unbound)).read_token
     denied = grpc.StatusCode.PERMISSION_DENIED

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from kvc.block_keys import KEY_LAYOUT
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from tests.conftest import AgentFactory, ConductorFactory, assert_no_locks, wait_until
@@ -208,6 +209,7 @@ async def test_a_retried_allocation_answers_its_retention_again_and_counts_it_on
     agent = await start_agent("both")
     registry = agent.service.metrics.registry
     request = pb.TxAllocateRequest(
+        key_layout=KEY_LAYOUT,
         tx_id="tx-retry",
         tenant="t",
         block_keys=[11, 12, 13],

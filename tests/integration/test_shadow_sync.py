@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvc.block_keys import compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from tests.conftest import MODEL, AgentFactory, shadow_of, wait_until
 
@@ -20,7 +20,9 @@ async def test_a_session_follows_new_blocks_and_ends_when_stopped(
         session = follow.start()
         await wait_until(lambda: index.position(node) is not None)
         keys = list(compute_block_keys(list(range(3 * 32)), tenant="t", model=MODEL, block_size=32))
-        request = pb.TxAllocateRequest(tx_id="tx-s", tenant="t", block_keys=keys, lease_s=30.0)
+        request = pb.TxAllocateRequest(
+            key_layout=KEY_LAYOUT, tx_id="tx-s", tenant="t", block_keys=keys, lease_s=30.0
+        )
         await handle.stub.TxAllocate(request, timeout=5.0)
         await handle.stub.TxCommit(pb.TxCommitRequest(tx_id="tx-s"), timeout=5.0)
         await wait_until(lambda: index.match(keys).get(node) == len(keys))

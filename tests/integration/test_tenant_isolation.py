@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvc.block_keys import compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from tests.conftest import (
@@ -35,7 +35,9 @@ def victim_keys() -> list[int]:
 
 async def cache_for_victim(stub: pb_grpc.NodeAgentAsyncStub) -> pb.PrefillResponse:
     keys = victim_keys()
-    tx = pb.TxAllocateRequest(tx_id="v", tenant=VICTIM, block_keys=keys, lease_s=30)
+    tx = pb.TxAllocateRequest(
+        key_layout=KEY_LAYOUT, tx_id="v", tenant=VICTIM, block_keys=keys, lease_s=30
+    )
     return await stub.Prefill(
         pb.PrefillRequest(
             request_id="same-id", tenant=VICTIM, tx_id="v", prompt_token_ids=PROMPT, tx=tx
@@ -54,13 +56,23 @@ async def test_another_tenant_cannot_lock_read_or_overwrite_the_victims_blocks(
         denied = grpc.StatusCode.PERMISSION_DENIED
         for mode in (pb.TX_MODE_LOCK_ONLY, pb.TX_MODE_ALLOCATE):
             steal = pb.TxAllocateRequest(
-                tx_id=f"steal-{mode}", tenant="attacker", block_keys=keys, lease_s=600, mode=mode
+                key_layout=KEY_LAYOUT,
+                tx_id=f"steal-{mode}",
+                tenant="attacker",
+                block_keys=keys,
+                lease_s=600,
+                mode=mode,
             )
             assert await rpc_status(stub.TxAllocate(steal)) == denied
         assert agent.service.pool.locked_by_tenant("attacker") == 0
         # The victim's own lock, then a read of it under another tenant's name.
         lock = pb.TxAllocateRequest(
-            tx_id="v-lock", tenant=VICTIM, block_keys=keys, lease_s=30, mode=pb.TX_MODE_LOCK_ONLY
+            key_layout=KEY_LAYOUT,
+            tx_id="v-lock",
+            tenant=VICTIM,
+            block_keys=keys,
+            lease_s=30,
+            mode=pb.TX_MODE_LOCK_ONLY,
         )
         grant = (await stub.TxAllocate(lock)).read_token
         read = pb.ReadBlocksRequest(tx_id="v-lock", tenant=VICTIM, block_keys=keys)
@@ -147,7 +159,11 @@ async def test_one_tenant_cannot_lock_a_shared_nodes_whole_pool(
 
         def tx(tx_id: str, tenant: str, keys: range) -> pb.TxAllocateRequest:
             return pb.TxAllocateRequest(
-                tx_id=tx_id, tenant=tenant, block_keys=list(keys), lease_s=600
+                key_layout=KEY_LAYOUT,
+                tx_id=tx_id,
+                tenant=tenant,
+                block_keys=list(keys),
+                lease_s=600,
             )
 
         alone = await stub.TxAllocate(tx("hog-alone", "hog", range(1, 13)))

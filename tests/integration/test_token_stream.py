@@ -21,7 +21,7 @@ from conductor.adapters.agents import AgentFleet
 from conductor.adapters.shadow import ShadowSync
 from conductor.adapters.token_stream import StreamCall, TokenStreamClient
 from conductor.core.prefix_index import NodeId, PrefixIndex
-from kvc.block_keys import compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, compute_block_keys
 from kvc.stream_frames import (
     CALL,
     ERROR,
@@ -112,7 +112,9 @@ async def test_a_cancelled_call_aborts_its_generation_and_transaction(
     client = TokenStreamClient(agent.service.node_info.stream_address, None, "loopback")
     prompt = [1 + i for i in range(2 * 32 + 3)]
     keys = [int(k) for k in compute_block_keys(prompt[:-1], tenant="t", model=MODEL, block_size=32)]
-    tx = pb.TxAllocateRequest(tx_id="c", tenant="t", block_keys=keys, lease_s=30)
+    tx = pb.TxAllocateRequest(
+        key_layout=KEY_LAYOUT, tx_id="c", tenant="t", block_keys=keys, lease_s=30
+    )
     request = pb.GenerateRequest(
         request_id="c",
         tenant="t",
@@ -189,7 +191,9 @@ async def commit_blocks(agent: AgentServer, tx_id: str, n_blocks: int) -> list[i
     fleet = AgentFleet([agent.address], model=MODEL, rpc_timeout_s=5.0)
     try:
         stub = fleet.handles()[0].stub
-        tx = pb.TxAllocateRequest(tx_id=tx_id, tenant="t", block_keys=keys, lease_s=30.0)
+        tx = pb.TxAllocateRequest(
+            key_layout=KEY_LAYOUT, tx_id=tx_id, tenant="t", block_keys=keys, lease_s=30.0
+        )
         await stub.TxAllocate(tx, timeout=5.0)
         await stub.TxCommit(pb.TxCommitRequest(tx_id=tx_id), timeout=5.0)
     finally:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvc.block_keys import compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, compute_block_keys
 from kvc.v1 import node_agent_pb2 as pb
 from kvc.v1 import node_agent_pb2_grpc as pb_grpc
 from kvc.wire import ERROR_INFO_KEY
@@ -53,7 +53,9 @@ class LinkDropsAfter(DelegatingTransport):
 async def stage(prefill: AgentServer, stub: pb_grpc.NodeAgentAsyncStub, rid: str) -> str:
     keys = compute_block_keys(PROMPT[:-1], tenant="t", model=MODEL, block_size=32)
     await stub.TxAllocate(
-        pb.TxAllocateRequest(tx_id=f"tx-{rid}", tenant="t", block_keys=keys, lease_s=30)
+        pb.TxAllocateRequest(
+            key_layout=KEY_LAYOUT, tx_id=f"tx-{rid}", tenant="t", block_keys=keys, lease_s=30
+        )
     )
     staged = await stub.Prefill(
         pb.PrefillRequest(request_id=rid, tenant="t", tx_id=f"tx-{rid}", prompt_token_ids=PROMPT)

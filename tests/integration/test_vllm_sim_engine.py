@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from conductor.core.prefix_index import NodeId
-from kvc.block_keys import BlockKey, compute_block_keys
+from kvc.block_keys import KEY_LAYOUT, BlockKey, compute_block_keys
 from kvc.models import DEFAULT_MODEL_DIR
 from kvc.roles import NodeRole
 from kvc.tokenization import ChatTokenizer
@@ -367,11 +367,13 @@ async def test_a_prefix_moves_between_vllm_nodes_through_kv_transfer_params(
     p_channel, p_stub = _stub(puller)
     try:
         alloc = await p_stub.TxAllocate(
-            pb.TxAllocateRequest(tx_id="p", tenant=TENANT, block_keys=keys, lease_s=30)
+            pb.TxAllocateRequest(
+                key_layout=KEY_LAYOUT, tx_id="p", tenant=TENANT, block_keys=keys, lease_s=30
+            )
         )
         assert alloc.reused_blocks == 0
         lock = await h_stub.TxAllocate(
-            pb.TxAllocateRequest(
+            pb.TxAllocateRequest(key_layout=KEY_LAYOUT,
                 tx_id="s", tenant=TENANT, block_keys=keys[:5], lease_s=30,
                 mode=pb.TX_MODE_LOCK_ONLY, grantee=puller.service.node_info.node_id,
             )
@@ -437,7 +439,12 @@ async def test_a_vllm_node_without_prefix_pulls_neither_lends_nor_pulls(
     try:
         lock = await stub.TxAllocate(
             pb.TxAllocateRequest(
-                tx_id="s", tenant=TENANT, block_keys=keys, lease_s=30, mode=pb.TX_MODE_LOCK_ONLY
+                key_layout=KEY_LAYOUT,
+                tx_id="s",
+                tenant=TENANT,
+                block_keys=keys,
+                lease_s=30,
+                mode=pb.TX_MODE_LOCK_ONLY,
             )
         )
         with pytest.raises(grpc.aio.AioRpcError) as exc:
@@ -533,10 +540,12 @@ async def test_a_prefix_pull_gives_up_in_time_for_the_prefill(start_node: StartN
     p_channel, p_stub = _stub(puller)
     try:
         await p_stub.TxAllocate(
-            pb.TxAllocateRequest(tx_id="p", tenant=TENANT, block_keys=keys, lease_s=1.0)
+            pb.TxAllocateRequest(
+                key_layout=KEY_LAYOUT, tx_id="p", tenant=TENANT, block_keys=keys, lease_s=1.0
+            )
         )
         lock = await h_stub.TxAllocate(
-            pb.TxAllocateRequest(
+            pb.TxAllocateRequest(key_layout=KEY_LAYOUT,
                 tx_id="s", tenant=TENANT, block_keys=keys[:5], lease_s=30,
                 mode=pb.TX_MODE_LOCK_ONLY,
             )

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 from kvc import block_keys, native
 from kvc.block_keys import (
+    KEY_LAYOUT,
+    KEY_LAYOUTS,
     ROOT_PARENT_KEY,
     BlockKey,
     BlockKeySpec,
@@ -31,33 +33,56 @@ from kvc.block_keys import (
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# The shared test vector. Computed once by kvc/block_keys.py and committed:
-# any change to these numbers is a wire-format change (every shadow index and every
-# node's cache would stop matching) and needs a new key version, not an edited vector.
+# The shared test vectors, one per layout. Computed once and committed: any change to
+# these numbers is a wire-format change (every shadow index and every node's cache would
+# stop matching) and needs a new key layout, not an edited vector.
 VECTOR_TOKENS = [(i * 7919 + 13) % 151936 for i in range(100)]  # 6 full blocks + 4 tokens
 VECTOR_TENANT = "tenant-a"
 VECTOR_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 VECTOR_BLOCK_SIZE = 16
-VECTOR_KEYS = [
-    0x3CDF531C3B7A317F,
-    0x8A17423F8D5D41EE,
-    0xE934811023552E23,
-    0x5AB92E2BCB4FA7A4,
-    0xDE421F29294EE98A,
-    0x8353E74758B3E3AE,
-]
+VECTOR_KEYS = {
+    1: [
+        0x3CDF531C3B7A317F,
+        0x8A17423F8D5D41EE,
+        0xE934811023552E23,
+        0x5AB92E2BCB4FA7A4,
+        0xDE421F29294EE98A,
+        0x8353E74758B3E3AE,
+    ],
+    2: [
+        0xF8E8CFBC46BB6880,
+        0x3C4143AD29ADA369,
+        0xEEA60635C516884E,
+        0xD64D1F417582C70A,
+        0xCA6E88D5BBD7014C,
+        0x513E5CF74DE61315,
+    ],
+}
 
 
 def reference_keys(
-    tokens: list[int], tenant: str, model: str, block_size: int, parent: int = 0
+    tokens: list[int],
+    tenant: str,
+    model: str,
+    block_size: int,
+    parent: int = 0,
+    layout: int = KEY_LAYOUT,
 ) -> list[int]:
-    """The layout written out independently (struct, one hash per block, no template)."""
+    """The layouts written out independently (struct, one stdlib hash per block, no
+    template): layout 2 with the parent as hashlib's own ``node_offset``."""
     salt = namespace_digest(tenant, model)
     keys: list[int] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        block = tokens[start : start + block_size]
-        data = struct.pack("<Q", parent) + struct.pack(f"<{block_size}I", *block)
-        digest = hashlib.blake2b(data, digest_size=8, salt=salt, person=b"kvc-blockkey-v1")
+        block = struct.pack(f"<{block_size}I", *tokens[start : start + block_size])
+        if layout == 1:
+            digest = hashlib.blake2b(
+                struct.pack("<Q", parent) + block, digest_size=8, salt=salt,
+                person=b"kvc-blockkey-v1",
+            )  # fmt: skip
+        else:
+            digest = hashlib.blake2b(
+                block, digest_size=8, salt=salt, person=b"kvc-blockkey-v2", node_offset=parent
+            )
         parent = int.from_bytes(digest.digest(), "little")
         keys.append(parent)
     return keys
@@ -69,11 +94,35 @@ def keys_of(
     return compute_block_keys(tokens, tenant=tenant, model=model, block_size=block_size)
 
 
-def test_committed_vector() -> None:
+@pytest.mark.parametrize("layout", KEY_LAYOUTS)
+def test_committed_vector(layout: int) -> None:
+    got = compute_block_keys(
+        VECTOR_TOKENS, tenant=VECTOR_TENANT, model=VECTOR_MODEL, block_size=VECTOR_BLOCK_SIZE,
+        layout=layout,
+    )  # fmt: skip
+    assert got == VECTOR_KEYS[layout]
+
+
+def test_layout_2_is_the_default() -> None:
+    assert KEY_LAYOUT == 2
     got = compute_block_keys(
         VECTOR_TOKENS, tenant=VECTOR_TENANT, model=VECTOR_MODEL, block_size=VECTOR_BLOCK_SIZE
     )
-    assert got == VECTOR_KEYS
+    assert got == VECTOR_KEYS[2]
+
+
+@pytest.mark.parametrize("layout", [0, 3, -1, True, 2.0, "2"])
+def test_unknown_layout_is_a_value_error(layout: object) -> None:
+    with pytest.raises(ValueError, match="layout"):
+        compute_block_keys([1, 2, 3, 4], tenant="t", model="m", block_size=2, layout=layout)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout", [0, 3, -1])
+def test_the_compiled_path_refuses_an_unknown_layout(layout: int) -> None:
+    if native.chain_keys is None:
+        pytest.skip("kvc._native is not built here")
+    with pytest.raises(ValueError, match="layout"):
+        native.chain_keys([1, 2], b"s", b"p", 2, 0, layout)
 
 
 def test_namespace_digest_vector() -> None:
@@ -83,9 +132,16 @@ def test_namespace_digest_vector() -> None:
     assert namespace_digest(VECTOR_TENANT, VECTOR_MODEL) == salt.digest()
 
 
-def test_matches_reference_layout() -> None:
-    reference = reference_keys(VECTOR_TOKENS, VECTOR_TENANT, VECTOR_MODEL, VECTOR_BLOCK_SIZE)
-    assert reference == VECTOR_KEYS
+@pytest.mark.parametrize("layout", KEY_LAYOUTS)
+def test_matches_reference_layout(layout: int) -> None:
+    reference = reference_keys(
+        VECTOR_TOKENS, VECTOR_TENANT, VECTOR_MODEL, VECTOR_BLOCK_SIZE, layout=layout
+    )
+    assert reference == VECTOR_KEYS[layout]
+
+
+def test_the_layouts_share_no_key() -> None:
+    assert not set(VECTOR_KEYS[1]) & set(VECTOR_KEYS[2])
 
 
 def test_partial_block_has_no_key() -> None:
@@ -177,9 +233,11 @@ def test_non_integer_token_is_value_error() -> None:
         compute_block_keys([1.5, 2], tenant="t", model="m", block_size=2)  # type: ignore[list-item]
 
 
-def test_extreme_token_ids() -> None:
+@pytest.mark.parametrize("layout", KEY_LAYOUTS)
+def test_extreme_token_ids(layout: int) -> None:
     tokens = [0, 2**32 - 1, 2**31, 1]
-    assert keys_of(tokens, block_size=2) == reference_keys(tokens, "t", "m", 2)
+    got = compute_block_keys(tokens, tenant="t", model="m", block_size=2, layout=layout)
+    assert got == reference_keys(tokens, "t", "m", 2, layout=layout)
 
 
 @settings(max_examples=150, deadline=None)
@@ -188,24 +246,28 @@ def test_extreme_token_ids() -> None:
     block_size=st.integers(min_value=1, max_value=9),
     split_blocks=st.integers(min_value=0, max_value=10),
     tenant=st.text(max_size=6),
+    layout=st.sampled_from(KEY_LAYOUTS),
 )
-def test_properties(tokens: list[int], block_size: int, split_blocks: int, tenant: str) -> None:
-    keys = keys_of(tokens, tenant=tenant, model="m", block_size=block_size)
-    assert len(keys) == len(tokens) // block_size
-    assert all(0 <= k < 2**64 for k in keys)
-    assert keys == reference_keys(tokens, tenant, "m", block_size)
+def test_properties(
+    tokens: list[int], block_size: int, split_blocks: int, tenant: str, layout: int
+) -> None:
+    def keys(tokens: list[int], tenant: str, parent: BlockKey | None = None) -> list[BlockKey]:
+        return compute_block_keys(
+            tokens, tenant=tenant, model="m", block_size=block_size, parent=parent, layout=layout
+        )
+
+    whole = keys(tokens, tenant)
+    assert len(whole) == len(tokens) // block_size
+    assert all(0 <= k < 2**64 for k in whole)
+    assert whole == reference_keys(tokens, tenant, "m", block_size, layout=layout)
     # Prefix stability and continuation at any block boundary.
-    cut = min(split_blocks, len(keys)) * block_size
-    head = keys_of(tokens[:cut], tenant=tenant, model="m", block_size=block_size)
-    assert head == keys[: len(head)]
-    parent = head[-1] if head else None
-    tail = compute_block_keys(
-        tokens[cut:], tenant=tenant, model="m", block_size=block_size, parent=parent
-    )
-    assert head + tail == keys
+    cut = min(split_blocks, len(whole)) * block_size
+    head = keys(tokens[:cut], tenant)
+    assert head == whole[: len(head)]
+    tail = keys(tokens[cut:], tenant, parent=head[-1] if head else None)
+    assert head + tail == whole
     # Another tenant shares no key with this one.
-    other = keys_of(tokens, tenant=tenant + "x", model="m", block_size=block_size)
-    assert not set(other) & set(keys)
+    assert not set(keys(tokens, tenant + "x")) & set(whole)
 
 
 _SUBPROCESS_SCRIPT = """
@@ -250,8 +312,13 @@ def test_keys_do_not_depend_on_pythonhashseed() -> None:
 # --- The compiled path (kvc/_native.c) and the pure-Python fallback ---------------
 
 
-def python_keys(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[BlockKey]:
-    return block_keys._python_chain_keys(tokens, namespace_digest("t", "m"), block_size, parent)
+def python_keys(
+    tokens: Sequence[int], block_size: int, parent: int = 0, layout: int = KEY_LAYOUT
+) -> list[BlockKey]:
+    salt = namespace_digest("t", "m")
+    person = block_keys._KEY_PERSONS[layout]
+    chain = block_keys._python_chain_keys_v2 if layout == 2 else block_keys._python_chain_keys
+    return chain(tokens, salt, person, block_size, parent)
 
 
 def test_the_compiled_module_is_built_where_a_compiler_is() -> None:
@@ -269,13 +336,13 @@ def test_pure_python_switch_gives_the_same_keys() -> None:
         "import json\n"
         "from kvc import block_keys as b, native\n"
         "tokens = [(i * 7919 + 13) % 151936 for i in range(100)]\n"
-        "keys = b.compute_block_keys(tokens, tenant='tenant-a', model="
-        "'Qwen/Qwen2.5-0.5B-Instruct', block_size=16)\n"
+        "keys = {n: b.compute_block_keys(tokens, tenant='tenant-a', model="
+        "'Qwen/Qwen2.5-0.5B-Instruct', block_size=16, layout=n) for n in b.KEY_LAYOUTS}\n"
         "print(json.dumps([native.AVAILABLE, keys]))\n"
     )
     native, keys = _json_of_script(script, KVC_NATIVE="0")
     assert native is False
-    assert keys == VECTOR_KEYS
+    assert {int(n): k for n, k in keys.items()} == VECTOR_KEYS
 
 
 @settings(max_examples=300, deadline=None)
@@ -289,12 +356,16 @@ def test_pure_python_switch_gives_the_same_keys() -> None:
     ),
     block_size=st.integers(min_value=1, max_value=70),  # one, two and three compressions
     parent=st.integers(min_value=0, max_value=2**64 - 1),
+    layout=st.sampled_from(KEY_LAYOUTS),
 )
-def test_compiled_and_python_paths_agree(tokens: list[int], block_size: int, parent: int) -> None:
+def test_compiled_and_python_paths_agree(
+    tokens: list[int], block_size: int, parent: int, layout: int
+) -> None:
     got = compute_block_keys(
-        tokens, tenant="t", model="m", block_size=block_size, parent=BlockKey(parent)
-    )
-    assert got == python_keys(tokens, block_size, parent)
+        tokens, tenant="t", model="m", block_size=block_size, parent=BlockKey(parent),
+        layout=layout,
+    )  # fmt: skip
+    assert got == python_keys(tokens, block_size, parent, layout)
 
 
 class _Index:
@@ -364,18 +435,21 @@ def test_a_list_emptied_while_it_is_read_is_an_error_not_a_crash() -> None:
         compute_block_keys(tokens, tenant="t", model="m", block_size=2)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("layout", KEY_LAYOUTS)
 @pytest.mark.parametrize("block_size", [29, 30, 31, 32, 33, 61, 62, 63, 64, 65, 128, 512])
-def test_blocks_of_one_two_and_more_compressions(block_size: int) -> None:
-    # 8 bytes of parent + 4 per token: 30 tokens fill one 128-byte BLAKE2b block exactly,
-    # 31 spill into a second; 62 and 63 are the edge of a third.
+def test_blocks_of_one_two_and_more_compressions(block_size: int, layout: int) -> None:
+    # Layout 1, 8 bytes of parent + 4 per token: 30 tokens fill one 128-byte BLAKE2b block
+    # exactly, 31 spill into a second; 62 and 63 are the edge of a third. Layout 2, tokens
+    # alone: 32 fill one block (compressed where it lies), 33 spill; 64 and 65 likewise.
     rng = random.Random(block_size)
     tokens = [rng.randrange(2**32) for _ in range(block_size * 5 + 3)]
-    expected = reference_keys(tokens, "t", "m", block_size, parent=12345)
+    expected = reference_keys(tokens, "t", "m", block_size, parent=12345, layout=layout)
     got = compute_block_keys(
-        tokens, tenant="t", model="m", block_size=block_size, parent=BlockKey(12345)
-    )
+        tokens, tenant="t", model="m", block_size=block_size, parent=BlockKey(12345),
+        layout=layout,
+    )  # fmt: skip
     assert got == expected
-    assert python_keys(tokens, block_size, 12345) == expected
+    assert python_keys(tokens, block_size, 12345, layout) == expected
 
 
 @settings(max_examples=200, deadline=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -129,6 +129,12 @@ def test_constructor_validation(kwargs: dict[str, float], clock: FakeClock) -> N
             "mode",
         ),
         (AllocateParams(tx_id="tx", tenant=None, keys=K(1), lease_s=1.0), "tenant"),  # type: ignore[arg-type]
+        (AllocateParams(tx_id="tx", tenant="t", keys=K(1), lease_s=1.0, key_layout=3), "layout"),
+        (AllocateParams(tx_id="tx", tenant="t", keys=K(1), lease_s=1.0, key_layout=0), "layout"),
+        (
+            AllocateParams(tx_id="tx", tenant="t", keys=K(1), lease_s=1.0, key_layout=True),
+            "layout",
+        ),
     ],
 )
 def test_allocate_validation_leaves_pool_unchanged(
@@ -414,6 +420,7 @@ def test_allocate_retry_returns_the_same_result(pool: BlockPool) -> None:
         params("tx", [1, 2, 4]),
         params("tx", [1, 2, 3], tenant="other"),
         params("tx", [1, 2, 3], mode=TxMode.LOCK_ONLY),
+        replace(params("tx", [1, 2, 3]), key_layout=1),
     ],
 )
 def test_allocate_retry_with_other_params_is_invalid(

@@ -40,7 +40,7 @@ async def fleet() -> AsyncIterator[AgentFleet]:
     for address in ADDRESSES:
         handle = fleet.add(address)
         handle.info = _info(address)
-        handle.reachable = handle.model_matches = True
+        handle.reachable = handle.compatible = True
         handle.set_load(pb.LoadUpdate(free_blocks=3_000, running_requests=2))
     yield fleet
     await fleet.aclose()
@@ -91,9 +91,9 @@ async def test_an_unchanged_agent_keeps_its_state_and_a_changed_one_is_rebuilt(
     three.reachable = False
     assert _by_node(dispatcher.node_states())[NodeId(three.address)].healthy is False
     three.reachable = True
-    three.model_matches = False
+    three.compatible = False
     assert _by_node(dispatcher.node_states())[NodeId(three.address)].healthy is False
-    three.model_matches = True
+    three.compatible = True
     assert dispatcher.node_states() == _fresh(fleet)
 
 
