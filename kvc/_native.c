@@ -5,7 +5,9 @@
  *
  *   chain_keys     the chained block keys of kvc/block_keys.py;
  *   probe_set_ids  the key lookup of the shadow prefix index's open-addressing table
- *                  (conductor/core/prefix_index.py, _KeyTable._probe).
+ *                  (conductor/core/prefix_index.py, _KeyTable._probe);
+ *   probe_runs     the same lookup, answering only where the set id changes
+ *                  (_KeyTable.run_changes).
  *
  * chain_keys: the same layouts, bit for bit (kvc/block_keys.py is the specification and the
  * fallback where this module was not built):
@@ -385,65 +387,80 @@ static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ss
     return 0;
 }
 
-static PyObject *probe_set_ids(PyObject *self, PyObject *args) {
-    PyObject *keys_obj, *tkeys_obj, *tids_obj, *over_obj, *out_obj, *mult_obj;
+/* The arguments both probes share, checked; the buffers held until probe_release. */
+typedef struct {
+    PyObject *keys_obj;
     Py_ssize_t start, end, rows, row_slots;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "OnnOOOnOnO:probe_set_ids", &keys_obj, &start, &end, &tkeys_obj,
-                          &tids_obj, &over_obj, &rows, &mult_obj, &row_slots, &out_obj))
-        return NULL;
+    unsigned long long mult;
+    Py_buffer tkeys, tids, over;
+} Probe;
+
+static int probe_open(Probe *p, PyObject *keys_obj, Py_ssize_t start, Py_ssize_t end,
+                      PyObject *tkeys_obj, PyObject *tids_obj, PyObject *over_obj,
+                      Py_ssize_t rows, PyObject *mult_obj, Py_ssize_t row_slots) {
     if (!PyList_Check(keys_obj) && !PyTuple_Check(keys_obj)) {
         PyErr_SetString(PyExc_ValueError, "keys must be a list or a tuple of ints");
-        return NULL;
+        return -1;
     }
     Py_ssize_t n_keys = PySequence_Fast_GET_SIZE(keys_obj);
     if (start < 0 || end < start || end > n_keys) {
         PyErr_Format(PyExc_ValueError, "keys[%zd:%zd] is out of range for %zd keys", start, end,
                      n_keys);
-        return NULL;
+        return -1;
     }
     if (rows <= 0 || row_slots <= 0) {
         PyErr_SetString(PyExc_ValueError, "rows and row must be positive");
-        return NULL;
+        return -1;
     }
-    unsigned long long mult = PyLong_AsUnsignedLongLong(mult_obj);
-    if (mult == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    Py_buffer tkeys, tids, over, out;
-    if (get_buffer(tkeys_obj, &tkeys, 8, rows * row_slots, 0, "table_keys") < 0) return NULL;
-    if (get_buffer(tids_obj, &tids, 4, rows * row_slots, 0, "table_ids") < 0) {
-        PyBuffer_Release(&tkeys);
-        return NULL;
+    p->mult = PyLong_AsUnsignedLongLong(mult_obj);
+    if (p->mult == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    if (get_buffer(tkeys_obj, &p->tkeys, 8, rows * row_slots, 0, "table_keys") < 0) return -1;
+    if (get_buffer(tids_obj, &p->tids, 4, rows * row_slots, 0, "table_ids") < 0) {
+        PyBuffer_Release(&p->tkeys);
+        return -1;
     }
-    if (get_buffer(over_obj, &over, 1, rows, 0, "overflowed") < 0) {
-        PyBuffer_Release(&tkeys);
-        PyBuffer_Release(&tids);
-        return NULL;
+    if (get_buffer(over_obj, &p->over, 1, rows, 0, "overflowed") < 0) {
+        PyBuffer_Release(&p->tkeys);
+        PyBuffer_Release(&p->tids);
+        return -1;
     }
-    if (get_buffer(out_obj, &out, 4, end - start, 1, "out") < 0) {
-        PyBuffer_Release(&tkeys);
-        PyBuffer_Release(&tids);
-        PyBuffer_Release(&over);
-        return NULL;
-    }
-    const uint64_t *table_keys = (const uint64_t *)tkeys.buf;
-    const uint32_t *table_ids = (const uint32_t *)tids.buf;
-    const uint8_t *overflowed = (const uint8_t *)over.buf;
-    uint32_t *ids = (uint32_t *)out.buf;
-    PyObject *result = Py_None;
-    Py_ssize_t n = end - start;
+    p->keys_obj = keys_obj;
+    p->start = start;
+    p->end = end;
+    p->rows = rows;
+    p->row_slots = row_slots;
+    return 0;
+}
+
+static void probe_release(Probe *p) {
+    PyBuffer_Release(&p->tkeys);
+    PyBuffer_Release(&p->tids);
+    PyBuffer_Release(&p->over);
+}
+
+/* The set id of each of keys[start:end] into ids; 0 on success, -1 with ValueError set
+ * (a key that is not a uint64) or MemoryError. */
+static int probe_run(const Probe *p, uint32_t *ids) {
+    const uint64_t *table_keys = (const uint64_t *)p->tkeys.buf;
+    const uint32_t *table_ids = (const uint32_t *)p->tids.buf;
+    const uint8_t *overflowed = (const uint8_t *)p->over.buf;
+    const Py_ssize_t rows = p->rows, row_slots = p->row_slots;
+    const uint64_t mult = (uint64_t)p->mult;
+    Py_ssize_t n = p->end - p->start;
     /* First every key and its home row; then the probes, each row prefetched PREFETCH
      * keys ahead: a shadow table outgrows the caches, and a lookup that waits for each
      * row in turn costs a memory latency per key (~4x more at 4,096 keys measured). */
     uint64_t *keys = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint64_t) : 1);
     uint64_t *homes = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint64_t) : 1);
     if (keys == NULL || homes == NULL) {
+        PyMem_Free(keys);
+        PyMem_Free(homes);
         PyErr_NoMemory();
-        result = NULL;
-        n = 0;
+        return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         /* Keys are ints: reading one runs no Python code, so the list cannot change. */
-        PyObject *item = PySequence_Fast_GET_ITEM(keys_obj, start + i);
+        PyObject *item = PySequence_Fast_GET_ITEM(p->keys_obj, p->start + i);
         uint64_t key = 0;
         int ok = PyLong_Check(item);
         if (ok) {
@@ -454,13 +471,13 @@ static PyObject *probe_set_ids(PyObject *self, PyObject *args) {
             PyErr_Clear();
             PyErr_Format(PyExc_ValueError,
                          "block keys must be unsigned 64-bit ints: %.100s at position %zd",
-                         Py_TYPE(item)->tp_name, start + i);
-            result = NULL;
-            n = 0;
-            break;
+                         Py_TYPE(item)->tp_name, p->start + i);
+            PyMem_Free(keys);
+            PyMem_Free(homes);
+            return -1;
         }
         keys[i] = key;
-        homes[i] = (key * (uint64_t)mult) % (uint64_t)rows;
+        homes[i] = (key * mult) % (uint64_t)rows;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
 #if defined(__GNUC__) || defined(__clang__)
@@ -490,12 +507,77 @@ static PyObject *probe_set_ids(PyObject *self, PyObject *args) {
     }
     PyMem_Free(keys);
     PyMem_Free(homes);
-    PyBuffer_Release(&tkeys);
-    PyBuffer_Release(&tids);
-    PyBuffer_Release(&over);
+    return 0;
+}
+
+static PyObject *probe_set_ids(PyObject *self, PyObject *args) {
+    PyObject *keys_obj, *tkeys_obj, *tids_obj, *over_obj, *out_obj, *mult_obj;
+    Py_ssize_t start, end, rows, row_slots;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OnnOOOnOnO:probe_set_ids", &keys_obj, &start, &end, &tkeys_obj,
+                          &tids_obj, &over_obj, &rows, &mult_obj, &row_slots, &out_obj))
+        return NULL;
+    Probe p;
+    if (probe_open(&p, keys_obj, start, end, tkeys_obj, tids_obj, over_obj, rows, mult_obj,
+                   row_slots) < 0)
+        return NULL;
+    Py_buffer out;
+    if (get_buffer(out_obj, &out, 4, end - start, 1, "out") < 0) {
+        probe_release(&p);
+        return NULL;
+    }
+    int rc = probe_run(&p, (uint32_t *)out.buf);
     PyBuffer_Release(&out);
-    if (result == NULL) return NULL;
+    probe_release(&p);
+    if (rc < 0) return NULL;
     Py_RETURN_NONE;
+}
+
+/*
+ * probe_runs(keys, start, end, table_keys, table_ids, overflowed, rows, mult, row, last)
+ *     -> list[int]
+ *
+ * Where the set id changes along keys[start:end]: a flat list [i0, id0, i1, id1, ...] of
+ * the absolute positions whose set id differs from the key's before (the first key is
+ * compared with `last`, the id before keys[start]) and their ids. What
+ * _KeyTable.run_changes computes from set_ids_of, without an array per chunk: a prompt
+ * held by a few nodes changes set a few times over thousands of keys.
+ */
+static PyObject *probe_runs(PyObject *self, PyObject *args) {
+    PyObject *keys_obj, *tkeys_obj, *tids_obj, *over_obj, *mult_obj;
+    Py_ssize_t start, end, rows, row_slots;
+    long long last;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OnnOOOnOnL:probe_runs", &keys_obj, &start, &end, &tkeys_obj,
+                          &tids_obj, &over_obj, &rows, &mult_obj, &row_slots, &last))
+        return NULL;
+    Probe p;
+    if (probe_open(&p, keys_obj, start, end, tkeys_obj, tids_obj, over_obj, rows, mult_obj,
+                   row_slots) < 0)
+        return NULL;
+    Py_ssize_t n = end - start;
+    uint32_t *ids = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint32_t) : 1);
+    if (ids == NULL) {
+        probe_release(&p);
+        return PyErr_NoMemory();
+    }
+    int rc = probe_run(&p, ids);
+    probe_release(&p);
+    PyObject *result = rc < 0 ? NULL : PyList_New(0);
+    long long prev = last;
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        if ((long long)ids[i] == prev) continue;
+        prev = ids[i];
+        PyObject *at = PyLong_FromSsize_t(start + i);
+        PyObject *id = PyLong_FromUnsignedLong(ids[i]);
+        if (at == NULL || id == NULL || PyList_Append(result, at) < 0 ||
+            PyList_Append(result, id) < 0)
+            Py_CLEAR(result);
+        Py_XDECREF(at);
+        Py_XDECREF(id);
+    }
+    PyMem_Free(ids);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -506,6 +588,10 @@ static PyMethodDef methods[] = {
      "probe_set_ids(keys, start, end, table_keys, table_ids, overflowed, rows, mult, row, "
      "out) -> None\n\n"
      "The set id of each of keys[start:end] in the prefix index's key table, into out."},
+    {"probe_runs", probe_runs, METH_VARARGS,
+     "probe_runs(keys, start, end, table_keys, table_ids, overflowed, rows, mult, row, "
+     "last) -> list[int]\n\n"
+     "Where the set id changes along keys[start:end]: [i0, id0, i1, id1, ...]."},
     {NULL, NULL, 0, NULL},
 };
 

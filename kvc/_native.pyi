@@ -24,3 +24,16 @@ def probe_set_ids(
     out: object,
     /,
 ) -> None: ...
+def probe_runs(
+    keys: Sequence[int],
+    start: int,
+    end: int,
+    table_keys: object,
+    table_ids: object,
+    overflowed: object,
+    rows: int,
+    mult: int,
+    row: int,
+    last: int,
+    /,
+) -> list[int]: ...

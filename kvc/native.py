@@ -20,9 +20,11 @@ from typing import Final, TypeAlias
 __all__ = [
     "AVAILABLE",
     "ChainKeys",
+    "ProbeRuns",
     "ProbeSetIds",
     "chain_keys",
     "log_if_missing",
+    "probe_runs",
     "probe_set_ids",
 ]
 
@@ -32,25 +34,29 @@ ChainKeys: TypeAlias = Callable[[Sequence[int], bytes, bytes, int, int, int], li
 ProbeSetIds: TypeAlias = Callable[
     [Sequence[int], int, int, object, object, object, int, int, int, object], None
 ]
+ProbeRuns: TypeAlias = Callable[
+    [Sequence[int], int, int, object, object, object, int, int, int, int], list[int]
+]
 
 
 _OFF: Final = ("0", "false", "no", "off")
 
 
-def _load() -> tuple[ChainKeys, ProbeSetIds] | None:
+def _load() -> tuple[ChainKeys, ProbeSetIds, ProbeRuns] | None:
     if os.environ.get("KVC_NATIVE", "").strip().lower() in _OFF:
         return None
     try:
         from kvc import _native
     except ImportError:  # built without a C compiler: the Python twins run
         return None
-    return _native.chain_keys, _native.probe_set_ids
+    return _native.chain_keys, _native.probe_set_ids, _native.probe_runs
 
 
 _loaded: Final = _load()
 AVAILABLE: Final = _loaded is not None
 chain_keys: Final[ChainKeys | None] = None if _loaded is None else _loaded[0]
 probe_set_ids: Final[ProbeSetIds | None] = None if _loaded is None else _loaded[1]
+probe_runs: Final[ProbeRuns | None] = None if _loaded is None else _loaded[2]
 
 
 def log_if_missing(log: logging.Logger) -> None:

@@ -250,6 +250,30 @@ class _KeyTable:
             return ids
         return self.set_ids_of(_as_keys(keys[start:end]))
 
+    def run_changes(self, keys: Sequence[BlockKey], start: int, end: int, last: int) -> list[int]:
+        """Where the set id changes along ``keys[start:end]``: ``[i0, id0, i1, id1, ...]``,
+        the absolute positions whose set id differs from the key's before (``last`` for
+        ``keys[start]``) and their ids. Compiled where built (no array per chunk: a
+        prompt changes set a few times over thousands of keys); otherwise from
+        ``set_ids_in``."""
+        start = min(start, len(keys))
+        end = max(start, min(end, len(keys)))
+        if native.probe_runs is not None and isinstance(keys, list | tuple):
+            return native.probe_runs(
+                keys, start, end, self.keys, self.ids, self.overflowed, self.rows,
+                self._mult_int, _ROW, last,
+            )  # fmt: skip
+        ids = self.set_ids_in(keys, start, end)
+        if len(ids) == 0:
+            return []
+        heads = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        if int(ids[0]) != last:
+            heads = np.concatenate(([0], heads))
+        out: list[int] = []
+        for head, set_id in zip(heads.tolist(), ids[heads].tolist(), strict=True):
+            out += (start + head, set_id)
+        return out
+
     def _probe(self, keys: _U64, out: npt.NDArray[Any], *, positions: bool) -> None:
         """Look ``keys`` up row by row from their home rows, past overflowed rows only;
         write each found key's slot (``positions``) or set id into ``out``."""
@@ -681,13 +705,11 @@ class PrefixIndex:
         chunk = _FIRST_CHUNK
         while start < n:
             end = min(n, start + chunk)
-            ids = table.set_ids_in(keys, start, end)
-            ids_list = ids.tolist()
-            if ids_list[0] != last_id:  # a run starts at the chunk's first key
-                yield start, masks[ids_list[0]]
-            for head in (np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist():
-                yield start + head, masks[ids_list[head]]
-            last_id = ids_list[-1]
+            changes = table.run_changes(keys, start, end, last_id)
+            for i in range(0, len(changes), 2):
+                yield changes[i], masks[changes[i + 1]]
+            if changes:
+                last_id = changes[-1]
             start = end
             chunk = min(_MAX_CHUNK, chunk * 8)
 

@@ -362,6 +362,7 @@ def probe(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     """Lookups through the compiled probe (kvc/_native.c) and through the NumPy one."""
     if request.param == "python":
         monkeypatch.setattr(native, "probe_set_ids", None)
+        monkeypatch.setattr(native, "probe_runs", None)
     elif native.probe_set_ids is None:
         pytest.skip("kvc._native was not built here (tests/unit/test_block_keys.py says why)")
     return str(request.param)
@@ -460,6 +461,22 @@ def test_compiled_and_numpy_probes_agree_on_a_crowded_table(seed: int) -> None:
         table.set_ids_in(tuple(probe_keys), 3, 9).tolist()
         == table.set_ids_of(np.array(probe_keys[3:9], dtype=np.uint64)).tolist()
     )
+    # Where the set id changes: the compiled runs, the NumPy ones and a plain walk.
+    run_keys = [k for k in probe_keys for _ in range(rng.randint(1, 4))]  # runs of a key
+    for start, end, last in ((0, len(run_keys), -1), (17, 1_041, 0), (5, 5, 2), (3, 9, 7)):
+        ids = table.set_ids_of(np.array(run_keys[start:end], dtype=np.uint64)).tolist()
+        walked: list[int] = []
+        before = last
+        for at, set_id in enumerate(ids, start):
+            if set_id != before:
+                walked += (at, set_id)
+                before = set_id
+        compiled_runs = table.run_changes(run_keys, start, end, last)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(native, "probe_runs", None)
+            patch.setattr(native, "probe_set_ids", None)
+            numpy_runs = table.run_changes(run_keys, start, end, last)
+        assert compiled_runs == numpy_runs == walked
 
 
 @pytest.mark.parametrize("bad", [2**64, -1, "k"])
