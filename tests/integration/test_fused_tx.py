@@ -23,6 +23,18 @@ from tests.conftest import MODEL, AgentFactory, assert_no_locks, wait_until
 PROMPT = list(range(100, 100 + 70))  # prompt[:-1] is 69 tokens: 2 full 32-token blocks
 
 
+def allocation(tx_id: str, keys: Sequence[int]) -> pb.TxAllocateRequest:
+    """The TxAllocate a conductor of this version fuses into a call (tenant "t")."""
+    return pb.TxAllocateRequest(
+        key_layout=KEY_LAYOUT,
+        tx_id=tx_id,
+        tenant="t",
+        block_keys=keys,
+        lease_s=30.0,
+        mode=pb.TX_MODE_ALLOCATE,
+    )
+
+
 def fused(
     tx_id: str, prompt: list[int], *, keys: Sequence[int] | None = None, max_tokens: int = 4
 ) -> pb.GenerateRequest:
@@ -34,14 +46,7 @@ def fused(
         prompt_token_ids=prompt,
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
         tx_id=tx_id,
-        tx=pb.TxAllocateRequest(
-            key_layout=KEY_LAYOUT,
-            tx_id=tx_id,
-            tenant="t",
-            block_keys=keys,
-            lease_s=30.0,
-            mode=pb.TX_MODE_ALLOCATE,
-        ),
+        tx=allocation(tx_id, keys),
     )
 
 
@@ -158,14 +163,7 @@ def fused_prefill(tx_id: str, prompt: list[int], tenant: str = "t") -> pb.Prefil
         tenant=tenant,
         tx_id=tx_id,
         prompt_token_ids=prompt,
-        tx=pb.TxAllocateRequest(
-            key_layout=KEY_LAYOUT,
-            tx_id=tx_id,
-            tenant="t",
-            block_keys=keys,
-            lease_s=30.0,
-            mode=pb.TX_MODE_ALLOCATE,
-        ),
+        tx=allocation(tx_id, keys),
     )
 
 
