@@ -249,7 +249,8 @@ class ConductorMetrics:
         )
         self.agents_usable = Gauge(
             "conductor_agents_usable",
-            "Node agents that answered the latest poll and serve this model, by role.",
+            "Node agents that answered the latest poll, serve this model and key blocks in "
+            "this conductor's layout, by role.",
             ("role",),
             registry=r,
             multiprocess_mode="livemostrecent",
