@@ -180,7 +180,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from kvc.block_keys import KEY_BITS, KEY_LAYOUTS, BlockKey
+from kvc.block_keys import KEY_BITS, KEY_LAYOUTS, BlockKey, is_key_layout
 from node_agent.blocks.tiers import LowerTiers, TierMove
 from node_agent.blocks.types import (
     AbortResult,
@@ -1561,8 +1561,7 @@ class BlockPool:
             raise InvalidArgument("tenant must be a string")
         if not isinstance(params.mode, TxMode):
             raise InvalidArgument(f"unknown mode {params.mode!r}")
-        layout = params.key_layout
-        if isinstance(layout, bool) or not isinstance(layout, int) or layout not in KEY_LAYOUTS:
+        if not is_key_layout(params.key_layout):
             raise InvalidArgument(
                 f"unknown block-key layout {params.key_layout!r}; this agent knows {KEY_LAYOUTS}"
             )

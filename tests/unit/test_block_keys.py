@@ -120,7 +120,10 @@ def test_unknown_layout_is_a_value_error(layout: object) -> None:
 @pytest.mark.parametrize("layout", [0, 3, -1])
 def test_the_compiled_path_refuses_an_unknown_layout(layout: int) -> None:
     if native.chain_keys is None:
-        pytest.skip("kvc._native is not built here")
+        pytest.skip(
+            "kvc._native was not built here: no C compiler "
+            "(test_the_compiled_module_is_built_where_a_compiler_is fails otherwise)"
+        )
     with pytest.raises(ValueError, match="layout"):
         native.chain_keys([1, 2], b"s", b"p", 2, 0, layout)
 
