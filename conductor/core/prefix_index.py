@@ -714,11 +714,13 @@ class PrefixIndex:
             chunk = min(_MAX_CHUNK, chunk * 8)
 
     def match(self, keys: Sequence[BlockKey]) -> dict[NodeId, int]:
-        """For every known node, the number of leading ``keys`` it holds (0 for none).
+        """For every node holding ``keys[0]``, the number of leading ``keys`` it holds.
 
-        The dict iterates in node-id order.
+        Nodes holding none are absent (read it with ``.get(node, 0)``), so the answer
+        costs what the holders cost, not what the fleet costs. The order of the dict is
+        not defined.
         """
-        result = dict.fromkeys(self._sorted_nodes(), 0)
+        result: dict[NodeId, int] = {}
         alive = self._all_mask
         if not alive or not keys:
             return result
@@ -726,7 +728,7 @@ class PrefixIndex:
         for depth, mask in self._runs(keys):
             still = alive & mask
             if still != alive:
-                dropped = alive ^ still if depth else 0  # at depth 0: already 0
+                dropped = alive ^ still if depth else 0  # at depth 0: they hold none
                 while dropped:
                     low = dropped & -dropped
                     node = slots[low.bit_length() - 1]

@@ -65,7 +65,7 @@ async def test_a_last_copy_goes_to_the_peer_holding_its_parent_and_is_reused_the
             assert donations(a, "given", "accepted") == 1  # the child; ROOT is held on B
             assert donations(b, "taken", "accepted") == 1
             # The shadow follows B's BlockStored: B holds the whole prefix now.
-            await wait_until(lambda: c.state.index.match([root, child])[NodeId(b.address)] == 2)
+            await wait_until(lambda: c.state.index.match([root, child]).get(NodeId(b.address)) == 2)
         reuse = await b_stub.TxAllocate(alloc("b-reuse", keys_of(PROMPT)))
         assert reuse.reused_blocks == 2
         await b_stub.TxAbort(pb.TxAbortRequest(tx_id="b-reuse"))
