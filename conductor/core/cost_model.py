@@ -88,7 +88,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right, insort
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
 
@@ -336,8 +336,8 @@ _P = TypeVar("_P", PrefillPrior, DecodePrior)
 class _CorrectedModel(Generic[_P]):
     """Shared parts of the prefill and decode models: a prior times a learned factor."""
 
-    __slots__ = ("_bucket_window", "_correction", "_floor_row", "_half_life", "_prior",
-                 "_prior_measured", "_prior_weight", "_version", "_window")  # fmt: skip
+    __slots__ = ("_bucket_window", "_correction", "_floor_row", "_half_life", "_on_change",
+                 "_prior", "_prior_measured", "_prior_weight", "_version", "_window")  # fmt: skip
 
     def __init__(
         self,
@@ -348,7 +348,11 @@ class _CorrectedModel(Generic[_P]):
         window: int = 64,
         bucket_window: int = 9,
         half_life: float = 512.0,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
+        """``on_change`` is called whenever ``version`` changes after construction (a
+        new prior or observation), e.g. to refresh what a caller keeps of the estimates."""
+        self._on_change: Callable[[], None] | None = None
         self._prior: _P = prior
         self._prior_measured = bool(prior_measured)
         self._prior_weight = prior_weight
@@ -358,6 +362,12 @@ class _CorrectedModel(Generic[_P]):
         self._version = 0
         self._correction = self._fresh_correction()
         self._floor_row: tuple[int, tuple[float, float, float, float]] | None = None
+        self._on_change = on_change
+
+    def _changed(self) -> None:
+        self._version += 1
+        if self._on_change is not None:
+            self._on_change()
 
     @property
     def version(self) -> int:
@@ -365,7 +375,7 @@ class _CorrectedModel(Generic[_P]):
         return self._version
 
     def _fresh_correction(self) -> _LogRatioCorrection:
-        self._version += 1
+        self._changed()
         return _LogRatioCorrection(
             self._prior_weight, self._window, self._bucket_window, self._half_life
         )
@@ -446,7 +456,7 @@ class PrefillTimeModel(_CorrectedModel[PrefillPrior]):
         """Record one measured prefill; non-finite or non-positive durations are ignored."""
         prior_s = self._prior_s(total_tokens, cached_tokens)
         self._correction.observe(prior_s, duration_s)
-        self._version += 1
+        self._changed()
 
     def estimate(self, total_tokens: int, cached_tokens: int) -> float:
         """Predicted seconds (>= 0) to prefill ``total_tokens`` with ``cached_tokens`` reused."""
@@ -485,7 +495,7 @@ class DecodeTimeModel(_CorrectedModel[DecodePrior]):
     def observe(self, batch_requests: float, context_tokens: float, tbt_s: float) -> None:
         """Record one measured step; non-finite or non-positive times are ignored."""
         self._correction.observe(self._prior_s(batch_requests, context_tokens), tbt_s)
-        self._version += 1
+        self._changed()
 
     def estimate(self, batch_requests: float, context_tokens: float) -> float:
         """Predicted seconds (>= 0) between tokens for this batch (counts may be expected

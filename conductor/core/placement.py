@@ -132,8 +132,9 @@ def fleet_view(
     sizes = [n.block_size for n in nodes if n.healthy]
     if not sizes:
         return None, [n for n in nodes if n.node_id not in excluded]
-    block_size = min(sizes)
-    if not excluded and len(sizes) == len(nodes) and max(sizes) == block_size:
+    uniform = sizes.count(sizes[0]) == len(sizes)  # in C, without comparing orders
+    block_size = sizes[0] if uniform else min(sizes)
+    if not excluded and uniform and len(sizes) == len(nodes):
         return block_size, list(nodes)  # every node healthy, of one block size
     view = [
         n if n.block_size == block_size or not n.healthy else replace(n, healthy=False)

@@ -55,19 +55,23 @@ win, most of the fleet when it is large and only a few nodes hold the prefix.
 reported others expected still running, and the cost model's floor of the estimate),
 then TBTs in order of the bound until it passes the best.
 
-From ``VECTOR_MIN_NODES`` nodes on, the bounds are computed over NumPy arrays (a few
-attribute reads per node in Python, the arithmetic in arrays, the same operations as
-the per-node code); below it, node by node, where NumPy's per-call cost would lose.
-Either way the bound only decides which nodes are evaluated: every estimate that
-ranks comes from the per-node code, so decisions are the same (the tests compare both
-paths' first choice with the full ranking's).
+From ``VECTOR_MIN_NODES`` nodes on, the bounds and the decode filters are computed over
+the scheduler's per-node columns (``Estimates.columns``, ``node_columns.py``: rows kept
+between decisions and recomputed only for nodes whose state, books or cost models
+changed), the arithmetic in arrays, the same operations as the per-node code. Python
+work is then per node that holds some of the prompt (the prefix holders) and per
+learned link from a holder, not per node of the fleet. Below it, node by node, where
+NumPy's per-call cost would lose. Either way the bound only decides which nodes are
+evaluated: every estimate that ranks comes from the per-node code, so decisions are
+the same (the tests compare both paths' first choice with the full ranking's, and
+whole decisions over random event sequences, ``tests/unit/test_node_columns.py``).
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
@@ -75,6 +79,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 from conductor.core.cost_model import FloatArray, IntArray
+from conductor.core.node_columns import NodeColumns
 from conductor.core.prefix_index import NodeId
 from conductor.core.transfer_model import TransferModel
 
@@ -183,7 +188,9 @@ class Estimates(Protocol):
 
     def prefill_floor_s(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> float: ...
 
-    def queues_s(self, nodes: Sequence[NodeState]) -> list[float]: ...
+    def columns(self, nodes: Sequence[NodeState]) -> NodeColumns: ...
+
+    def queues_s(self, nodes: Sequence[NodeState]) -> FloatArray: ...
 
     def prefill_floors_s(
         self, nodes: Sequence[NodeState], prompt_tokens: int, *prefix_blocks: IntArray
@@ -250,10 +257,11 @@ class LocalPrefix:
         self, req: ScheduleRequest, nodes: Sequence[NodeState], est: Estimates
     ) -> list[PrefillCandidate]:
         prefix_blocks, prompt_tokens = req.prefix_blocks, req.prompt_tokens
+        bounds: list[float] | FloatArray
         if len(nodes) >= VECTOR_MIN_NODES:
-            local = [prefix_blocks.get(n.node_id, 0) for n in nodes]
-            (floors,) = est.prefill_floors_s(nodes, prompt_tokens, np.array(local, np.int64))
-            bounds = (np.array(est.queues_s(nodes)) + floors).tolist()
+            local = est.columns(nodes).of(prefix_blocks)
+            (floors,) = est.prefill_floors_s(nodes, prompt_tokens, local)
+            bounds = est.queues_s(nodes) + floors
         else:
             bounds = [
                 est.queue_s(n)
@@ -326,7 +334,7 @@ _Evaluated = TypeVar("_Evaluated")
 
 
 def _in_bound_order(
-    bounds: list[float],
+    bounds: list[float] | FloatArray,
     evaluate: Callable[[int], _Evaluated],
     cost: Callable[[_Evaluated], float],
 ) -> list[_Evaluated]:
@@ -335,8 +343,8 @@ def _in_bound_order(
     whose cost may be the lowest, or tie with it, is evaluated."""
     out: list[_Evaluated] = []
     best = math.inf
-    for i in sorted(range(len(bounds)), key=bounds.__getitem__):
-        if bounds[i] > best + abs(best) * _BOUND_SLACK:
+    for i, bound in _by_bound(bounds):
+        if bound > best + abs(best) * _BOUND_SLACK:
             break
         item = evaluate(i)
         out.append(item)
@@ -344,10 +352,26 @@ def _in_bound_order(
     return out
 
 
+def _by_bound(bounds: list[float] | FloatArray) -> Iterator[tuple[int, float]]:
+    """``(i, bounds[i])`` in order of the bound, ties by index. An array is read in
+    growing slices of its order: most searches end after a few nodes."""
+    if not isinstance(bounds, np.ndarray):
+        for i in sorted(range(len(bounds)), key=bounds.__getitem__):
+            yield i, bounds[i]
+        return
+    order = np.argsort(bounds, kind="stable")
+    start, size = 0, 8
+    while start < len(order):
+        at = order[start : start + size]
+        yield from zip(at.tolist(), bounds.take(at).tolist(), strict=True)
+        start += size
+        size *= 4
+
+
 def _contenders(
     req: ScheduleRequest,
     nodes: Sequence[NodeState],
-    bounds: list[float],
+    bounds: list[float] | FloatArray,
     candidate: Callable[[NodeState], PrefillCandidate],
 ) -> list[PrefillCandidate]:
     """Candidates of the nodes whose TTFT lower bound (``bounds[i]`` of ``nodes[i]``)
@@ -378,11 +402,28 @@ def _pull_candidates(
     # Nodes pull only within their KV family (engines that move KV the same way).
     prefix_blocks = req.prefix_blocks
     holders: dict[str, tuple[NodeState, int]] = {}
-    for n in nodes:
-        held = prefix_blocks.get(n.node_id, 0)
-        best = holders.get(n.kv_family)
-        if best is None or held > best[1] or (held == best[1] and n.node_id < best[0].node_id):
-            holders[n.kv_family] = (n, held)
+    # Over the columns (bounds only): the holders among the nodes that hold some of the
+    # prompt. A family where none does has no pull (``min_blocks`` >= 1), so no holder.
+    columns = None
+    if bounded and min_blocks >= 1 and len(nodes) >= VECTOR_MIN_NODES:
+        columns = est.columns(nodes)
+        held_at = columns.of(prefix_blocks)
+        at = np.flatnonzero(held_at)
+        if len(at):
+            families = columns.family.take(at)
+            for code in np.unique(families).tolist():  # usually one family
+                mine = at[families == code]
+                held = held_at.take(mine)
+                most = int(held.max())
+                tied = [nodes[i] for i in mine[held == most].tolist()]
+                holder = min(tied, key=lambda n: n.node_id)
+                holders[holder.kv_family] = (holder, most)
+    else:
+        for n in nodes:
+            held = prefix_blocks.get(n.node_id, 0)
+            best = holders.get(n.kv_family)
+            if best is None or held > best[1] or (held == best[1] and n.node_id < best[0].node_id):
+                holders[n.kv_family] = (n, held)
     # What a pull waits for at the holder before the wire: loading its lower-tier blocks,
     # and its engine's queue where lending is a request to its engine (``lend_wait``).
     holder_wait: dict[str, float] = {
@@ -400,7 +441,10 @@ def _pull_candidates(
 
     def pull_s(node: NodeState, local: int) -> float | None:
         """Wait and wire time of pulling the holder's longer prefix, None: no pull."""
-        holder, best_len = holders[node.kv_family]
+        entry = holders.get(node.kv_family)
+        if entry is None:
+            return None
+        holder, best_len = entry
         if not (
             holder.node_id != node.node_id
             and node.kv_migration
@@ -432,24 +476,29 @@ def _pull_candidates(
             pulled_s = min(pulled_s, est.prefill_floor_s(node, prompt_tokens, local))
         return est.queue_s(node) + pulled_s
 
-    def bounds() -> FloatArray:
-        # ``bound`` of every node, ``pull_s`` and the floors over arrays: a few attribute
-        # reads per node in Python.
+    def bounds(columns: NodeColumns, held_at: IntArray) -> FloatArray:
+        # ``bound`` of every node over the columns: ``pull_s`` and the floors as array
+        # operations in the same order; Python work only per holder and learned link.
         count = len(nodes)
-        rows = [
-            (prefix_blocks.get(n.node_id, 0), pending_blocks.get(n.node_id, 0),
-             n.block_size * n.kv_bytes_per_token, holders[n.kv_family][1])
-            for n in nodes
-        ]  # fmt: skip
-        table = np.array(rows, dtype=np.int64).reshape(count, 4)
-        local = np.maximum(table[:, 0], table[:, 1]) if break_even else table[:, 0]
-        best_len = table[:, 3]
-        families = [holders[n.kv_family][0] for n in nodes]
-        able = np.fromiter(
-            (h.node_id != n.node_id and n.kv_migration and h.kv_migration
-             for n, h in zip(nodes, families, strict=True)),
-            np.bool_, count,
-        )  # fmt: skip
+        local = held_at
+        if break_even and pending_blocks:
+            local = np.maximum(local, columns.of(pending_blocks))
+        family = columns.family
+        size = int(family.max()) + 1
+        # Per family code: the holder's prefix, position, migration ability and wait.
+        best_by = np.zeros(size, np.int64)
+        holder_by = np.full(size, -1, np.int64)
+        migrates_by = np.zeros(size, np.bool_)
+        wait_by = np.zeros(size)
+        for name, (holder, held) in holders.items():
+            code = columns.code(name)
+            if code < size:
+                best_by[code], migrates_by[code] = held, holder.kv_migration
+                holder_by[code] = columns.position_of(holder.node_id)
+                wait_by[code] = holder_wait[name]
+        best_len, holder_at = best_by[family], holder_by[family]
+        able = (holder_at >= 0) & (holder_at != np.arange(count))
+        able &= columns.kv_migration & migrates_by[family]
         pull = able & (best_len - local >= min_blocks)
         if threshold is not None:
             ratio = best_len / np.where(local == 0, 1, local)
@@ -457,24 +506,31 @@ def _pull_candidates(
         at = np.flatnonzero(pull)
         transfer = np.zeros(count)
         if len(at):
-            wait = np.array([holder_wait[nodes[i].kv_family] for i in at.tolist()])
-            pairs = [(families[i].node_id, nodes[i].node_id) for i in at.tolist()]
-            nbytes = (best_len - local).take(at) * table[:, 2].take(at)
-            transfer[at] = wait + est.transfer.estimates(pairs, nbytes)
+            latency_s, spb = est.transfer.default_fit
+            latency, per_byte = np.full(count, latency_s), np.full(count, spb)
+            for name, (holder, _) in holders.items():  # learned links from the holders
+                code = columns.code(name)
+                for dst, link_latency_s, link_spb in est.transfer.fits_from(holder.node_id):
+                    i = columns.position_of(dst)
+                    if i >= 0 and family[i] == code:
+                        latency[i], per_byte[i] = link_latency_s, link_spb
+            nbytes = (best_len - local).take(at) * columns.unit_bytes.take(at)
+            wire = latency.take(at) + np.maximum(nbytes, 0) * per_byte.take(at)
+            transfer[at] = wait_by[family.take(at)] + wire
         own, pulled = est.prefill_floors_s(nodes, prompt_tokens, local, best_len)
         pulled = transfer + pulled
-        paying = np.fromiter((must_pay(n) for n in nodes), np.bool_, count)
+        paying = np.ones(count, np.bool_) if break_even else wait_by[family] > 0
         with_pull = np.where(paying, np.minimum(pulled, own), pulled)
-        return np.array(est.queues_s(nodes)) + np.where(pull, with_pull, own)
+        return est.queues_s(nodes) + np.where(pull, with_pull, own)
 
     def candidate(node: NodeState) -> PrefillCandidate:
-        holder, best_len = holders[node.kv_family]
         local = local_of(node)
         migration = None
         prefix = local
         prefill_s = est.prefill_s(node, prompt_tokens, local)
         transfer_s = pull_s(node, local)
         if transfer_s is not None:
+            holder, best_len = holders[node.kv_family]
             pulled_s = est.prefill_s(node, prompt_tokens, best_len)
             if not must_pay(node) or transfer_s + pulled_s < prefill_s:
                 migration = Migration(
@@ -486,8 +542,8 @@ def _pull_candidates(
         return PrefillCandidate(node, prefix, migration, est.queue_s(node), prefill_s, load_s)
 
     if bounded:
-        if len(nodes) >= VECTOR_MIN_NODES:
-            return _contenders(req, nodes, bounds().tolist(), candidate)
+        if columns is not None:
+            return _contenders(req, nodes, bounds(columns, held_at), candidate)
         return _contenders(req, nodes, [bound(node) for node in nodes], candidate)
     return [candidate(node) for node in nodes]
 
@@ -532,6 +588,11 @@ class FreeSlot:
     """Nodes with a free generation slot (else the agent refuses it after the prefill)."""
 
     def keep(self, nodes: list[NodeState], choice: DecodeChoice, est: Estimates) -> list[NodeState]:
+        if len(nodes) >= VECTOR_MIN_NODES:  # ``decode_slots_free`` over the columns
+            columns = est.columns(nodes)
+            limit = columns.max_running
+            free = (limit <= 0) | (np.maximum(columns.placed, columns.running) < limit)
+            return nodes if free.all() else columns.pick(nodes, free)[0]
         return [n for n in nodes if est.decode_slots_free(n)]
 
 
@@ -543,6 +604,13 @@ class KvRoom:
 
     def keep(self, nodes: list[NodeState], choice: DecodeChoice, est: Estimates) -> list[NodeState]:
         need_tokens = choice.request.prompt_tokens + choice.request.max_new_tokens
+        if len(nodes) >= VECTOR_MIN_NODES:
+            columns = est.columns(nodes)
+            room = columns.room_tokens >= need_tokens
+            at = columns.position_of(choice.prefill.node_id)
+            if at >= 0 and nodes[at] is choice.prefill:
+                room[at] = True
+            return nodes if room.all() else columns.pick(nodes, room)[0]
         return [
             n for n in nodes if n is choice.prefill or n.room_blocks * n.block_size >= need_tokens
         ]

@@ -57,7 +57,8 @@ decodes per decode node (x10 probes for a TBT ``Retry-After``); the D·A part of
 with ``VECTOR_MIN_DECODES`` or more runs in one NumPy pass (``forecasts``), bit for bit
 the per-decode loop's result; prefix matching happens before, in the index. The O(P)
 and O(D) parts are lower bounds over arrays from ``policies.VECTOR_MIN_NODES`` nodes
-on (``queues_s``, ``prefill_floors_s``, ``tbt_floors``), and full estimates only for
+on (``queues_s``, ``prefill_floors_s``, ``tbt_floors``, over the per-node columns of
+``node_columns``, recomputed only where a node changed), and full estimates only for
 the nodes whose bound reaches the best (``policies``, "Contenders").
 """
 
@@ -71,13 +72,13 @@ from typing import Literal
 
 import numpy as np
 
+from conductor.core import policies
 from conductor.core.cost_model import (
     DecodeTimeModel,
     FloatArray,
     IntArray,
     PrefillTimeModel,
     decode_floors,
-    floor_terms,
     prefill_floors,
 )
 from conductor.core.decode_load import (
@@ -91,6 +92,7 @@ from conductor.core.decode_load import (
     own_loads,
     with_foreign,
 )
+from conductor.core.node_columns import NodeColumns, NodeTable
 from conductor.core.output_length import LengthDistribution, OutputLengthModel, SurvivalTable
 from conductor.core.policies import (
     BUILTIN_POLICIES,
@@ -293,22 +295,27 @@ class Scheduler:
         # node: (length key, the model's sample count, the distribution) of the last ask.
         self._lengths_memo: tuple[tuple[str, str], int, LengthDistribution] | None = None
         self._decision_now_s = 0.0  # the clock of the decision being made
+        # Per-node columns for decisions over large fleets (``node_columns``): rows
+        # recomputed when a node's state, books or cost models change.
+        self._table = NodeTable(self)
 
     # ------------------------------------------------------------------ models
     def prefill_model(self, node: NodeId) -> PrefillTimeModel:
         model = self._prefill_models.get(node)
         if model is None:
             model = self._prefill_models[node] = PrefillTimeModel(
-                self.config.prefill_prior, prior_measured=self.config.priors_measured
-            )
+                self.config.prefill_prior, prior_measured=self.config.priors_measured,
+                on_change=lambda: self._table.touch(node),
+            )  # fmt: skip
         return model
 
     def decode_model(self, node: NodeId) -> DecodeTimeModel:
         model = self._decode_models.get(node)
         if model is None:
             model = self._decode_models[node] = DecodeTimeModel(
-                self.config.decode_prior, prior_measured=self.config.priors_measured
-            )
+                self.config.decode_prior, prior_measured=self.config.priors_measured,
+                on_change=lambda: self._table.touch(node),
+            )  # fmt: skip
         return model
 
     def set_measured_priors(
@@ -469,21 +476,17 @@ class Scheduler:
         forecast (this scheduler's decodes there in one pass over their columns,
         ``own_loads``; then ``with_foreign``'s arithmetic for the decodes its agent
         reports beyond ours) and its model's ``floor`` of the estimate
-        (``decode_floors``). A few attribute reads per node in Python."""
+        (``decode_floors``). Per-node inputs from the columns (``node_columns``); Python
+        work only for the nodes with decodes of ours."""
         lengths = self.lengths_for(req)
-        by_id, models = self._books, self._decode_models
+        columns = self._table.columns(nodes)
         count = len(nodes)
-        books = [by_id.get(n.node_id) or self._book(n.node_id) for n in nodes]
-        node_models = [models.get(n.node_id) or self.decode_model(n.node_id) for n in nodes]
-        steps = [
-            self._reported_step_s(n, b, m)
-            for n, b, m in zip(nodes, books, node_models, strict=True)
-        ]
-        reported = np.fromiter((n.running_requests for n in nodes), np.float64, count)
+        reported = columns.running
         requests, context, running_now = np.zeros(count), np.zeros(count), np.zeros(count)
-        busy = [i for i, b in enumerate(books) if b.decodes]
+        busy = np.flatnonzero(columns.placed > 0).tolist()
         if busy:
-            own = self._own_loads([books[i] for i in busy], at_s, now_s)
+            books = self._books
+            own = self._own_loads([books[nodes[i].node_id] for i in busy], at_s, now_s)
             requests[busy] = [load.requests for load in own]
             context[busy] = [load.context_tokens for load in own]
             running_now[busy] = [load.running_now for load in own]
@@ -494,13 +497,13 @@ class Scheduler:
         if at_s <= now_s:
             share = np.ones(count)
         else:
-            step = np.array(steps)
+            step = columns.step_s
             positive = step > 0
             ahead = (at_s - now_s) / np.where(positive, step, 1.0)
             share = np.where(positive, lengths.survivals(ahead), 0.0)
         requests += foreign * share
         context += foreign * share * mean_context
-        floors = decode_floors(floor_terms(node_models), requests + 1, context + req.prompt_tokens)
+        floors = decode_floors(columns.decode_terms, requests + 1, context + req.prompt_tokens)
         out: list[float] = floors.tolist()
         return out
 
@@ -556,21 +559,40 @@ class Scheduler:
         model = self._prefill_models.get(node.node_id) or self.prefill_model(node.node_id)
         return model.estimate_floor(prompt_tokens, cached if cached > 0 else 0)
 
-    def queues_s(self, nodes: Sequence[NodeState]) -> list[float]:
-        """``queue_s`` of each of ``nodes``."""
-        return [self.queue_s(node) for node in nodes]
+    def columns(self, nodes: Sequence[NodeState]) -> NodeColumns:
+        """Per-node columns of ``nodes`` (``node_columns``), for bounds over arrays."""
+        return self._table.columns(nodes)
+
+    def queues_s(self, nodes: Sequence[NodeState]) -> FloatArray:
+        """``queue_s`` of each of ``nodes`` (prefill-capable ones), from the columns."""
+        return self._table.columns(nodes).queue_s
 
     def prefill_floors_s(
         self, nodes: Sequence[NodeState], prompt_tokens: int, *prefix_blocks: IntArray
     ) -> list[FloatArray]:
         """``prefill_floor_s`` of each of ``nodes`` (up to float rounding: a lower bound
         to pass over nodes with) at each array of ``prefix_blocks`` (one per node)."""
-        models = self._prefill_models
-        terms = floor_terms([models.get(n.node_id) or self.prefill_model(n.node_id) for n in nodes])
-        block_size = np.fromiter((n.block_size for n in nodes), np.int64, len(nodes))
+        columns = self._table.columns(nodes)
+        terms, block_size = columns.prefill_terms, columns.block_size
         limit = prompt_tokens - 1
-        cached = [np.maximum(np.minimum(b * block_size, limit), 0) for b in prefix_blocks]
+        cached = [
+            np.maximum(np.minimum(b * block_size, limit), 0).astype(np.int64) for b in prefix_blocks
+        ]
         return [prefill_floors(terms, prompt_tokens, c) for c in cached]
+
+    # ``node_columns.RowSource``: what a node's row is computed from.
+    def prefill_terms(self, node: NodeState) -> tuple[float, float, float, float]:
+        return self.prefill_model(node.node_id).floor_row()
+
+    def decode_terms(self, node: NodeState) -> tuple[float, float, float, float]:
+        return self.decode_model(node.node_id).floor_row()
+
+    def reported_step_s(self, node: NodeState) -> float:
+        node_id = node.node_id
+        return self._reported_step_s(node, self._book(node_id), self.decode_model(node_id))
+
+    def placed_decodes(self, node: NodeState) -> int:
+        return len(self._book(node.node_id).decodes)
 
     def _prefill_evidence(self, node: NodeState, prompt_tokens: int, prefix_blocks: int) -> bool:
         cached = max(0, min(prompt_tokens - 1, prefix_blocks * node.block_size))
@@ -602,9 +624,26 @@ class Scheduler:
         """
         self._lengths_memo = None
         self._decision_now_s = now_s
-        # ``can_prefill`` and ``can_decode`` without a property call per node.
-        prefill_nodes = [n for n in nodes if n.healthy and n.role in PREFILL_ROLES]
-        decode_nodes = [n for n in nodes if n.healthy and n.role in DECODE_ROLES]
+        self._table.begin()
+        try:
+            return self._schedule(req, nodes, now_s)
+        finally:
+            self._table.begin()  # the lists it registered are the caller's again
+
+    def _schedule(
+        self, req: ScheduleRequest, nodes: Sequence[NodeState], now_s: float
+    ) -> Placement | Rejection:
+        if len(nodes) >= policies.VECTOR_MIN_NODES:
+            # The roles from the columns kept between decisions (``node_columns``); the
+            # lists stay registered with their columns for the stages' bounds.
+            table = self._table
+            fleet = table.sync(nodes)
+            prefill_nodes = table.pick_role("prefill", fleet, fleet.can_prefill)
+            decode_nodes = table.pick_role("decode", fleet, fleet.can_decode)
+        else:
+            # ``can_prefill`` and ``can_decode`` without a property call per node.
+            prefill_nodes = [n for n in nodes if n.healthy and n.role in PREFILL_ROLES]
+            decode_nodes = [n for n in nodes if n.healthy and n.role in DECODE_ROLES]
         if not prefill_nodes:
             return Rejection("no_prefill_node", self._retry(1.0), math.inf, math.inf)
         if not decode_nodes:
@@ -703,6 +742,9 @@ class Scheduler:
     # ------------------------------------------------------------------ bookkeeping
     def on_assigned(self, req: ScheduleRequest, placement: Placement, now_s: float) -> None:
         """Record the assignment so the next decisions see its queue and decode load."""
+        table = self._table
+        table.touch(placement.prefill)
+        table.touch(placement.decode)
         book = self._book(placement.prefill)
         book.queue_memo = None
         book.pending_prefill_s[req.request_id] = placement.prefill_s
@@ -714,6 +756,7 @@ class Scheduler:
             source = self._book(migration.source)
             source.pending_lends[req.request_id] = migration.lend_s
             source.queue_memo = None
+            table.touch(migration.source)
         decode = PlacedDecode(
             start_s=now_s + placement.ttft_s,
             step_s=placement.tbt_s,
@@ -731,6 +774,7 @@ class Scheduler:
         """The prefill finished (or failed: ``duration_s`` None) at ``now_s`` (None: not
         told; the next prefill there is then taken to start when it was assigned);
         learn from its duration."""
+        self._table.touch(node)
         book = self._book(node)
         book.queue_memo = None
         book.pending_prefill_s.pop(request_id, None)
@@ -747,6 +791,7 @@ class Scheduler:
         book = self._books.get(source)
         if book is not None and book.pending_lends.pop(request_id, None) is not None:
             book.queue_memo = None
+            self._table.touch(source)
 
     def on_decode_started(self, request_id: str, node: NodeId, now_s: float) -> None:
         self._book(node).start_decode(request_id, now_s)
@@ -767,6 +812,8 @@ class Scheduler:
         length; without ``stopped`` (max_tokens, cancelled, failed) it says only that
         the length is at least that much. Both teach the output-length model.
         """
+        self._table.touch(prefill)
+        self._table.touch(decode)
         book = self._book(prefill)
         book.queue_memo = None
         book.pending_prefill_s.pop(request_id, None)

@@ -63,7 +63,8 @@ class _Link:
 class TransferModel:
     """Per (src, dst) EWMA of latency and bandwidth; ``estimate = latency + bytes/bw``."""
 
-    __slots__ = ("_alpha", "_default_latency_s", "_default_spb", "_links", "_max_pairs")
+    __slots__ = ("_alpha", "_by_source", "_default_latency_s", "_default_spb", "_links",
+                 "_max_pairs")  # fmt: skip
 
     def __init__(
         self,
@@ -90,6 +91,8 @@ class TransferModel:
         self._alpha = float(alpha)
         self._max_pairs = max_pairs
         self._links: OrderedDict[tuple[NodeId, NodeId], _Link] = OrderedDict()
+        # The same links by source, then destination (``links_from``).
+        self._by_source: dict[NodeId, dict[NodeId, _Link]] = {}
 
     def observe(self, src: NodeId, dst: NodeId, nbytes: int, duration_s: float) -> None:
         """Fold one finished transfer into the pair's estimate (degenerate ones ignored)."""
@@ -102,8 +105,13 @@ class TransferModel:
         if link is None:
             link = _Link(self._default_latency_s, self._default_spb)
             self._links[pair] = link
+            self._by_source.setdefault(src, {})[dst] = link
             if len(self._links) > self._max_pairs:
-                self._links.popitem(last=False)
+                (old_src, old_dst), _ = self._links.popitem(last=False)
+                dsts = self._by_source[old_src]
+                del dsts[old_dst]
+                if not dsts:
+                    del self._by_source[old_src]
         else:
             self._links.move_to_end(pair)
         keep = 1.0 - self._alpha
@@ -156,6 +164,19 @@ class TransferModel:
         ]
         terms = np.array(fits, dtype=np.float64).reshape(len(fits), 2)
         return terms[:, 0] + np.maximum(nbytes, 0) * terms[:, 1]
+
+    @property
+    def default_fit(self) -> tuple[float, float]:
+        """(latency seconds, seconds per byte) of a pair never observed."""
+        return self._default_latency_s, self._default_spb
+
+    def fits_from(self, src: NodeId) -> list[tuple[NodeId, float, float]]:
+        """(destination, latency seconds, seconds per byte) of every observed pair from
+        ``src``; every other destination has ``default_fit``. O(those pairs)."""
+        dsts = self._by_source.get(src)
+        if not dsts:
+            return []
+        return [(dst, link.latency_s, link.seconds_per_byte) for dst, link in dsts.items()]
 
     def bandwidth_bytes_per_s(self, src: NodeId, dst: NodeId) -> float:
         link = self._links.get((src, dst))
