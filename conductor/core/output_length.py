@@ -198,7 +198,8 @@ class LengthDistribution:
         # bisect_right(_KNOTS, t, 1, tail_index + 1), never past the last knot (only
         # points in the tail reach it, and they take the tail's formula).
         j = np.searchsorted(_KNOTS_ARRAY, t, side="right")
-        np.clip(j, 1, min(self.tail_index + 1, len(_KNOTS) - 1), out=j)
+        # np.clip's result, without its wrapper's cost (a fifth of this function's).
+        np.minimum(np.maximum(j, 1, out=j), min(self.tail_index + 1, len(_KNOTS) - 1), out=j)
         x0, x1 = _KNOTS_ARRAY.take(j - 1), _KNOTS_ARRAY.take(j)
         s0, s1 = self.knot_array.take(j - 1), self.knot_array.take(j)
         inner = s0 + (s1 - s0) * (t - x0) / (x1 - x0)
@@ -435,7 +436,8 @@ def _kaplan_meier(
     exposed = at_risk - np.asarray(unwatched, dtype=np.float64) / scale
     dying = (deaths > 0.0) & (exposed > 0.0)
     hazard = np.divide(deaths, exposed, out=np.zeros(_N_BINS), where=dying)
-    factor = np.where(dying, np.maximum(0.0, 1.0 - np.minimum(1.0, hazard)), 1.0)
+    # ``max(0, 1 - min(1, hazard))``, in place; 1 exactly where not ``dying`` (hazard 0).
+    factor = np.maximum(np.subtract(1.0, np.minimum(hazard, 1.0, out=hazard), out=hazard), 0.0)
     survival: list[float] = [1.0]
     survival.extend(np.multiply.accumulate(factor).tolist())
     return survival
@@ -453,9 +455,10 @@ def _snapshot(knot_survival: list[float], weight: float) -> LengthDistribution:
     area.extend(np.add.accumulate((s[:-1] + s[1:]) * _KNOT_WIDTHS / 2).tolist())
     tail_index = _N_BINS
     t_star, s_star, tail_area = _KNOTS[-1], knot_survival[-1], area[-1]
-    below = np.flatnonzero(s[1:] <= TAIL_SURVIVAL)
-    if below.size:
-        k = int(below[0]) + 1
+    below = s[1:] <= TAIL_SURVIVAL
+    first = int(below.argmax())  # the first True (0 also when there is none)
+    if below[first]:
+        k = first + 1
         s0, s1 = knot_survival[k - 1], knot_survival[k]
         x0, x1 = _KNOTS[k - 1], _KNOTS[k]
         t_star = x0 + (s0 - TAIL_SURVIVAL) / (s0 - s1) * (x1 - x0)
