@@ -230,6 +230,7 @@ class NodeTable:
         self._fleet: tuple[list[NodeState], IntArray] | None = None
         self._registered: dict[int, tuple[Sequence[NodeState], NodeColumns]] = {}
         self._replaced = 0  # rows added or given another state object so far
+        self._deciding = False  # between ``begin()`` and ``begin(False)``
         # Positions of the fleet whose state the last ``sync`` found changed (None: the
         # fleet was rebuilt or its nodes moved), and per role the last mask, list and
         # positions ``pick_role`` made.
@@ -272,10 +273,12 @@ class NodeTable:
         if row is not None:
             self._dirty.add(row)
 
-    def begin(self) -> None:
-        """A decision starts or ends: forget the lists registered (lists are found by
-        identity only within the decision that registered them)."""
+    def begin(self, deciding: bool = True) -> None:
+        """A decision starts (``deciding``) or ends: forget the lists registered. Lists
+        are found by identity only within the decision that registered them; outside
+        a decision nothing is registered (a caller's list may change in place)."""
         self._registered.clear()
+        self._deciding = deciding
 
     def register(self, nodes: Sequence[NodeState], columns: NodeColumns) -> None:
         self._registered[id(nodes)] = (nodes, columns)
@@ -313,7 +316,7 @@ class NodeTable:
 
     def columns(self, nodes: Sequence[NodeState]) -> NodeColumns:
         """The columns of ``nodes``: registered in this decision, else looked up (and
-        not registered: a caller's list may change before it asks again)."""
+        registered for the rest of the decision, if one is being made)."""
         registered = self._registered.get(id(nodes))
         if registered is not None and registered[0] is nodes:
             return registered[1]
@@ -321,7 +324,10 @@ class NodeTable:
         rows = self._rows(nodes)
         if self._replaced != replaced:  # rows now hold states the fleet list may not
             self._fleet = None
-        return self._gather(rows)
+        columns = self._gather(rows)
+        if self._deciding:  # the stages ask again for the same list within a decision
+            self.register(nodes, columns)
+        return columns
 
     def _rows(self, nodes: Sequence[NodeState]) -> IntArray:
         return np.fromiter(map(self._row, nodes), np.int64, len(nodes))

@@ -628,14 +628,16 @@ class Scheduler:
         try:
             return self._schedule(req, nodes, now_s)
         finally:
-            self._table.begin()  # the lists it registered are the caller's again
+            self._table.begin(deciding=False)  # its lists are the caller's again
 
     def _schedule(
         self, req: ScheduleRequest, nodes: Sequence[NodeState], now_s: float
     ) -> Placement | Rejection:
-        if len(nodes) >= policies.VECTOR_MIN_NODES:
+        if len(nodes) >= 2 * policies.VECTOR_MIN_NODES:
             # The roles from the columns kept between decisions (``node_columns``); the
-            # lists stay registered with their columns for the stages' bounds.
+            # lists stay registered with their columns for the stages' bounds. (A
+            # smaller fleet keeps at least one stage node by node: a stage that has
+            # ``VECTOR_MIN_NODES`` nodes there looks its columns up.)
             table = self._table
             fleet = table.sync(nodes)
             prefill_nodes = table.pick_role("prefill", fleet, fleet.can_prefill)

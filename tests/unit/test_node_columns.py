@@ -110,12 +110,15 @@ def _rows_match_the_per_node_code(s: Scheduler, nodes: list[NodeState]) -> None:
     seed=st.integers(0, 2**32 - 1),
     policy=st.sampled_from([Policy.KV_CENTRIC, Policy.KV_ADAPTIVE, Policy.LOCAL_PREFIX]),
     count=st.integers(1, 40),
+    vector_min=st.sampled_from([0, 8]),
 )
 def test_decisions_over_the_columns_are_the_per_node_decisions(
-    seed: int, policy: Policy, count: int
+    seed: int, policy: Policy, count: int, vector_min: int
 ) -> None:
     """Twin schedulers fed the same events: one decides over the columns (every list is
-    'large'), the other node by node; their decisions and their columns agree."""
+    'large' at ``vector_min`` 0; at 8, fleets under 16 nodes look up the columns of the
+    stages that have 8 or more), the other node by node; their decisions and their
+    columns agree."""
     rng = random.Random(seed)
     config = round_number_config(policy=policy, priors_measured=rng.random() > 0.5)
     columnar, per_node = Scheduler(config), Scheduler(config)
@@ -159,7 +162,7 @@ def test_decisions_over_the_columns_are_the_per_node_decisions(
         else:  # a decision
             req = _request(step, nodes, rng)
             at = NOW + step
-            with patch.object(policies, "VECTOR_MIN_NODES", 0):
+            with patch.object(policies, "VECTOR_MIN_NODES", vector_min):
                 got = columnar.schedule(req, list(nodes), at)
             with patch.object(policies, "VECTOR_MIN_NODES", 10**9):
                 want = per_node.schedule(req, list(nodes), at)
@@ -280,6 +283,7 @@ def test_the_role_lists_follow_reports_health_and_roles() -> None:
             want = [n for n in nodes if capable.fget(n)]  # type: ignore[attr-defined]
             assert [n.node_id for n in picked] == [n.node_id for n in want]
             assert picked == want  # the new states (equal ones may stay the old objects)
+        table.begin(deciding=False)
         for _ in range(rng.randrange(4)):
             i = rng.randrange(len(nodes))
             if step % 7 == 0:  # a role change, not only a load report
