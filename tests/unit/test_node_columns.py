@@ -294,3 +294,28 @@ def test_the_role_lists_follow_reports_health_and_roles() -> None:
             nodes[rng.randrange(len(nodes))] = make_node(
                 f"new{step}", "both", block_size=16, kv_bytes_per_token=1000
             )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    count=st.integers(0, 300),
+    edits=st.lists(st.tuples(st.integers(0, 299), st.sampled_from(["same", "equal", "new"]))),
+)
+def test_changed_finds_every_state_that_differs(count: int, edits: list[tuple[int, str]]) -> None:
+    """``_changed`` (the fleet comparison in slices) reports every position whose state
+    differs in value, and none whose state is the same object."""
+    from conductor.core.node_columns import _changed
+
+    before = _fleet(count, random.Random(count))
+    current = list(before)
+    for i, kind in edits:
+        if i >= count:
+            continue
+        if kind == "equal":  # another object, equal in every field
+            current[i] = replace(current[i])
+        elif kind == "new":
+            current[i] = replace(current[i], running_requests=current[i].running_requests + 1)
+    got = _changed(current, before)
+    assert got == sorted(set(got))
+    assert {i for i in range(count) if current[i] != before[i]} <= set(got)
+    assert all(current[i] is not before[i] for i in got)
