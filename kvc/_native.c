@@ -1,5 +1,5 @@
 /*
- * kvc._native: two loops of the request path, compiled. Each has a pure-Python twin that
+ * kvc._native: loops of the request path, compiled. Each has a pure-Python twin that
  * is the specification, the fallback where this module was not built, and what the tests
  * hold this module to:
  *
@@ -7,7 +7,9 @@
  *   probe_set_ids  the key lookup of the shadow prefix index's open-addressing table
  *                  (conductor/core/prefix_index.py, _KeyTable._probe);
  *   probe_runs     the same lookup, answering only where the set id changes
- *                  (_KeyTable.run_changes).
+ *                  (_KeyTable.run_changes);
+ *   kaplan_meier   the output-length model's survival rebuild
+ *                  (conductor/core/output_length.py, _kaplan_meier_numpy).
  *
  * chain_keys: the same layouts, bit for bit (kvc/block_keys.py is the specification and the
  * fallback where this module was not built):
@@ -36,6 +38,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -580,6 +583,85 @@ static PyObject *probe_runs(PyObject *self, PyObject *args) {
     return result;
 }
 
+/*
+ * kaplan_meier(exact, censored, unwatched, scale, pseudo) -> list[float]
+ *
+ * conductor/core/output_length.py's _kaplan_meier (the specification and the fallback):
+ * the binned actuarial Kaplan-Meier survival at the knots, from four float64 buffers of
+ * the same length (stored counts and pseudo-counts per bin) and the counts' scale. The
+ * same IEEE operations in the same order as the NumPy version: the at-risk counts summed
+ * from the top bin down, one bin at a time, as np.add.accumulate does over the reversed
+ * array; the factors multiplied up from the bottom, as np.multiply.accumulate does. NaN
+ * propagates through min and max as np.minimum and np.maximum propagate it. Built with
+ * -ffp-contract=off (setup.py), so no multiply and add is fused where NumPy rounds twice.
+ */
+static PyObject *kaplan_meier(PyObject *self, PyObject *args) {
+    PyObject *exact_obj, *censored_obj, *unwatched_obj, *pseudo_obj;
+    double scale;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOdO:kaplan_meier", &exact_obj, &censored_obj,
+                          &unwatched_obj, &scale, &pseudo_obj))
+        return NULL;
+    Py_buffer d, c, u, p;
+    if (PyObject_GetBuffer(exact_obj, &d, PyBUF_SIMPLE) < 0) return NULL;
+    Py_ssize_t n = d.len / (Py_ssize_t)sizeof(double);
+    if (d.len % (Py_ssize_t)sizeof(double) != 0 || n == 0) {
+        PyBuffer_Release(&d);
+        PyErr_SetString(PyExc_ValueError, "exact must hold one or more float64 values");
+        return NULL;
+    }
+    if (get_buffer(censored_obj, &c, sizeof(double), n, 0, "censored") < 0) {
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    if (get_buffer(unwatched_obj, &u, sizeof(double), n, 0, "unwatched") < 0) {
+        PyBuffer_Release(&d);
+        PyBuffer_Release(&c);
+        return NULL;
+    }
+    if (get_buffer(pseudo_obj, &p, sizeof(double), n, 0, "pseudo") < 0) {
+        PyBuffer_Release(&d);
+        PyBuffer_Release(&c);
+        PyBuffer_Release(&u);
+        return NULL;
+    }
+    const double *dv = d.buf, *cv = c.buf, *uv = u.buf, *pv = p.buf;
+    double *at_risk = PyMem_Malloc((size_t)n * sizeof(double));
+    PyObject *result = at_risk == NULL ? PyErr_NoMemory() : PyList_New(n + 1);
+    if (result != NULL) {
+        double sum = 0.0;
+        for (Py_ssize_t k = n - 1; k >= 0; k--) {
+            double arrivals = (dv[k] + cv[k]) / scale + pv[k];
+            sum = k == n - 1 ? arrivals : sum + arrivals;
+            at_risk[k] = sum;
+        }
+        double survival = 1.0;
+        for (Py_ssize_t k = 0; k <= n && result != NULL; k++) {
+            if (k > 0) {
+                Py_ssize_t b = k - 1;
+                double deaths = dv[b] / scale + pv[b];
+                double exposed = at_risk[b] - uv[b] / scale;
+                double hazard = deaths > 0.0 && exposed > 0.0 ? deaths / exposed : 0.0;
+                double capped = isnan(hazard) ? hazard : (hazard < 1.0 ? hazard : 1.0);
+                double left = 1.0 - capped;
+                double factor = isnan(left) ? left : (left > 0.0 ? left : 0.0);
+                survival = k == 1 ? factor : survival * factor;
+            }
+            PyObject *value = PyFloat_FromDouble(survival);
+            if (value == NULL)
+                Py_CLEAR(result);
+            else
+                PyList_SET_ITEM(result, k, value);
+        }
+    }
+    PyMem_Free(at_risk);
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&c);
+    PyBuffer_Release(&u);
+    PyBuffer_Release(&p);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"chain_keys", chain_keys, METH_VARARGS,
      "chain_keys(tokens, salt, person, block_size, parent, layout) -> list[int]\n\n"
@@ -592,6 +674,9 @@ static PyMethodDef methods[] = {
      "probe_runs(keys, start, end, table_keys, table_ids, overflowed, rows, mult, row, "
      "last) -> list[int]\n\n"
      "Where the set id changes along keys[start:end]: [i0, id0, i1, id1, ...]."},
+    {"kaplan_meier", kaplan_meier, METH_VARARGS,
+     "kaplan_meier(exact, censored, unwatched, scale, pseudo) -> list[float]\n\n"
+     "Binned actuarial Kaplan-Meier survival at the knots (conductor/core/output_length.py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -37,3 +37,6 @@ def probe_runs(
     last: int,
     /,
 ) -> list[int]: ...
+def kaplan_meier(
+    exact: object, censored: object, unwatched: object, scale: float, pseudo: object, /
+) -> list[float]: ...

@@ -1,7 +1,9 @@
 """The compiled loops of ``kvc/_native.c``, or ``None`` where the module was not built.
 
-Two loops of the request path have a C twin: the chained block keys (``kvc.block_keys``)
-and the shadow prefix index's key lookup (``conductor.core.prefix_index``). Each Python
+Three loops of the request path have a C twin: the chained block keys
+(``kvc.block_keys``), the shadow prefix index's key lookup
+(``conductor.core.prefix_index``) and the output-length model's Kaplan-Meier rebuild
+(``conductor.core.output_length``). Each Python
 version stays the specification and the fallback; the C one gives the same results, bit
 for bit, and the tests hold them to each other.
 
@@ -20,9 +22,11 @@ from typing import Final, TypeAlias
 __all__ = [
     "AVAILABLE",
     "ChainKeys",
+    "KaplanMeier",
     "ProbeRuns",
     "ProbeSetIds",
     "chain_keys",
+    "kaplan_meier",
     "log_if_missing",
     "probe_runs",
     "probe_set_ids",
@@ -37,19 +41,20 @@ ProbeSetIds: TypeAlias = Callable[
 ProbeRuns: TypeAlias = Callable[
     [Sequence[int], int, int, object, object, object, int, int, int, int], list[int]
 ]
+KaplanMeier: TypeAlias = Callable[[object, object, object, float, object], list[float]]
 
 
 _OFF: Final = ("0", "false", "no", "off")
 
 
-def _load() -> tuple[ChainKeys, ProbeSetIds, ProbeRuns] | None:
+def _load() -> tuple[ChainKeys, ProbeSetIds, ProbeRuns, KaplanMeier] | None:
     if os.environ.get("KVC_NATIVE", "").strip().lower() in _OFF:
         return None
     try:
         from kvc import _native
     except ImportError:  # built without a C compiler: the Python twins run
         return None
-    return _native.chain_keys, _native.probe_set_ids, _native.probe_runs
+    return _native.chain_keys, _native.probe_set_ids, _native.probe_runs, _native.kaplan_meier
 
 
 _loaded: Final = _load()
@@ -57,6 +62,7 @@ AVAILABLE: Final = _loaded is not None
 chain_keys: Final[ChainKeys | None] = None if _loaded is None else _loaded[0]
 probe_set_ids: Final[ProbeSetIds | None] = None if _loaded is None else _loaded[1]
 probe_runs: Final[ProbeRuns | None] = None if _loaded is None else _loaded[2]
+kaplan_meier: Final[KaplanMeier | None] = None if _loaded is None else _loaded[3]
 
 
 def log_if_missing(log: logging.Logger) -> None:

@@ -103,6 +103,8 @@ from typing import Final, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvc import native
+
 __all__ = [
     "MAX_TOKENS",
     "TAIL_SURVIVAL",
@@ -419,6 +421,25 @@ _Counts = Sequence[float] | npt.NDArray[np.float64]
 
 
 def _kaplan_meier(
+    exact: _Counts, censored: _Counts, unwatched: _Counts, scale: float, pseudo: _Counts
+) -> list[float]:
+    """``_kaplan_meier_numpy``, in C where ``kvc/_native.c`` was built (the same floats,
+    ~1 µs instead of ~15: it runs twice after every observation)."""
+    if native.kaplan_meier is None:
+        return _kaplan_meier_numpy(exact, censored, unwatched, scale, pseudo)
+    return native.kaplan_meier(
+        _doubles(exact), _doubles(censored), _doubles(unwatched), float(scale), _doubles(pseudo)
+    )
+
+
+def _doubles(values: _Counts) -> object:
+    """``values`` as a buffer of float64 (an ``array('d')`` as it is)."""
+    if type(values) is array:
+        return values
+    return np.ascontiguousarray(values, dtype=np.float64)
+
+
+def _kaplan_meier_numpy(
     exact: _Counts, censored: _Counts, unwatched: _Counts, scale: float, pseudo: _Counts
 ) -> list[float]:
     """Binned actuarial Kaplan-Meier: ``S`` at the knots (stored counts / ``scale``).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from array import array
 from collections.abc import Callable
 from itertools import pairwise
 from statistics import NormalDist
@@ -482,8 +483,11 @@ def test_the_rebuilds_equal_their_per_bin_definitions_bit_for_bit(
     exact, censored, pseudo = ([r[i] for r in rows] for i in (0, 1, 3))
     unwatched = [min(r[1], r[2]) for r in rows]  # never more than the censored weight
     expected = _kaplan_meier_by_bin(exact, censored, unwatched, scale, pseudo)
-    survival = ol._kaplan_meier(exact, censored, unwatched, scale, pseudo)
+    survival = ol._kaplan_meier(exact, censored, unwatched, scale, pseudo)  # C where built
     assert survival == expected
+    assert ol._kaplan_meier_numpy(exact, censored, unwatched, scale, pseudo) == expected
+    d, c, u = (array("d", values) for values in (exact, censored, unwatched))  # as kept
+    assert ol._kaplan_meier(d, c, u, scale, np.array(pseudo)) == expected
     snap = ol._snapshot(survival, 1.0)
     assert list(snap.knot_area) == _areas_by_bin(expected, ol._KNOTS)
     tail = next((k for k in range(1, bins + 1) if expected[k] <= TAIL_SURVIVAL), bins)
@@ -531,3 +535,17 @@ def test_a_survival_table_equals_the_scalar_methods_bit_for_bit(
             for r, x, y in zip(rows, d.tolist(), t.tolist(), strict=True)
         ]
         assert [v.hex() for v in got] == [v.hex() for v in want]
+
+
+def test_the_compiled_rebuild_refuses_buffers_of_other_lengths() -> None:
+    from kvc import native
+
+    if native.kaplan_meier is None:
+        pytest.skip("kvc._native was not built here (tests/unit/test_block_keys.py says why)")
+    ok, zeros, short = array("d", [1.0, 0.0]), array("d", [0.0, 0.0]), array("d", [1.0])
+    censored = array("d", [2.0, 0.0])  # 3 at risk in the first bin, 1 dies: S = 2/3
+    assert native.kaplan_meier(ok, censored, zeros, 1.0, zeros) == [1.0, 1 - 1 / 3, 1 - 1 / 3]
+    with pytest.raises(ValueError, match="pseudo holds 8 bytes, expected 16"):
+        native.kaplan_meier(ok, ok, ok, 1.0, short)
+    with pytest.raises(ValueError, match="exact must hold one or more float64 values"):
+        native.kaplan_meier(array("d"), ok, ok, 1.0, ok)
