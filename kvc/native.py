@@ -67,7 +67,8 @@ kaplan_meier: Final[KaplanMeier | None] = None if _loaded is None else _loaded[3
 
 def log_if_missing(log: logging.Logger) -> None:
     """A warning at start when the Python twins run: correct, but the request path then
-    spends more CPU on block keys and prefix lookups (docs/benchmarks.md)."""
+    spends more CPU on block keys, prefix lookups and output-length rebuilds
+    (docs/benchmarks.md)."""
     if AVAILABLE:
         return
     why = (
@@ -76,7 +77,8 @@ def log_if_missing(log: logging.Logger) -> None:
         else "kvc._native was not built (no C compiler at install?)"
     )
     log.warning(
-        "block keys and prefix lookups run in pure Python: %s; the results are the same, "
+        "block keys, prefix lookups and output-length rebuilds run in pure Python: %s; "
+        "the results are the same, "
         "the CPU per request is higher. Reinstall with a C compiler to build it.",
         why,
     )
