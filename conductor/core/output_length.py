@@ -590,9 +590,10 @@ class OutputLengthModel:
         self.min_tenant_weight = min_tenant_weight
         self.max_keys = max_keys
         self._growth = 2.0 ** (1.0 / half_life)
-        self._prior_counts = [
-            prior_weight * p for p in _lognormal_pmf(prior_mean_tokens, PRIOR_SIGMA)
-        ]
+        # As the float64 buffer every model-wide rebuild passes on (no conversion there).
+        self._prior_counts = array(
+            "d", [prior_weight * p for p in _lognormal_pmf(prior_mean_tokens, PRIOR_SIGMA)]
+        )
         zeros = [0.0] * _N_BINS
         self._prior = _snapshot(_kaplan_meier(zeros, zeros, zeros, 1.0, self._prior_counts), 0.0)
         self._keys: OrderedDict[_ModelKey | _TenantKey, _KeyCounts] = OrderedDict()
