@@ -244,6 +244,9 @@ class Rejection:
     tbt_s: float
 
 
+# Nodes from which ``forecasts`` takes the reported decodes' survivals in one array call.
+_VECTOR_MIN_SHARES = 8
+_NO_LOAD = DecodeForecast(0.0, 0.0)
 # Delays (s) at which a TBT-refused request is re-forecast for ``Retry-After``.
 # Distributions the forecasts' table holds before it is first reset to the placed ones.
 _LENGTH_TABLE_MIN_RESET = 1024
@@ -411,14 +414,24 @@ class Scheduler:
         vector = sum(len(b.decodes) for b in books) >= max(1, self.vector_min_decodes)
         busy = [b for b in books if b.decodes] if vector else []
         own = iter(self._own_loads(busy, at_s, now_s) if busy else ())
-        out = []
+        out: list[DecodeForecast] = []
+        # Nodes with none of our decodes whose reported ones are forecast at ``at_s``:
+        # (position, reported decodes, steps ahead), their survivals in one array call.
+        later: list[tuple[int, int, float]] = []
+        ahead_s = at_s - now_s
         for node, book in zip(nodes, books, strict=True):
             model = models.get(node.node_id) or self.decode_model(node.node_id)
             running = node.running_requests
             step_s = self._reported_step_s(node, book, model)
             decodes = book.decodes
             if not decodes:  # ``forecast_decode_load`` of no decodes of ours
-                forecast = with_foreign(0.0, 0.0, 0, running, at_s, now_s, lengths, model, step_s)
+                if running > 0 and ahead_s > 0 and step_s > 0:
+                    later.append((len(out), running, ahead_s / step_s))
+                    forecast = _NO_LOAD  # set below
+                else:
+                    forecast = with_foreign(
+                        0.0, 0.0, 0, running, at_s, now_s, lengths, model, step_s
+                    )
             elif vector:
                 load = next(own)
                 forecast = with_foreign(
@@ -430,6 +443,17 @@ class Scheduler:
                     decodes.values(), running, at_s, now_s, lengths, model, step_s
                 )
             out.append(forecast)
+        if later:
+            # ``with_foreign(0.0, 0.0, 0, running, ...)`` of each, in its operations: the
+            # share is ``survival(ahead)`` (``survivals`` is that, bit for bit), our
+            # context per decode 0.
+            aheads = [ahead for _, _, ahead in later]
+            if len(later) >= _VECTOR_MIN_SHARES:
+                shares = lengths.survivals(np.array(aheads)).tolist()
+            else:
+                shares = [lengths.survival(ahead) for ahead in aheads]
+            for (at, foreign, _), share in zip(later, shares, strict=True):
+                out[at] = DecodeForecast(0.0 + foreign * share, 0.0 + foreign * share * 0.0)
         return out
 
     def _own_loads(self, books: list[NodeBook], at_s: float, now_s: float) -> list[OwnLoad]:

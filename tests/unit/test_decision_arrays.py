@@ -20,6 +20,7 @@ from conductor.core.cost_model import (
     floor_terms,
     prefill_floors,
 )
+from conductor.core.decode_load import with_foreign
 from conductor.core.output_length import OutputLengthModel
 from conductor.core.policies import DecodeCandidate, DecodeChoice, LowestTbt, Policy
 from conductor.core.prefix_index import NodeId
@@ -233,3 +234,30 @@ def test_decode_nodes_that_cannot_win_get_no_tbt() -> None:
         ranked = s.policy.order_decode(nodes, choice, s)
     assert [c.node.node_id for c in ranked] == ["d150"]
     assert asked == ["d150"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(decode_situations(), st.integers(0, 24))
+def test_forecasts_of_nodes_without_our_decodes_are_with_foreign(
+    situation: tuple[Scheduler, list[NodeState], DecodeChoice], extra: int
+) -> None:
+    """``forecasts`` takes the survivals of nodes running none of our decodes in one
+    array call (from ``_VECTOR_MIN_SHARES`` of them): each must be ``with_foreign``'s."""
+    s, nodes, choice = situation
+    nodes = nodes + [
+        make_node(f"x{i:02d}", "decode", block_size=16, kv_bytes_per_token=1000,
+                  running_requests=(i * 7) % 70 - 1)
+        for i in range(extra)
+    ]  # fmt: skip
+    lengths = s.lengths_for(choice.request)
+    got = s.forecasts(nodes, choice.at_s, choice.now_s, lengths)
+    for node, forecast in zip(nodes, got, strict=True):
+        book = s._book(node.node_id)
+        if book.decodes:
+            continue
+        model = s.decode_model(node.node_id)
+        step_s = s.reported_step_s(node)
+        want = with_foreign(
+            0.0, 0.0, 0, node.running_requests, choice.at_s, choice.now_s, lengths, model, step_s
+        )
+        assert forecast == want
