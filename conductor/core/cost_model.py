@@ -106,7 +106,6 @@ __all__ = [
     "DecodeTimeModel",
     "PrefillTimeModel",
     "decode_floors",
-    "floor_terms",
     "prefill_floors",
 ]
 
@@ -399,8 +398,9 @@ class _CorrectedModel(Generic[_P]):
         return self._correction.floor_factor()
 
     def floor_row(self) -> tuple[float, float, float, float]:
-        """The prior's three coefficients and ``floor_factor`` (a row of ``floor_terms``),
-        remembered until the model changes."""
+        """The prior's three coefficients and ``floor_factor``: one row of the terms
+        ``prefill_floors`` and ``decode_floors`` evaluate over arrays (the scheduler keeps
+        them per node, ``node_columns``), remembered until the model changes."""
         memo = self._floor_row
         if memo is not None and memo[0] == self._version:
             return memo[1]
@@ -507,12 +507,6 @@ class DecodeTimeModel(_CorrectedModel[DecodePrior]):
         return self._has_evidence(self._prior_s(batch_requests, context_tokens))
 
 
-def floor_terms(models: Sequence[PrefillTimeModel] | Sequence[DecodeTimeModel]) -> FloatArray:
-    """Each model's prior coefficients and ``floor_factor``, one row of four per model: what
-    ``prefill_floors`` and ``decode_floors`` evaluate over arrays."""
-    return np.array([m.floor_row() for m in models], dtype=np.float64).reshape(len(models), 4)
-
-
 def _floors(terms: FloatArray, first: FloatArray, second: FloatArray) -> FloatArray:
     # The prior in the models' own operations (``fixed + a*f1 + b*f2``), then ``floor``.
     prior_s = terms[:, 0] + terms[:, 1] * first + terms[:, 2] * second
@@ -521,9 +515,10 @@ def _floors(terms: FloatArray, first: FloatArray, second: FloatArray) -> FloatAr
 
 def prefill_floors(terms: FloatArray, total_tokens: int, cached_tokens: IntArray) -> FloatArray:
     """Lower bounds of ``models[i].estimate_floor(total_tokens, cached_tokens[i])``'s
-    estimate for the rows of ``floor_terms(models)``: the features of ``prefill_features``
-    (cached tokens >= 0), then each model's ``floor`` (the estimate itself for a model
-    that has observed nothing). For passing over nodes that cannot win."""
+    estimate for ``terms`` (row ``i``: ``models[i].floor_row()``): the features of
+    ``prefill_features`` (cached tokens >= 0), then each model's ``floor`` (the estimate
+    itself for a model that has observed nothing). For passing over nodes that cannot
+    win."""
     cached = np.minimum(cached_tokens, total_tokens)
     uncached = (total_tokens - cached).astype(np.float64)
     return _floors(terms, uncached, uncached * (total_tokens + cached).astype(np.float64))
@@ -533,6 +528,6 @@ def decode_floors(
     terms: FloatArray, batch_requests: FloatArray, context_tokens: FloatArray
 ) -> FloatArray:
     """Lower bounds of ``models[i].estimate(batch_requests[i], context_tokens[i])`` for
-    the rows of ``floor_terms(models)`` (amounts finite and >= 0, ``decode_features``'
-    domain), as ``prefill_floors``."""
+    ``terms`` (row ``i``: ``models[i].floor_row()``; amounts finite and >= 0,
+    ``decode_features``' domain), as ``prefill_floors``."""
     return _floors(terms, batch_requests, context_tokens)

@@ -20,10 +20,10 @@ estimate that ranks still comes from the per-node code).
 Lists of nodes map to rows in two ways. ``sync(fleet)`` is for the fleet list of each
 decision: it is compared with a copy of the previous one in slices, in C (an unchanged
 state is the same object, or an equal one), so only the positions whose state changed
-are looked up. Sublists that a
-decision derives from it (role filters, decode filters) are registered by
-``NodeColumns.pick`` and found again by identity until the next ``begin``. Any other
-list is looked up node by node (``columns``): correct, only slower.
+are looked up. Sublists that a decision derives from it (``NodeTable.pick_role`` for the
+roles, ``NodeColumns.pick`` for the decode filters) are registered and found again by
+identity until the decision ends (``end``). Any other list is looked up node by node
+(``columns``): correct, only slower, and registered only while a decision is made.
 
 Memory: one row of ``WIDTH`` floats per node seen; the table starts afresh when it
 holds more than twice the fleet and 64 (nodes that left).
@@ -84,9 +84,6 @@ class NodeColumns:
         self.data = data
         self._positions: IntArray | None = None
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     @property
     def can_prefill(self) -> npt.NDArray[np.bool_]:
         return self.data[:, _CAN_PREFILL] > 0
@@ -143,7 +140,7 @@ class NodeColumns:
 
     @property
     def prefill_terms(self) -> FloatArray:
-        """The prefill models' ``floor_row``s (``cost_model.floor_terms``)."""
+        """The prefill models' ``floor_row``s (what ``cost_model.prefill_floors`` takes)."""
         return self.data[:, _PREFILL_TERMS]
 
     @property
@@ -151,7 +148,7 @@ class NodeColumns:
         return self.data[:, _DECODE_TERMS]
 
     def code(self, family: str) -> int:
-        """The code of ``kv_family`` ``family`` in ``family``."""
+        """The small integer ``family`` (a ``kv_family``) has in the ``family`` column."""
         return self._table.family_code(family)
 
     def position_of(self, node: NodeId) -> int:
@@ -230,7 +227,7 @@ class NodeTable:
         self._fleet: tuple[list[NodeState], IntArray] | None = None
         self._registered: dict[int, tuple[Sequence[NodeState], NodeColumns]] = {}
         self._replaced = 0  # rows added or given another state object so far
-        self._deciding = False  # between ``begin()`` and ``begin(False)``
+        self._deciding = False  # between ``begin()`` and ``end()``
         # Positions of the fleet whose state the last ``sync`` found changed (None: the
         # fleet was rebuilt or its nodes moved), and per role the last mask, list and
         # positions ``pick_role`` made.
@@ -273,12 +270,16 @@ class NodeTable:
         if row is not None:
             self._dirty.add(row)
 
-    def begin(self, deciding: bool = True) -> None:
-        """A decision starts (``deciding``) or ends: forget the lists registered. Lists
-        are found by identity only within the decision that registered them; outside
-        a decision nothing is registered (a caller's list may change in place)."""
+    def begin(self) -> None:
+        """A decision starts: lists registered from now on are found by identity."""
         self._registered.clear()
-        self._deciding = deciding
+        self._deciding = True
+
+    def end(self) -> None:
+        """The decision ended: forget its lists (outside a decision nothing is registered,
+        since a caller's list may change in place)."""
+        self._registered.clear()
+        self._deciding = False
 
     def register(self, nodes: Sequence[NodeState], columns: NodeColumns) -> None:
         self._registered[id(nodes)] = (nodes, columns)

@@ -652,7 +652,7 @@ class Scheduler:
         try:
             return self._schedule(req, nodes, now_s)
         finally:
-            self._table.begin(deciding=False)  # its lists are the caller's again
+            self._table.end()  # its lists are the caller's again
 
     def _schedule(
         self, req: ScheduleRequest, nodes: Sequence[NodeState], now_s: float

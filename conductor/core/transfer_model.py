@@ -30,12 +30,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
-
-import numpy as np
-import numpy.typing as npt
 
 from conductor.core.prefix_index import NodeId
 from kvc.priors import nonnegative_quadratic_min
@@ -153,18 +149,6 @@ class TransferModel:
             latency_s, spb = link.latency_s, link.seconds_per_byte
         return latency_s + max(nbytes, 0) * spb
 
-    def estimates(
-        self, pairs: Sequence[tuple[NodeId, NodeId]], nbytes: npt.NDArray[np.int64]
-    ) -> npt.NDArray[np.float64]:
-        """``estimate`` of each (src, dst) pair moving its ``nbytes``, over arrays."""
-        links, default = self._links, (self._default_latency_s, self._default_spb)
-        fits = [
-            default if link is None else (link.latency_s, link.seconds_per_byte)
-            for link in map(links.get, pairs)
-        ]
-        terms = np.array(fits, dtype=np.float64).reshape(len(fits), 2)
-        return terms[:, 0] + np.maximum(nbytes, 0) * terms[:, 1]
-
     @property
     def default_fit(self) -> tuple[float, float]:
         """(latency seconds, seconds per byte) of a pair never observed."""
@@ -172,7 +156,9 @@ class TransferModel:
 
     def fits_from(self, src: NodeId) -> list[tuple[NodeId, float, float]]:
         """(destination, latency seconds, seconds per byte) of every observed pair from
-        ``src``; every other destination has ``default_fit``. O(those pairs)."""
+        ``src``; every other destination has ``default_fit``. O(those pairs). A pair's
+        ``estimate`` is ``latency + max(nbytes, 0) * seconds_per_byte``: what the
+        policies' pull bounds compute over arrays."""
         dsts = self._by_source.get(src)
         if not dsts:
             return []

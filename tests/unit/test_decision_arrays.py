@@ -8,6 +8,7 @@ import math
 from unittest.mock import patch
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,7 +18,6 @@ from conductor.core.cost_model import (
     DecodeTimeModel,
     PrefillTimeModel,
     decode_floors,
-    floor_terms,
     prefill_floors,
 )
 from conductor.core.decode_load import with_foreign
@@ -57,6 +57,11 @@ def test_survivals_are_survival_bit_for_bit(
     assert got == [dist.survival(t) for t in tokens]
 
 
+def _terms(models: list[PrefillTimeModel] | list[DecodeTimeModel]) -> npt.NDArray[np.float64]:
+    """The rows the floors evaluate: each model's ``floor_row`` (the scheduler's columns)."""
+    return np.array([m.floor_row() for m in models], dtype=np.float64).reshape(len(models), 4)
+
+
 @st.composite
 def prefill_models(draw: st.DrawFn) -> PrefillTimeModel:
     model = PrefillTimeModel(PrefillPrior(draw(coefficient), draw(coefficient), draw(coefficient)))
@@ -87,7 +92,7 @@ def test_prefill_floors_are_the_models_floors(
     models: list[PrefillTimeModel], total: int, data: st.DataObject
 ) -> None:
     cached = [data.draw(st.integers(0, total)) for _ in models]
-    got = prefill_floors(floor_terms(models), total, np.array(cached, np.int64)).tolist()
+    got = prefill_floors(_terms(models), total, np.array(cached, np.int64)).tolist()
     for model, c, floor in zip(models, cached, got, strict=True):
         assert floor == pytest.approx(model.estimate_floor(total, c), rel=1e-12, abs=0.0)
         assert floor <= model.estimate(total, c) * (1 + 1e-9)
@@ -100,7 +105,7 @@ def test_decode_floors_bound_the_estimates(
 ) -> None:
     batch = [data.draw(st.floats(0.0, 512.0)) for _ in models]
     context = [data.draw(st.floats(0.0, 1e7)) for _ in models]
-    got = decode_floors(floor_terms(models), np.array(batch), np.array(context)).tolist()
+    got = decode_floors(_terms(models), np.array(batch), np.array(context)).tolist()
     for model, b, c, floor in zip(models, batch, context, got, strict=True):
         estimate = model.estimate(b, c)
         assert 0.0 <= floor <= estimate * (1 + 1e-9)
@@ -117,16 +122,18 @@ def test_a_models_floor_row_follows_its_observations() -> None:
     assert model.floor_row() == (0.02, 1e-4, 1e-9, 1.0)
 
 
-def test_transfer_estimates_are_estimate_per_pair() -> None:
+def test_transfer_fits_over_arrays_are_estimate_per_pair() -> None:
+    """What the pull bounds compute from ``fits_from`` and ``default_fit``, over arrays."""
     model = TransferModel(default_bandwidth_bytes_per_s=1e9, default_latency_s=0.002)
     a, b, c = NodeId("a"), NodeId("b"), NodeId("c")
     model.observe(a, b, 10**6, 0.01)
     model.observe(a, b, 10**8, 0.2)
     pairs = [(a, b), (a, c), (b, a), (a, b)]
     nbytes = np.array([10**7, 5 * 10**6, 0, -5], np.int64)
-    got = model.estimates(pairs, nbytes).tolist()
+    learned = {(src, dst): (lat, spb) for src in (a, b) for dst, lat, spb in model.fits_from(src)}
+    fits = np.array([learned.get(pair, model.default_fit) for pair in pairs])
+    got = (fits[:, 0] + np.maximum(nbytes, 0) * fits[:, 1]).tolist()
     assert got == [model.estimate(s, d, int(n)) for (s, d), n in zip(pairs, nbytes, strict=True)]
-    assert model.estimates([], np.array([], np.int64)).tolist() == []
 
 
 @st.composite

@@ -304,7 +304,7 @@ def test_the_role_lists_follow_reports_health_and_roles() -> None:
             want = [n for n in nodes if capable.fget(n)]  # type: ignore[attr-defined]
             assert [n.node_id for n in picked] == [n.node_id for n in want]
             assert picked == want  # the new states (equal ones may stay the old objects)
-        table.begin(deciding=False)
+        table.end()
         for _ in range(rng.randrange(4)):
             i = rng.randrange(len(nodes))
             if step % 7 == 0:  # a role change, not only a load report
