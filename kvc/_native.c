@@ -9,7 +9,10 @@
  *   probe_runs     the same lookup, answering only where the set id changes
  *                  (_KeyTable.run_changes);
  *   kaplan_meier   the output-length model's survival rebuild
- *                  (conductor/core/output_length.py, _kaplan_meier_numpy).
+ *                  (conductor/core/output_length.py, _kaplan_meier_numpy);
+ *   survival_areas, survival_pmf
+ *                  the rest of that rebuild: the areas and the tail's knot of a
+ *                  snapshot, and its per-bin mass (_snapshot_numpy, _pmf_numpy).
  *
  * chain_keys: the same layouts, bit for bit (kvc/block_keys.py is the specification and the
  * fallback where this module was not built):
@@ -662,6 +665,120 @@ static PyObject *kaplan_meier(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Read a list of n + 1 floats (a knot survival curve) into out; -1 with an error set. */
+static int read_survival(PyObject *obj, double *out, Py_ssize_t n_knots) {
+    if ((!PyList_Check(obj) && !PyTuple_Check(obj)) || PySequence_Fast_GET_SIZE(obj) != n_knots) {
+        PyErr_Format(PyExc_ValueError, "survival must be a list or tuple of %zd floats",
+                     n_knots);
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(obj);
+    for (Py_ssize_t k = 0; k < n_knots; k++) {
+        PyObject *item = items[k];
+        if (!PyFloat_CheckExact(item)) {
+            PyErr_SetString(PyExc_ValueError, "survival must hold floats only");
+            return -1;
+        }
+        out[k] = PyFloat_AS_DOUBLE(item);
+    }
+    return 0;
+}
+
+/*
+ * survival_areas(survival, widths, tail) -> (list[float], int)
+ *
+ * conductor/core/output_length.py's _snapshot_numpy (the specification and the fallback):
+ * area_0 = 0, area_{k+1} = area_k + (S_k + S_{k+1}) * w_k / 2 with the same operations in
+ * the same order as NumPy's element-wise product and add.accumulate (n = len(widths)).
+ * Returns the areas and the first knot k >= 1 with S_k <= tail (n + 1 when there is none).
+ */
+static PyObject *survival_areas(PyObject *self, PyObject *args) {
+    PyObject *survival_obj, *widths_obj;
+    double tail;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOd:survival_areas", &survival_obj, &widths_obj, &tail))
+        return NULL;
+    Py_buffer w;
+    if (PyObject_GetBuffer(widths_obj, &w, PyBUF_SIMPLE) < 0) return NULL;
+    Py_ssize_t n = w.len / (Py_ssize_t)sizeof(double);
+    if (w.len % (Py_ssize_t)sizeof(double) != 0 || n == 0) {
+        PyBuffer_Release(&w);
+        PyErr_SetString(PyExc_ValueError, "widths must hold one or more float64 values");
+        return NULL;
+    }
+    const double *wv = w.buf;
+    double *s = PyMem_Malloc((size_t)(n + 1) * sizeof(double));
+    PyObject *areas = NULL, *result = NULL;
+    if (s == NULL) {
+        PyErr_NoMemory();
+    } else if (read_survival(survival_obj, s, n + 1) == 0 && (areas = PyList_New(n + 1))) {
+        Py_ssize_t tail_index = n + 1;
+        double area = 0.0;
+        for (Py_ssize_t k = 0; k <= n; k++) {
+            if (k > 0) {
+                double piece = (s[k - 1] + s[k]) * wv[k - 1] / 2;
+                area = k == 1 ? piece : area + piece;
+                if (tail_index > n && s[k] <= tail) tail_index = k;
+            }
+            PyObject *value = PyFloat_FromDouble(area);
+            if (value == NULL) {
+                Py_CLEAR(areas);
+                break;
+            }
+            PyList_SET_ITEM(areas, k, value);
+        }
+        if (areas != NULL) {
+            result = Py_BuildValue("(Nn)", areas, tail_index);
+            areas = NULL;
+        }
+    }
+    Py_XDECREF(areas);
+    PyMem_Free(s);
+    PyBuffer_Release(&w);
+    return result;
+}
+
+/*
+ * survival_pmf(survival, scale, out) -> None
+ *
+ * conductor/core/output_length.py's _pmf_numpy times scale, into out (n float64):
+ * scale * max(0, S_k - S_{k+1}) (NumPy's maximum: NaN stays NaN), the last bin
+ * scale * (max(0, S_{n-1} - S_n) + max(0.0, S_n)) (Python's max: NaN gives 0).
+ */
+static PyObject *survival_pmf(PyObject *self, PyObject *args) {
+    PyObject *survival_obj, *out_obj;
+    double scale;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OdO:survival_pmf", &survival_obj, &scale, &out_obj))
+        return NULL;
+    Py_buffer o;
+    if (PyObject_GetBuffer(out_obj, &o, PyBUF_WRITABLE) < 0) return NULL;
+    Py_ssize_t n = o.len / (Py_ssize_t)sizeof(double);
+    if (o.len % (Py_ssize_t)sizeof(double) != 0 || n == 0) {
+        PyBuffer_Release(&o);
+        PyErr_SetString(PyExc_ValueError, "out must hold one or more float64 values");
+        return NULL;
+    }
+    double *s = PyMem_Malloc((size_t)(n + 1) * sizeof(double));
+    int ok = 0;
+    if (s == NULL) {
+        PyErr_NoMemory();
+    } else if (read_survival(survival_obj, s, n + 1) == 0) {
+        double *ov = o.buf;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            double drop = s[k] - s[k + 1];
+            double mass = isnan(drop) ? drop : (drop > 0.0 ? drop : 0.0);
+            if (k == n - 1) mass += s[n] > 0.0 ? s[n] : 0.0;
+            ov[k] = scale * mass;
+        }
+        ok = 1;
+    }
+    PyMem_Free(s);
+    PyBuffer_Release(&o);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"chain_keys", chain_keys, METH_VARARGS,
      "chain_keys(tokens, salt, person, block_size, parent, layout) -> list[int]\n\n"
@@ -674,6 +791,12 @@ static PyMethodDef methods[] = {
      "probe_runs(keys, start, end, table_keys, table_ids, overflowed, rows, mult, row, "
      "last) -> list[int]\n\n"
      "Where the set id changes along keys[start:end]: [i0, id0, i1, id1, ...]."},
+    {"survival_areas", survival_areas, METH_VARARGS,
+     "survival_areas(survival, widths, tail) -> tuple[list[float], int]\n\n"
+     "The areas under a knot survival curve and its first knot at or below tail."},
+    {"survival_pmf", survival_pmf, METH_VARARGS,
+     "survival_pmf(survival, scale, out) -> None\n\n"
+     "scale times the per-bin mass of a knot survival curve, into out."},
     {"kaplan_meier", kaplan_meier, METH_VARARGS,
      "kaplan_meier(exact, censored, unwatched, scale, pseudo) -> list[float]\n\n"
      "Binned actuarial Kaplan-Meier survival at the knots (conductor/core/output_length.py)."},

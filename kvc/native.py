@@ -25,11 +25,15 @@ __all__ = [
     "KaplanMeier",
     "ProbeRuns",
     "ProbeSetIds",
+    "SurvivalAreas",
+    "SurvivalPmf",
     "chain_keys",
     "kaplan_meier",
     "log_if_missing",
     "probe_runs",
     "probe_set_ids",
+    "survival_areas",
+    "survival_pmf",
 ]
 
 ChainKeys: TypeAlias = Callable[[Sequence[int], bytes, bytes, int, int, int], list[int]]
@@ -42,19 +46,30 @@ ProbeRuns: TypeAlias = Callable[
     [Sequence[int], int, int, object, object, object, int, int, int, int], list[int]
 ]
 KaplanMeier: TypeAlias = Callable[[object, object, object, float, object], list[float]]
+SurvivalAreas: TypeAlias = Callable[[Sequence[float], object, float], tuple[list[float], int]]
+SurvivalPmf: TypeAlias = Callable[[Sequence[float], float, object], None]
 
 
 _OFF: Final = ("0", "false", "no", "off")
 
 
-def _load() -> tuple[ChainKeys, ProbeSetIds, ProbeRuns, KaplanMeier] | None:
+def _load() -> (
+    tuple[ChainKeys, ProbeSetIds, ProbeRuns, KaplanMeier, SurvivalAreas, SurvivalPmf] | None
+):
     if os.environ.get("KVC_NATIVE", "").strip().lower() in _OFF:
         return None
     try:
         from kvc import _native
     except ImportError:  # built without a C compiler: the Python twins run
         return None
-    return _native.chain_keys, _native.probe_set_ids, _native.probe_runs, _native.kaplan_meier
+    return (
+        _native.chain_keys,
+        _native.probe_set_ids,
+        _native.probe_runs,
+        _native.kaplan_meier,
+        _native.survival_areas,
+        _native.survival_pmf,
+    )
 
 
 _loaded: Final = _load()
@@ -63,6 +78,8 @@ chain_keys: Final[ChainKeys | None] = None if _loaded is None else _loaded[0]
 probe_set_ids: Final[ProbeSetIds | None] = None if _loaded is None else _loaded[1]
 probe_runs: Final[ProbeRuns | None] = None if _loaded is None else _loaded[2]
 kaplan_meier: Final[KaplanMeier | None] = None if _loaded is None else _loaded[3]
+survival_areas: Final[SurvivalAreas | None] = None if _loaded is None else _loaded[4]
+survival_pmf: Final[SurvivalPmf | None] = None if _loaded is None else _loaded[5]
 
 
 def log_if_missing(log: logging.Logger) -> None:

@@ -488,13 +488,18 @@ def test_the_rebuilds_equal_their_per_bin_definitions_bit_for_bit(
     assert ol._kaplan_meier_numpy(exact, censored, unwatched, scale, pseudo) == expected
     d, c, u = (array("d", values) for values in (exact, censored, unwatched))  # as kept
     assert ol._kaplan_meier(d, c, u, scale, np.array(pseudo)) == expected
-    snap = ol._snapshot(survival, 1.0)
-    assert list(snap.knot_area) == _areas_by_bin(expected, ol._KNOTS)
+    snap = ol._snapshot(survival, 1.0)  # C where built
+    areas = _areas_by_bin(expected, ol._KNOTS)
+    assert list(snap.knot_area) == areas
     tail = next((k for k in range(1, bins + 1) if expected[k] <= TAIL_SURVIVAL), bins)
     assert snap.tail_index == tail
+    crossing = next((k for k in range(1, bins + 1) if expected[k] <= TAIL_SURVIVAL), bins + 1)
+    assert ol._areas_numpy(np.array(expected)) == (areas, crossing)
     pmf = [max(0.0, expected[k] - expected[k + 1]) for k in range(bins)]
     pmf[-1] += max(0.0, expected[-1])
-    assert ol._pmf(snap).tolist() == pmf
+    assert ol._pmf_numpy(snap).tolist() == pmf
+    kappa = rng.uniform(0.5, 100.0)
+    assert list(ol._scaled_pmf(snap, kappa)) == [kappa * p for p in pmf]  # C where built
 
 
 # ------------------------------------------------------------------ many at once
@@ -549,3 +554,36 @@ def test_the_compiled_rebuild_refuses_buffers_of_other_lengths() -> None:
         native.kaplan_meier(ok, ok, ok, 1.0, short)
     with pytest.raises(ValueError, match="exact must hold one or more float64 values"):
         native.kaplan_meier(array("d"), ok, ok, 1.0, ok)
+
+
+def test_the_compiled_snapshot_parts_equal_their_numpy_twins_at_the_edges() -> None:
+    """A tail that starts at the last knot, none at all, NaN, a rise: the C areas and
+    masses are NumPy's floats (the fallback's). (A survival of -0.0 cannot arise, and
+    NumPy's maximum picks between signed zeros by its SIMD operand order.)"""
+    from conductor.core import output_length as ol
+    from kvc import native
+
+    if native.survival_areas is None or native.survival_pmf is None:
+        pytest.skip("kvc._native was not built here (tests/unit/test_block_keys.py says why)")
+    n = ol._N_BINS
+    flat = [1.0] * (n + 1)
+    last = [1.0] * n + [TAIL_SURVIVAL]
+    steep = [1.0] + [TAIL_SURVIVAL / 2] * n
+    odd = [1.0, float("nan"), 0.5, 0.0, 0.0] + [0.25] * (n - 4)
+    for curve in (flat, last, steep, odd):
+        got_area, got_crossing = native.survival_areas(curve, ol._KNOT_WIDTHS, TAIL_SURVIVAL)
+        want_area, want_crossing = ol._areas_numpy(np.array(curve))
+        assert [v.hex() for v in got_area] == [v.hex() for v in want_area]
+        assert got_crossing == want_crossing
+        dist = ol._snapshot(list(curve), 1.0)
+        out = array("d", bytes(8 * n))
+        native.survival_pmf(tuple(curve), 3.0, out)
+        assert [v.hex() for v in out] == [v.hex() for v in (3.0 * ol._pmf_numpy(dist)).tolist()]
+    assert native.survival_areas(flat, ol._KNOT_WIDTHS, TAIL_SURVIVAL)[1] == n + 1
+    assert native.survival_areas(last, ol._KNOT_WIDTHS, TAIL_SURVIVAL)[1] == n
+    with pytest.raises(ValueError, match="list or tuple of"):
+        native.survival_areas(flat[:-1], ol._KNOT_WIDTHS, TAIL_SURVIVAL)
+    with pytest.raises(ValueError, match="floats only"):
+        native.survival_areas([1] * (n + 1), ol._KNOT_WIDTHS, TAIL_SURVIVAL)
+    with pytest.raises(ValueError, match="out must hold"):
+        native.survival_pmf(flat, 1.0, array("d"))
