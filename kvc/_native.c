@@ -444,9 +444,10 @@ static void probe_release(Probe *p) {
     PyBuffer_Release(&p->over);
 }
 
-/* The set id of each of keys[start:end] into ids; 0 on success, -1 with ValueError set
- * (a key that is not a uint64) or MemoryError. */
-static int probe_run(const Probe *p, uint32_t *ids) {
+/* The set id of each of keys[start:end] into ids (and its slot into positions, -1 where
+ * absent, unless positions is NULL); 0 on success, -1 with ValueError set (a key that is
+ * not a uint64) or MemoryError. */
+static int probe_run(const Probe *p, uint32_t *ids, int64_t *positions) {
     const uint64_t *table_keys = (const uint64_t *)p->tkeys.buf;
     const uint32_t *table_ids = (const uint32_t *)p->tids.buf;
     const uint8_t *overflowed = (const uint8_t *)p->over.buf;
@@ -497,12 +498,14 @@ static int probe_run(const Probe *p, uint32_t *ids) {
         uint64_t key = keys[i];
         uint64_t r = homes[i];
         uint32_t found = 0;
+        int64_t at = -1;
         for (Py_ssize_t hops = 0; hops < rows; hops++) {
             const uint64_t *rk = table_keys + r * (uint64_t)row_slots;
             const uint32_t *ri = table_ids + r * (uint64_t)row_slots;
             for (Py_ssize_t c = 0; c < row_slots; c++) {
                 if (rk[c] == key && ri[c] > TOMB_ID) {
                     found = ri[c];
+                    at = (int64_t)(r * (uint64_t)row_slots) + c;
                     break;
                 }
             }
@@ -510,6 +513,7 @@ static int probe_run(const Probe *p, uint32_t *ids) {
             r = r + 1 == (uint64_t)rows ? 0 : r + 1;
         }
         ids[i] = found;
+        if (positions != NULL) positions[i] = at;
     }
     PyMem_Free(keys);
     PyMem_Free(homes);
@@ -532,7 +536,7 @@ static PyObject *probe_set_ids(PyObject *self, PyObject *args) {
         probe_release(&p);
         return NULL;
     }
-    int rc = probe_run(&p, (uint32_t *)out.buf);
+    int rc = probe_run(&p, (uint32_t *)out.buf, NULL);
     PyBuffer_Release(&out);
     probe_release(&p);
     if (rc < 0) return NULL;
@@ -567,7 +571,7 @@ static PyObject *probe_runs(PyObject *self, PyObject *args) {
         probe_release(&p);
         return PyErr_NoMemory();
     }
-    int rc = probe_run(&p, ids);
+    int rc = probe_run(&p, ids, NULL);
     probe_release(&p);
     PyObject *result = rc < 0 ? NULL : PyList_New(0);
     long long prev = last;
@@ -584,6 +588,141 @@ static PyObject *probe_runs(PyObject *self, PyObject *args) {
     }
     PyMem_Free(ids);
     return result;
+}
+
+/*
+ * probe_slots(keys, table_keys, table_ids, overflowed, rows, mult, row) -> list[int]
+ *
+ * The slot and set id of each key: a flat list [slot0, id0, slot1, id1, ...], slot -1
+ * and id 0 where the key is absent. _KeyTable.slots_of; the events that store or remove
+ * a block or two (nearly all of them) take it instead of NumPy's small-array calls.
+ */
+static PyObject *probe_slots(PyObject *self, PyObject *args) {
+    PyObject *keys_obj, *tkeys_obj, *tids_obj, *over_obj, *mult_obj;
+    Py_ssize_t rows, row_slots;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOnOn:probe_slots", &keys_obj, &tkeys_obj, &tids_obj,
+                          &over_obj, &rows, &mult_obj, &row_slots))
+        return NULL;
+    if (!PyList_Check(keys_obj) && !PyTuple_Check(keys_obj)) {
+        PyErr_SetString(PyExc_ValueError, "keys must be a list or a tuple of ints");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys_obj);
+    Probe p;
+    if (probe_open(&p, keys_obj, 0, n, tkeys_obj, tids_obj, over_obj, rows, mult_obj,
+                   row_slots) < 0)
+        return NULL;
+    uint32_t *ids = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint32_t) : 1);
+    int64_t *positions = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(int64_t) : 1);
+    int rc = ids == NULL || positions == NULL ? (PyErr_NoMemory(), -1)
+                                              : probe_run(&p, ids, positions);
+    probe_release(&p);
+    PyObject *result = rc < 0 ? NULL : PyList_New(2 * n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *at = PyLong_FromLongLong(positions[i]);
+        PyObject *id = PyLong_FromUnsignedLong(ids[i]);
+        if (at == NULL || id == NULL) {
+            Py_XDECREF(at);
+            Py_XDECREF(id);
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, 2 * i, at);
+        PyList_SET_ITEM(result, 2 * i + 1, id);
+    }
+    PyMem_Free(ids);
+    PyMem_Free(positions);
+    return result;
+}
+
+/*
+ * place_keys(keys, set_id, table_keys, table_ids, overflowed, rows, mult, row) -> int
+ *
+ * _KeyTable._place_one for each of keys (distinct, none in the table; the caller keeps
+ * the fill under 3/4, so a free slot exists): the first slot whose id is EMPTY or TOMB
+ * from the key's home row on gets the key and set_id, and every full row passed is
+ * flagged overflowed. Returns how many deleted (TOMB) slots were reused.
+ */
+static PyObject *place_keys(PyObject *self, PyObject *args) {
+    PyObject *keys_obj, *tkeys_obj, *tids_obj, *over_obj, *mult_obj;
+    Py_ssize_t rows, row_slots;
+    unsigned long set_id;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OkOOOnOn:place_keys", &keys_obj, &set_id, &tkeys_obj,
+                          &tids_obj, &over_obj, &rows, &mult_obj, &row_slots))
+        return NULL;
+    if (!PyList_Check(keys_obj) && !PyTuple_Check(keys_obj)) {
+        PyErr_SetString(PyExc_ValueError, "keys must be a list or a tuple of ints");
+        return NULL;
+    }
+    if (rows <= 0 || row_slots <= 0) {
+        PyErr_SetString(PyExc_ValueError, "rows and row must be positive");
+        return NULL;
+    }
+    if (set_id <= TOMB_ID || set_id > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_ValueError, "set_id must be a live set id (2 to 2**32 - 1)");
+        return NULL;
+    }
+    unsigned long long mult = PyLong_AsUnsignedLongLong(mult_obj);
+    if (mult == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    Py_buffer tk, ti, ov;
+    if (get_buffer(tkeys_obj, &tk, 8, rows * row_slots, 1, "table_keys") < 0) return NULL;
+    if (get_buffer(tids_obj, &ti, 4, rows * row_slots, 1, "table_ids") < 0) {
+        PyBuffer_Release(&tk);
+        return NULL;
+    }
+    if (get_buffer(over_obj, &ov, 1, rows, 1, "overflowed") < 0) {
+        PyBuffer_Release(&tk);
+        PyBuffer_Release(&ti);
+        return NULL;
+    }
+    uint64_t *table_keys = tk.buf;
+    uint32_t *table_ids = ti.buf;
+    uint8_t *overflowed = ov.buf;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys_obj), reused = 0;
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < n && !failed; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(keys_obj, i);
+        uint64_t key = 0;
+        int ok = PyLong_Check(item);
+        if (ok) {
+            key = PyLong_AsUnsignedLongLong(item);
+            ok = !(key == (uint64_t)-1 && PyErr_Occurred());
+        }
+        if (!ok) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError,
+                         "block keys must be unsigned 64-bit ints: %.100s at position %zd",
+                         Py_TYPE(item)->tp_name, i);
+            failed = 1;
+            break;
+        }
+        uint64_t r = (key * (uint64_t)mult) % (uint64_t)rows;
+        Py_ssize_t hops = 0;
+        for (; hops < rows; hops++) {
+            uint64_t at = r * (uint64_t)row_slots;
+            Py_ssize_t c = 0;
+            while (c < row_slots && table_ids[at + c] > TOMB_ID) c++;
+            if (c < row_slots) {
+                if (table_ids[at + c] == TOMB_ID) reused++;
+                table_keys[at + c] = key;
+                table_ids[at + c] = (uint32_t)set_id;
+                break;
+            }
+            overflowed[r] = 1;
+            r = r + 1 == (uint64_t)rows ? 0 : r + 1;
+        }
+        if (hops == rows) {
+            PyErr_SetString(PyExc_ValueError, "the table has no free slot");
+            failed = 1;
+        }
+    }
+    PyBuffer_Release(&tk);
+    PyBuffer_Release(&ti);
+    PyBuffer_Release(&ov);
+    if (failed) return NULL;
+    return PyLong_FromSsize_t(reused);
 }
 
 /*
@@ -791,6 +930,13 @@ static PyMethodDef methods[] = {
      "probe_runs(keys, start, end, table_keys, table_ids, overflowed, rows, mult, row, "
      "last) -> list[int]\n\n"
      "Where the set id changes along keys[start:end]: [i0, id0, i1, id1, ...]."},
+    {"probe_slots", probe_slots, METH_VARARGS,
+     "probe_slots(keys, table_keys, table_ids, overflowed, rows, mult, row) -> list[int]\n\n"
+     "The slot and set id of each key in the prefix index's key table (-1 and 0: absent)."},
+    {"place_keys", place_keys, METH_VARARGS,
+     "place_keys(keys, set_id, table_keys, table_ids, overflowed, rows, mult, row) -> int\n\n"
+     "Insert absent keys with set_id into the prefix index's key table; the reused "
+     "deleted slots."},
     {"survival_areas", survival_areas, METH_VARARGS,
      "survival_areas(survival, widths, tail) -> tuple[list[float], int]\n\n"
      "The areas under a knot survival curve and its first knot at or below tail."},

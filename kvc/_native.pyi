@@ -37,6 +37,27 @@ def probe_runs(
     last: int,
     /,
 ) -> list[int]: ...
+def probe_slots(
+    keys: Sequence[int],
+    table_keys: object,
+    table_ids: object,
+    overflowed: object,
+    rows: int,
+    mult: int,
+    row: int,
+    /,
+) -> list[int]: ...
+def place_keys(
+    keys: Sequence[int],
+    set_id: int,
+    table_keys: object,
+    table_ids: object,
+    overflowed: object,
+    rows: int,
+    mult: int,
+    row: int,
+    /,
+) -> int: ...
 def survival_areas(
     survival: Sequence[float], widths: object, tail: float, /
 ) -> tuple[list[float], int]: ...

@@ -1,9 +1,9 @@
 """The compiled loops of ``kvc/_native.c``, or ``None`` where the module was not built.
 
-Three loops of the request path have a C twin: the chained block keys
-(``kvc.block_keys``), the shadow prefix index's key lookup
-(``conductor.core.prefix_index``) and the output-length model's Kaplan-Meier rebuild
-(``conductor.core.output_length``). Each Python
+Loops of the request path that have a C twin: the chained block keys
+(``kvc.block_keys``); the shadow prefix index's key lookups and the placing of new keys
+(``conductor.core.prefix_index``); the output-length model's rebuild, Kaplan-Meier and
+snapshot (``conductor.core.output_length``). Each Python
 version stays the specification and the fallback; the C one gives the same results, bit
 for bit, and the tests hold them to each other.
 
@@ -23,15 +23,19 @@ __all__ = [
     "AVAILABLE",
     "ChainKeys",
     "KaplanMeier",
+    "PlaceKeys",
     "ProbeRuns",
     "ProbeSetIds",
+    "ProbeSlots",
     "SurvivalAreas",
     "SurvivalPmf",
     "chain_keys",
     "kaplan_meier",
     "log_if_missing",
+    "place_keys",
     "probe_runs",
     "probe_set_ids",
+    "probe_slots",
     "survival_areas",
     "survival_pmf",
 ]
@@ -46,6 +50,8 @@ ProbeRuns: TypeAlias = Callable[
     [Sequence[int], int, int, object, object, object, int, int, int, int], list[int]
 ]
 KaplanMeier: TypeAlias = Callable[[object, object, object, float, object], list[float]]
+ProbeSlots: TypeAlias = Callable[[Sequence[int], object, object, object, int, int, int], list[int]]
+PlaceKeys: TypeAlias = Callable[[Sequence[int], int, object, object, object, int, int, int], int]
 SurvivalAreas: TypeAlias = Callable[[Sequence[float], object, float], tuple[list[float], int]]
 SurvivalPmf: TypeAlias = Callable[[Sequence[float], float, object], None]
 
@@ -54,7 +60,17 @@ _OFF: Final = ("0", "false", "no", "off")
 
 
 def _load() -> (
-    tuple[ChainKeys, ProbeSetIds, ProbeRuns, KaplanMeier, SurvivalAreas, SurvivalPmf] | None
+    tuple[
+        ChainKeys,
+        ProbeSetIds,
+        ProbeRuns,
+        KaplanMeier,
+        SurvivalAreas,
+        SurvivalPmf,
+        ProbeSlots,
+        PlaceKeys,
+    ]
+    | None
 ):
     if os.environ.get("KVC_NATIVE", "").strip().lower() in _OFF:
         return None
@@ -69,6 +85,8 @@ def _load() -> (
         _native.kaplan_meier,
         _native.survival_areas,
         _native.survival_pmf,
+        _native.probe_slots,
+        _native.place_keys,
     )
 
 
@@ -80,6 +98,8 @@ probe_runs: Final[ProbeRuns | None] = None if _loaded is None else _loaded[2]
 kaplan_meier: Final[KaplanMeier | None] = None if _loaded is None else _loaded[3]
 survival_areas: Final[SurvivalAreas | None] = None if _loaded is None else _loaded[4]
 survival_pmf: Final[SurvivalPmf | None] = None if _loaded is None else _loaded[5]
+probe_slots: Final[ProbeSlots | None] = None if _loaded is None else _loaded[6]
+place_keys: Final[PlaceKeys | None] = None if _loaded is None else _loaded[7]
 
 
 def log_if_missing(log: logging.Logger) -> None:

@@ -165,6 +165,19 @@ def _as_keys(keys: Iterable[BlockKey]) -> _U64:
         raise ValueError(f"block keys must be unsigned 64-bit ints: {exc}") from exc
 
 
+def _few_keys(keys: Sequence[BlockKey]) -> list[BlockKey] | None:
+    """Up to ``_FEW`` keys without repeats, as ints (first occurrence order), or None
+    when there are more or one is not a plain int in ``0..2**64 - 1`` (then the array
+    path converts them, or refuses them, as it always has)."""
+    if len(keys) > _FEW:
+        return None
+    distinct = list(dict.fromkeys(keys))
+    for key in distinct:
+        if type(key) is not int or not 0 <= key <= _MASK64:
+            return None
+    return distinct
+
+
 def _distinct_keys(keys: Sequence[BlockKey]) -> _U64:
     """``keys`` without repeats, in any order."""
     if len(keys) <= _SMALL:
@@ -214,6 +227,33 @@ class _KeyTable:
             if not self.overflowed[row]:
                 return -1
             row = row + 1 if row + 1 < self.rows else 0
+
+    def slots_of(self, keys: Sequence[int]) -> list[int]:
+        """``[slot, set id]`` of each of ``keys``, flat (-1 and ``_EMPTY`` where absent).
+        Compiled where built: an event of a block or two then costs no NumPy call (a
+        dozen of those were ~70 µs of the conductor's thread per request in
+        ``bench.hot_path``); else ``position_of`` per key."""
+        if native.probe_slots is not None:
+            return native.probe_slots(
+                keys, self.keys, self.ids, self.overflowed, self.rows, self._mult_int, _ROW
+            )
+        out: list[int] = []
+        for key in keys:
+            at = self.position_of(key)
+            out += (at, int(self.ids[at]) if at >= 0 else _EMPTY)
+        return out
+
+    def place_few(self, keys: Sequence[int], set_id: int) -> None:
+        """``place`` of distinct absent ``keys`` given as ints (compiled where built)."""
+        if native.place_keys is None:
+            for key in keys:
+                self._place_one(key, set_id)
+            return
+        reused = native.place_keys(
+            keys, set_id, self.keys, self.ids, self.overflowed, self.rows, self._mult_int, _ROW
+        )
+        self.live += len(keys)
+        self.tombs -= reused
 
     def set_id_of(self, key: int) -> int:
         """The set id of one key (``_EMPTY`` when absent), as ``position_of``."""
@@ -583,6 +623,79 @@ class PrefixIndex:
         state.count += n_gains + len(absent)
         return True
 
+    def _store_few(self, state: _NodeState, keys: Sequence[int], bound: int) -> bool:
+        """``_store`` of a few distinct keys given as ints, without NumPy calls (the same
+        changes; interned set ids may be numbered in another order)."""
+        if not keys:
+            return True
+        table = self._table
+        found = table.slots_of(keys)
+        masks = self._masks
+        bit = state.bit
+        gains: list[tuple[int, int]] = []  # (slot, set id) of held keys lacking the bit
+        absent: list[int] = []
+        for i, key in enumerate(keys):
+            at, set_id = found[2 * i], found[2 * i + 1]
+            if at < 0:
+                absent.append(key)
+            elif not masks[set_id] & bit:
+                gains.append((at, set_id))
+        if state.count + len(gains) + len(absent) > bound:
+            return False
+        if gains:
+            change: dict[int, int] = {}
+            for _, set_id in gains:
+                if set_id not in change:
+                    change[set_id] = self._intern(masks[set_id] | bit)
+            ids, refs = table.ids, self._refs
+            for at, set_id in gains:
+                new = change[set_id]
+                ids[at] = new
+                refs[set_id] -= 1
+                refs[new] += 1
+            self._release_unused(change)
+        if absent:
+            self._grow_for(len(absent))  # may rebuild: self._table is then a new table
+            single = self._intern(bit)
+            self._table.place_few(absent, single)
+            self._refs[single] += len(absent)
+        state.count += len(gains) + len(absent)
+        return True
+
+    def _unstore_few(self, state: _NodeState, keys: Sequence[int]) -> None:
+        """``_unstore`` of a few distinct keys given as ints, without NumPy calls."""
+        table = self._table
+        found = table.slots_of(keys)
+        masks = self._masks
+        bit = state.bit
+        change: dict[int, int] = {}
+        moves: list[tuple[int, int]] = []  # (slot, set id) of keys holding the bit
+        for i in range(len(keys)):
+            at, set_id = found[2 * i], found[2 * i + 1]
+            if at < 0 or not masks[set_id] & bit:
+                continue
+            if set_id not in change:
+                rest = masks[set_id] & ~bit
+                change[set_id] = self._intern(rest) if rest else _TOMB
+            moves.append((at, set_id))
+        if not moves:
+            return
+        ids, refs = table.ids, self._refs
+        deleted = 0
+        for at, set_id in moves:
+            new = change[set_id]
+            ids[at] = new
+            refs[set_id] -= 1
+            if new == _TOMB:
+                deleted += 1
+            else:
+                refs[new] += 1
+        table.live -= deleted
+        table.tombs += deleted
+        self._release_unused(change)
+        state.count -= len(moves)
+        self._shrink_if_sparse()
+
     def _unstore(self, state: _NodeState, keys: _U64) -> None:
         """Take ``state``'s bit off each of the distinct ``keys`` it holds."""
         table = self._table
@@ -662,6 +775,20 @@ class PrefixIndex:
             return ApplyOutcome.DUPLICATE
         if seq != state.seq + 1:
             return ApplyOutcome.RESYNC
+        # Nearly every event stores or removes a block or two: those skip NumPy.
+        fresh = _few_keys(stored)
+        gone = _few_keys(removed)
+        if fresh is not None and gone is not None:
+            if cleared:
+                self._drop_keys(state)
+            if gone:
+                self._unstore_few(state, gone)
+            if fresh and not self._store_few(state, fresh, self._max_keys):
+                self._drop_keys(state)
+                state.stale = True
+                return ApplyOutcome.RESYNC
+            state.seq = seq
+            return ApplyOutcome.APPLIED
         fresh_keys = _distinct_keys(stored) if stored else None
         gone_keys = _distinct_keys(removed) if removed else None
         if cleared:

@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from conductor.core.prefix_index import ApplyOutcome, IndexStats, NodeId, PrefixIndex
 from kvc import native
@@ -182,6 +188,16 @@ class IndexMachine(RuleBasedStateMachine):
 
 TestIndexMachine = IndexMachine.TestCase
 TestIndexMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+def test_the_python_twins_follow_the_model_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine above with the compiled lookups and placing off: what runs where
+    ``kvc._native`` was not built (events of a few keys: ``position_of``, ``_place_one``)."""
+    for name in ("probe_set_ids", "probe_runs", "probe_slots", "place_keys"):
+        monkeypatch.setattr(native, name, None)
+    run_state_machine_as_test(
+        IndexMachine, settings=settings(max_examples=100, stateful_step_count=40, deadline=None)
+    )
 
 
 # ---------------------------------------------------------------- table-driven
@@ -360,10 +376,13 @@ def test_match_over_many_nodes() -> None:
 
 @pytest.fixture(params=["compiled", "python"])
 def probe(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Lookups through the compiled probe (kvc/_native.c) and through the NumPy one."""
+    """Lookups (and the placing of a few keys) through the compiled code
+    (kvc/_native.c) and through the NumPy and Python twins."""
     if request.param == "python":
         monkeypatch.setattr(native, "probe_set_ids", None)
         monkeypatch.setattr(native, "probe_runs", None)
+        monkeypatch.setattr(native, "probe_slots", None)
+        monkeypatch.setattr(native, "place_keys", None)
     elif native.probe_set_ids is None:
         pytest.skip("kvc._native was not built here (tests/unit/test_block_keys.py says why)")
     return str(request.param)
@@ -537,3 +556,26 @@ def test_replicated_keys_are_each_nodes_keys_held_elsewhere(
 
 def other_holders_agree(index: PrefixIndex, node: NodeId, keys: list[int]) -> bool:
     return all(index.other_holders(BlockKey(k), node) > 0 for k in keys)
+
+
+def test_the_compiled_slot_probe_and_placing_refuse_what_they_cannot_take() -> None:
+    if native.probe_slots is None or native.place_keys is None:
+        pytest.skip("kvc._native was not built here (tests/unit/test_block_keys.py says why)")
+    rows, row = 8, 16
+    table_keys = np.zeros(rows * row, dtype=np.uint64)
+    table_ids = np.zeros(rows * row, dtype=np.uint32)
+    overflowed = np.zeros(rows, dtype=bool)
+    args = (table_keys, table_ids, overflowed, rows, 5, row)
+    assert native.place_keys([7, 2**64 - 1], 2, *args) == 0
+    assert native.probe_slots([7, 8], *args)[1::2] == [2, 0]
+    assert native.probe_slots([7, 8], *args)[2] == -1
+    with pytest.raises(ValueError, match="64-bit"):
+        native.place_keys([-1], 2, *args)
+    with pytest.raises(ValueError, match="live set id"):
+        native.place_keys([9], 1, *args)
+    with pytest.raises(ValueError, match="list or a tuple"):
+        native.probe_slots(iter([7]), *args)  # type: ignore[arg-type]
+    full = np.full(rows * row, 3, dtype=np.uint32)
+    with pytest.raises(ValueError, match="no free slot"):
+        native.place_keys([11], 2, table_keys, full, overflowed, rows, 5, row)
+    assert overflowed.all()  # every row it passed is flagged
