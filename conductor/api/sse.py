@@ -51,27 +51,28 @@ async def sse_events(
     """Stream chunks, then ``done``; on error send ``on_error``'s events; always close
     the generation. The last item is a ``FinalEvent`` (the tail and ``done``, or the
     error's events); the generation is closed when the reader closes this generator
-    or reads past it."""
+    or reads past it. ``first_event`` leaves with the first delta's events, in one
+    write: admission returns once the first token exists, so nothing waits for it."""
     outcome = "cancelled"
     usage: UsageCounts | None = None
+    pending = first_event or ""  # not yet sent
     try:
-        if first_event is not None:
-            yield first_event
         stream = adm.stream
         async for delta in stream:
             if delta.usage is not None:
                 usage = delta.usage
-            event = make_chunk(delta, None)
-            if event is not None:
+            event = pending + (make_chunk(delta, None) or "")
+            pending = ""
+            if event:
                 yield event
             if stream.finished:
                 break
         tail = make_chunk(None, usage)
         outcome = "success"  # every token is out; only the tail and ``done`` are left
-        yield FinalEvent((tail or "") + done)
+        yield FinalEvent(pending + (tail or "") + done)
     except ConductorError as exc:
         outcome = "upstream_error"
-        yield FinalEvent(on_error(exc))
+        yield FinalEvent(pending + on_error(exc))
     finally:
         await adm.stream.aclose()
         adm.finish(outcome, usage)
