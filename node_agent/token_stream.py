@@ -102,6 +102,7 @@ class _Connection(asyncio.Protocol):
         self._auth: dict[str, list[bytes]] = {}
         self.task: asyncio.Task[None] | None = None
         self._writable: asyncio.Future[None] | None = None
+        self._pending: list[bytes] = []  # frames written this turn of the loop
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
@@ -143,11 +144,23 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         if self._transport is not None:
+            self._flush()
             self._transport.close()
 
     def _write(self, data: bytes) -> None:
-        if self._transport is not None:
-            self._transport.write(data)
+        """Frames written in one turn of the event loop leave in one write, at its end:
+        a generation's last message and the END after it (one segment, one wakeup of
+        the conductor instead of two), an answer and its END."""
+        if self._transport is None:
+            return
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending and self._transport is not None:
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
     async def _serve(self, payload: bytes) -> None:
         context = _FrameContext(self._auth)
