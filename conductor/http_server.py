@@ -22,7 +22,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from conductor.settings import ConductorSettings
 
-__all__ = ["HeaderDeadlineProtocol", "uvicorn_config"]
+__all__ = ["CorkedTransport", "HeaderDeadlineProtocol", "uvicorn_config"]
 
 # Between the streams' error events at the shutdown deadline and uvicorn cancelling what
 # is left: time for the events to leave.
@@ -36,6 +36,83 @@ _TIMEOUT_BODY = (
     b'{"error":{"message":"The request headers did not arrive in time.",'
     b'"type":"invalid_request_error","param":null,"code":"request_timeout"}}'
 )
+
+
+class CorkedTransport(asyncio.Transport):
+    """A connection's transport whose writes in one turn of the event loop leave as one,
+    at the turn's end: uvicorn writes a response's headers and each body message apart,
+    so a streamed answer's headers and first events (ready together: admission returns
+    with the first token) were two writes and two segments, and a JSON answer's headers
+    and body too. Closing, aborting and handing the connection on flush (or drop) what
+    is queued first; flow control is the wrapped transport's."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(bytes(data))
+
+    def writelines(self, list_of_data: Any) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending = []
+        self._transport.abort()
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._flush()
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
 
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
@@ -64,6 +141,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.transport = CorkedTransport(transport, self.loop)
         self._arm()  # until the first request's headers are in
 
     def on_message_begin(self) -> None:
