@@ -401,14 +401,41 @@ typedef struct {
     Py_buffer tkeys, tids, over;
 } Probe;
 
-static int probe_open(Probe *p, PyObject *keys_obj, Py_ssize_t start, Py_ssize_t end,
-                      PyObject *tkeys_obj, PyObject *tids_obj, PyObject *over_obj,
-                      Py_ssize_t rows, PyObject *mult_obj, Py_ssize_t row_slots) {
+/* The number of keys in keys_obj, or -1 with ValueError set when it is not a list or a
+ * tuple. */
+static Py_ssize_t keys_length(PyObject *keys_obj) {
     if (!PyList_Check(keys_obj) && !PyTuple_Check(keys_obj)) {
         PyErr_SetString(PyExc_ValueError, "keys must be a list or a tuple of ints");
         return -1;
     }
-    Py_ssize_t n_keys = PySequence_Fast_GET_SIZE(keys_obj);
+    return PySequence_Fast_GET_SIZE(keys_obj);
+}
+
+/* keys_obj[at] as a uint64 into *key; -1 with ValueError set when it is not one. */
+static int read_key(PyObject *keys_obj, Py_ssize_t at, uint64_t *key) {
+    /* Keys are ints: reading one runs no Python code, so the list cannot change. */
+    PyObject *item = PySequence_Fast_GET_ITEM(keys_obj, at);
+    int ok = PyLong_Check(item);
+    if (ok) {
+        *key = PyLong_AsUnsignedLongLong(item);
+        ok = !(*key == (uint64_t)-1 && PyErr_Occurred());
+    }
+    if (!ok) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError,
+                     "block keys must be unsigned 64-bit ints: %.100s at position %zd",
+                     Py_TYPE(item)->tp_name, at);
+        return -1;
+    }
+    return 0;
+}
+
+/* writable: the table's buffers are asked for writing (place_keys). */
+static int probe_open(Probe *p, PyObject *keys_obj, Py_ssize_t start, Py_ssize_t end,
+                      PyObject *tkeys_obj, PyObject *tids_obj, PyObject *over_obj,
+                      Py_ssize_t rows, PyObject *mult_obj, Py_ssize_t row_slots, int writable) {
+    Py_ssize_t n_keys = keys_length(keys_obj);
+    if (n_keys < 0) return -1;
     if (start < 0 || end < start || end > n_keys) {
         PyErr_Format(PyExc_ValueError, "keys[%zd:%zd] is out of range for %zd keys", start, end,
                      n_keys);
@@ -420,12 +447,13 @@ static int probe_open(Probe *p, PyObject *keys_obj, Py_ssize_t start, Py_ssize_t
     }
     p->mult = PyLong_AsUnsignedLongLong(mult_obj);
     if (p->mult == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    if (get_buffer(tkeys_obj, &p->tkeys, 8, rows * row_slots, 0, "table_keys") < 0) return -1;
-    if (get_buffer(tids_obj, &p->tids, 4, rows * row_slots, 0, "table_ids") < 0) {
+    if (get_buffer(tkeys_obj, &p->tkeys, 8, rows * row_slots, writable, "table_keys") < 0)
+        return -1;
+    if (get_buffer(tids_obj, &p->tids, 4, rows * row_slots, writable, "table_ids") < 0) {
         PyBuffer_Release(&p->tkeys);
         return -1;
     }
-    if (get_buffer(over_obj, &p->over, 1, rows, 0, "overflowed") < 0) {
+    if (get_buffer(over_obj, &p->over, 1, rows, writable, "overflowed") < 0) {
         PyBuffer_Release(&p->tkeys);
         PyBuffer_Release(&p->tids);
         return -1;
@@ -466,19 +494,8 @@ static int probe_run(const Probe *p, uint32_t *ids, int64_t *positions) {
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        /* Keys are ints: reading one runs no Python code, so the list cannot change. */
-        PyObject *item = PySequence_Fast_GET_ITEM(p->keys_obj, p->start + i);
         uint64_t key = 0;
-        int ok = PyLong_Check(item);
-        if (ok) {
-            key = PyLong_AsUnsignedLongLong(item);
-            ok = !(key == (uint64_t)-1 && PyErr_Occurred());
-        }
-        if (!ok) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError,
-                         "block keys must be unsigned 64-bit ints: %.100s at position %zd",
-                         Py_TYPE(item)->tp_name, p->start + i);
+        if (read_key(p->keys_obj, p->start + i, &key) < 0) {
             PyMem_Free(keys);
             PyMem_Free(homes);
             return -1;
@@ -529,7 +546,7 @@ static PyObject *probe_set_ids(PyObject *self, PyObject *args) {
         return NULL;
     Probe p;
     if (probe_open(&p, keys_obj, start, end, tkeys_obj, tids_obj, over_obj, rows, mult_obj,
-                   row_slots) < 0)
+                   row_slots, 0) < 0)
         return NULL;
     Py_buffer out;
     if (get_buffer(out_obj, &out, 4, end - start, 1, "out") < 0) {
@@ -563,7 +580,7 @@ static PyObject *probe_runs(PyObject *self, PyObject *args) {
         return NULL;
     Probe p;
     if (probe_open(&p, keys_obj, start, end, tkeys_obj, tids_obj, over_obj, rows, mult_obj,
-                   row_slots) < 0)
+                   row_slots, 0) < 0)
         return NULL;
     Py_ssize_t n = end - start;
     uint32_t *ids = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint32_t) : 1);
@@ -604,14 +621,10 @@ static PyObject *probe_slots(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOnOn:probe_slots", &keys_obj, &tkeys_obj, &tids_obj,
                           &over_obj, &rows, &mult_obj, &row_slots))
         return NULL;
-    if (!PyList_Check(keys_obj) && !PyTuple_Check(keys_obj)) {
-        PyErr_SetString(PyExc_ValueError, "keys must be a list or a tuple of ints");
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys_obj);
+    Py_ssize_t n = keys_length(keys_obj);
     Probe p;
-    if (probe_open(&p, keys_obj, 0, n, tkeys_obj, tids_obj, over_obj, rows, mult_obj,
-                   row_slots) < 0)
+    if (n < 0 || probe_open(&p, keys_obj, 0, n, tkeys_obj, tids_obj, over_obj, rows, mult_obj,
+                            row_slots, 0) < 0)
         return NULL;
     uint32_t *ids = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint32_t) : 1);
     int64_t *positions = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(int64_t) : 1);
@@ -652,53 +665,27 @@ static PyObject *place_keys(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OkOOOnOn:place_keys", &keys_obj, &set_id, &tkeys_obj,
                           &tids_obj, &over_obj, &rows, &mult_obj, &row_slots))
         return NULL;
-    if (!PyList_Check(keys_obj) && !PyTuple_Check(keys_obj)) {
-        PyErr_SetString(PyExc_ValueError, "keys must be a list or a tuple of ints");
-        return NULL;
-    }
-    if (rows <= 0 || row_slots <= 0) {
-        PyErr_SetString(PyExc_ValueError, "rows and row must be positive");
-        return NULL;
-    }
     if (set_id <= TOMB_ID || set_id > 0xFFFFFFFFul) {
         PyErr_SetString(PyExc_ValueError, "set_id must be a live set id (2 to 2**32 - 1)");
         return NULL;
     }
-    unsigned long long mult = PyLong_AsUnsignedLongLong(mult_obj);
-    if (mult == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    Py_buffer tk, ti, ov;
-    if (get_buffer(tkeys_obj, &tk, 8, rows * row_slots, 1, "table_keys") < 0) return NULL;
-    if (get_buffer(tids_obj, &ti, 4, rows * row_slots, 1, "table_ids") < 0) {
-        PyBuffer_Release(&tk);
+    Py_ssize_t n = keys_length(keys_obj);
+    Probe p;
+    if (n < 0 || probe_open(&p, keys_obj, 0, n, tkeys_obj, tids_obj, over_obj, rows, mult_obj,
+                            row_slots, 1) < 0)
         return NULL;
-    }
-    if (get_buffer(over_obj, &ov, 1, rows, 1, "overflowed") < 0) {
-        PyBuffer_Release(&tk);
-        PyBuffer_Release(&ti);
-        return NULL;
-    }
-    uint64_t *table_keys = tk.buf;
-    uint32_t *table_ids = ti.buf;
-    uint8_t *overflowed = ov.buf;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys_obj), reused = 0;
+    uint64_t *table_keys = p.tkeys.buf;
+    uint32_t *table_ids = p.tids.buf;
+    uint8_t *overflowed = p.over.buf;
+    Py_ssize_t reused = 0;
     int failed = 0;
     for (Py_ssize_t i = 0; i < n && !failed; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(keys_obj, i);
         uint64_t key = 0;
-        int ok = PyLong_Check(item);
-        if (ok) {
-            key = PyLong_AsUnsignedLongLong(item);
-            ok = !(key == (uint64_t)-1 && PyErr_Occurred());
-        }
-        if (!ok) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError,
-                         "block keys must be unsigned 64-bit ints: %.100s at position %zd",
-                         Py_TYPE(item)->tp_name, i);
+        if (read_key(keys_obj, i, &key) < 0) {
             failed = 1;
             break;
         }
-        uint64_t r = (key * (uint64_t)mult) % (uint64_t)rows;
+        uint64_t r = (key * (uint64_t)p.mult) % (uint64_t)rows;
         Py_ssize_t hops = 0;
         for (; hops < rows; hops++) {
             uint64_t at = r * (uint64_t)row_slots;
@@ -718,9 +705,7 @@ static PyObject *place_keys(PyObject *self, PyObject *args) {
             failed = 1;
         }
     }
-    PyBuffer_Release(&tk);
-    PyBuffer_Release(&ti);
-    PyBuffer_Release(&ov);
+    probe_release(&p);
     if (failed) return NULL;
     return PyLong_FromSsize_t(reused);
 }
