@@ -4,10 +4,11 @@
 A process started with ``bench/profile_site`` on its ``PYTHONPATH`` and
 ``KVC_PROFILE_OUT`` naming a folder loads this module at start-up (``sitecustomize``)
 and wraps the stages below: a call's CPU time on its thread (``time.thread_time``) is
-added to its stage while accounting is on. SIGUSR1 turns accounting on (from zero),
-SIGUSR2 turns it off and writes ``<pid>.json``: the main thread's CPU seconds meanwhile
-and, per stage, calls and seconds. Stages are wrapped at the first SIGUSR1, so only calls
-begun after it are seen (not, say, a stream's loop that began at connection).
+added to its stage while accounting is on. SIGUSR1 turns accounting on (from zero) and
+writes ``<pid>.started``; SIGUSR2 turns it off and writes ``<pid>.json``: the main
+thread's CPU seconds meanwhile and, per stage, calls and seconds. Stages are wrapped at
+the first SIGUSR1, so only calls begun after it are seen (not, say, a stream's loop that
+began at connection).
 
 What a stage's seconds mean: a plain function's, its whole call; a coroutine's or an
 async generator's, the sum of its steps (each resumption until it suspends), so what it
@@ -187,6 +188,13 @@ def wrap_stages(stages: tuple[Stage, ...], accounts: Accounts) -> list[str]:
     return missing
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` appears whole or not at all (its reader polls for it)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def role_of(argv: list[str]) -> str | None:
     """``conductor`` or ``agent`` for a ``kvc`` service's command line, else None."""
     for role in ("conductor", "agent"):
@@ -213,6 +221,7 @@ def install() -> None:
         accounts.clear()
         accounts.on = True
         state["started"] = time.thread_time()
+        _write_atomically(Path(out, f"{os.getpid()}.started"), "")
 
     def stop(signum: int, frame: FrameType | None) -> None:
         accounts.on = False
@@ -226,7 +235,7 @@ def install() -> None:
                 for label in accounts.calls
             },
         }
-        Path(out, f"{os.getpid()}.json").write_text(json.dumps(report, indent=2))
+        _write_atomically(Path(out, f"{os.getpid()}.json"), json.dumps(report, indent=2))
 
     signal.signal(signal.SIGUSR1, start)
     signal.signal(signal.SIGUSR2, stop)

@@ -112,22 +112,27 @@ def _signal_all(pids: Sequence[int], signum: int) -> None:
         os.kill(pid, signum)
 
 
-def _read_reports(folder: Path, pids: Sequence[int], timeout_s: float) -> list[dict[str, Any]]:
+def _wait_for(files: Sequence[Path], timeout_s: float) -> None:
+    """Until every one of ``files`` exists (the services write them whole, by rename);
+    RuntimeError naming those missing after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    files = [folder / f"{pid}.json" for pid in pids]
     while not all(f.exists() for f in files):
         if time.monotonic() > deadline:
             missing = [f.name for f in files if not f.exists()]
-            raise RuntimeError(f"no stage report from {missing} (is bench/profile_site loaded?)")
-        time.sleep(0.05)
-    time.sleep(0.1)  # the writer's last bytes
+            raise RuntimeError(f"no answer in {missing} (is bench/profile_site loaded?)")
+        time.sleep(0.02)  # polls: a file written by another process has no event to await
+
+
+def _read_reports(folder: Path, pids: Sequence[int], timeout_s: float) -> list[dict[str, Any]]:
+    files = [folder / f"{pid}.json" for pid in pids]
+    _wait_for(files, timeout_s)
     return [json.loads(f.read_text()) for f in files]
 
 
 def run(opts: HotPathOptions, requests: int, warmup: int) -> ProfileResult:
     raw = opts.out / "stage_reports"
     raw.mkdir(parents=True, exist_ok=True)
-    for old in raw.glob("*.json"):
+    for old in [*raw.glob("*.json"), *raw.glob("*.started")]:
         old.unlink()
     commands: dict[str, str] = {}
     with (
@@ -137,7 +142,7 @@ def run(opts: HotPathOptions, requests: int, warmup: int) -> ProfileResult:
         run_load(s.base_url, s.info.model, 0, warmup, 8, opts)
         pids = [*s.groups["conductor"], *s.groups["agents"]]
         _signal_all(pids, signal.SIGUSR1)
-        time.sleep(0.2)
+        _wait_for([raw / f"{pid}.started" for pid in pids], timeout_s=10.0)  # accounting on
         before = {g: sum(cpu_seconds(p) for p in ps) for g, ps in s.groups.items()}
         started = time.perf_counter()
         load = run_load(s.base_url, s.info.model, warmup, requests, opts.concurrency, opts)

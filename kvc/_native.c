@@ -679,12 +679,16 @@ static PyObject *place_keys(PyObject *self, PyObject *args) {
     uint8_t *overflowed = p.over.buf;
     Py_ssize_t reused = 0;
     int failed = 0;
+    /* Every key is read before any is placed: a bad one leaves the table as it was. */
+    uint64_t *keys = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint64_t) : 1);
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        failed = 1;
+    }
+    for (Py_ssize_t i = 0; i < n && !failed; i++)
+        failed = read_key(keys_obj, i, &keys[i]) < 0;
     for (Py_ssize_t i = 0; i < n && !failed; i++) {
-        uint64_t key = 0;
-        if (read_key(keys_obj, i, &key) < 0) {
-            failed = 1;
-            break;
-        }
+        uint64_t key = keys[i];
         uint64_t r = (key * (uint64_t)p.mult) % (uint64_t)rows;
         Py_ssize_t hops = 0;
         for (; hops < rows; hops++) {
@@ -705,6 +709,7 @@ static PyObject *place_keys(PyObject *self, PyObject *args) {
             failed = 1;
         }
     }
+    PyMem_Free(keys);
     probe_release(&p);
     if (failed) return NULL;
     return PyLong_FromSsize_t(reused);

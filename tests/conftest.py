@@ -251,6 +251,18 @@ async def wait_until(
             await asyncio.sleep(poll_s)
 
 
+async def loop_turn() -> None:
+    """Return once every callback queued with ``call_soon`` before this call has run (the
+    loop runs them first in, first out): one deterministic step of the loop, for code
+    that defers work to the end of a turn (write coalescing), not a wait for time."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    loop.call_soon(done.set_result, None)
+    await done
+
+
 class RedisServer:
     """A real redis-server on a free loopback port (Debian package ``redis-server``),
     without persistence: a restart comes back empty."""

@@ -11,6 +11,7 @@ from typing import Any
 from kvc.stream_frames import END, GENERATE, MESSAGE, FrameReader, frame
 from kvc.v1 import node_agent_pb2 as pb
 from node_agent.token_stream import _Connection
+from tests.conftest import loop_turn, wait_until
 
 
 class _Transport:
@@ -31,15 +32,15 @@ class _Transport:
 
 
 async def _served(
-    handler: Any, payload: bytes = b""
+    handler: Any, transport: _Transport | None = None
 ) -> tuple[_Transport, list[list[tuple[int, bytes]]]]:
-    transport = _Transport()
+    transport = transport or _Transport()
     connection = _Connection(handler, {}, lambda _: None)
     connection.connection_made(transport)  # type: ignore[arg-type]
-    connection.data_received(frame(GENERATE, payload))
+    connection.data_received(frame(GENERATE, b""))
     assert connection.task is not None
     await connection.task
-    await asyncio.sleep(0)  # the write queued at the task's end
+    await loop_turn()  # the write queued at the task's end
     reader = FrameReader(1 << 20)
     return transport, [reader.feed(data) for data in transport.writes]
 
@@ -52,13 +53,11 @@ async def test_the_last_message_and_its_end_leave_in_one_write() -> None:
         await gate.wait()  # the next tokens come later, in a turn of their own
         yield pb.GenerateResponse(token_ids=[2], text="b", finish_reason=pb.FINISH_REASON_STOP)
 
-    async def open_gate() -> None:
-        await asyncio.sleep(0.01)
-        gate.set()
-
-    opener = asyncio.ensure_future(open_gate())
-    _transport, writes = await _served(handler)
-    await opener
+    transport = _Transport()
+    served = asyncio.ensure_future(_served(handler, transport))
+    await wait_until(lambda: len(transport.writes) == 1, poll_s=0)  # the first one is out
+    gate.set()
+    _, writes = await served
     assert [[kind for kind, _ in frames] for frames in writes] == [[MESSAGE], [MESSAGE, END]]
     assert pb.GenerateResponse.FromString(writes[1][0][1]).finish_reason
 
@@ -86,5 +85,5 @@ async def test_a_closed_connection_sends_what_was_written_first() -> None:
     connection.close()
     assert transport.writes == [b"x"]
     assert transport.closed
-    await asyncio.sleep(0)  # the queued flush finds nothing left
+    await loop_turn()  # the queued flush finds nothing left
     assert transport.writes == [b"x"]

@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 from conductor.http_server import CorkedTransport
+from tests.conftest import loop_turn
 
 
 class _Socket(asyncio.Transport):
@@ -46,10 +47,10 @@ async def test_one_turn_of_writes_is_one_write() -> None:
     corked.write(bytearray(b"data: a\n\n"))
     assert sock.writes == []
     assert corked.get_write_buffer_size() == 7 + 19 + 9
-    await asyncio.sleep(0)
+    await loop_turn()
     assert sock.writes == [b"HTTP/1.1 200 OK\r\n\r\ndata: a\n\n"]
     corked.write(b"data: b\n\n")  # a later turn: a write of its own
-    await asyncio.sleep(0)
+    await loop_turn()
     assert sock.writes[1:] == [b"data: b\n\n"]
     assert corked.get_extra_info("peername") == ("127.0.0.1", 1)
 
@@ -62,14 +63,14 @@ async def test_close_flushes_abort_drops_and_a_closing_socket_gets_nothing() -> 
     corked.close()
     assert sock.writes == [b"ab"]
     assert corked.is_closing()
-    await asyncio.sleep(0)
+    await loop_turn()
     assert sock.writes == [b"ab"]
 
     sock = _Socket()
     corked = CorkedTransport(sock, loop)
     corked.write(b"lost")
     corked.abort()
-    await asyncio.sleep(0)
+    await loop_turn()
     assert sock.writes == []
     assert sock.aborted
 
@@ -77,5 +78,5 @@ async def test_close_flushes_abort_drops_and_a_closing_socket_gets_nothing() -> 
     corked = CorkedTransport(sock, loop)
     corked.write(b"late")
     sock.closing = True  # the peer went away within the turn
-    await asyncio.sleep(0)
+    await loop_turn()
     assert sock.writes == []

@@ -570,7 +570,8 @@ def test_the_compiled_slot_probe_and_placing_refuse_what_they_cannot_take() -> N
     assert native.probe_slots([7, 8], *args)[1::2] == [2, 0]
     assert native.probe_slots([7, 8], *args)[2] == -1
     with pytest.raises(ValueError, match="64-bit"):
-        native.place_keys([-1], 2, *args)
+        native.place_keys([9, -1], 2, *args)
+    assert native.probe_slots([9], *args) == [-1, 0]  # a bad key: nothing placed
     with pytest.raises(ValueError, match="live set id"):
         native.place_keys([9], 1, *args)
     with pytest.raises(ValueError, match="list or a tuple"):

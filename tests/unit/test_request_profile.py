@@ -21,13 +21,18 @@ def _spin(seconds: float) -> None:
 
 
 class _Service:
+    def __init__(self) -> None:
+        self.suspended = asyncio.Event()
+        self.resume = asyncio.Event()
+
     def plain(self, x: int) -> int:
         _spin(0.01)
         return x + 1
 
     async def coroutine(self) -> str:
         _spin(0.01)
-        await asyncio.sleep(0.05)  # waiting is not charged
+        self.suspended.set()
+        await self.resume.wait()  # suspended: what runs meanwhile is not charged here
         _spin(0.01)
         return "done"
 
@@ -35,7 +40,6 @@ class _Service:
         for i in range(3):
             _spin(0.005)
             yield i
-            await asyncio.sleep(0.01)
 
     def fails(self) -> None:
         raise ValueError("boom")
@@ -54,13 +58,17 @@ async def test_stages_are_charged_their_thread_time_while_on() -> None:
     assert accounts.calls == {}
     accounts.on = True
     assert service.plain(1) == 2
-    assert await service.coroutine() == "done"
+    waiting = asyncio.ensure_future(service.coroutine())
+    await service.suspended.wait()
+    _spin(0.05)  # another task's work on the same thread, while it waits
+    service.resume.set()
+    assert await waiting == "done"
     assert [i async for i in service.stream()] == [0, 1, 2]
     with pytest.raises(ValueError, match="boom"):
         service.fails()
     assert accounts.calls == {"plain": 1, "coroutine": 1, "stream": 4, "fails": 1}
     assert 0.01 <= accounts.seconds["plain"] < 0.03
-    assert 0.02 <= accounts.seconds["coroutine"] < 0.045  # the 50 ms sleep is not in it
+    assert 0.02 <= accounts.seconds["coroutine"] < 0.045  # the other task's 50 ms is not
     assert 0.015 <= accounts.seconds["stream"] < 0.04
 
 
